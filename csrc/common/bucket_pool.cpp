@@ -1,0 +1,197 @@
+#include "bucket_pool.h"
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+namespace megatron_fsdp {
+namespace {
+
+constexpr size_t kRoundBytes = 512;  // keeps every bucket aligned and makes sizes repeat
+
+size_t round_up(size_t nbytes) { return (nbytes + kRoundBytes - 1) / kRoundBytes * kRoundBytes; }
+
+void no_delete(void*) {}
+
+c10::Stream current_stream(at::Device device) {
+  return c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
+}
+
+// Host-ordered devices need no events: work is done when the op returns.
+bool needs_events(at::Device device) { return device.type() != at::kCPU; }
+
+void wait_for_last_use(PoolBlock& block, bool on_host) {
+  if (!block.released) return;
+  if (on_host) {
+    block.released->synchronize();
+  } else {
+    block.released->block(current_stream(block.device));
+  }
+}
+
+}  // namespace
+
+BucketPool::BucketPool(bool double_buffer) : double_buffer_(double_buffer) {}
+
+BucketPool::~BucketPool() {
+  for (auto& entry : lent_) {
+    auto* storage = entry.second.first.unsafeGetStorageImpl();
+    storage->set_data_ptr_noswap(at::DataPtr(nullptr, entry.second.second->device));
+    storage->set_nbytes(0);
+  }
+}
+
+at::Tensor BucketPool::placeholder(int64_t numel, at::ScalarType dtype, at::Device device) {
+  TORCH_CHECK(numel >= 0, "BucketPool.placeholder: numel must be >= 0, got ", numel);
+  auto storage = c10::Storage(c10::Storage::use_byte_size_t(), 0, at::DataPtr(nullptr, device),
+                              /*allocator=*/nullptr, /*resizable=*/false);
+  auto bucket = at::empty({0}, at::TensorOptions().dtype(dtype).device(device));
+  auto* impl = bucket.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(storage));
+  impl->set_sizes_contiguous({numel});
+  return bucket;
+}
+
+std::shared_ptr<PoolBlock> BucketPool::allocate_block(size_t nbytes, at::Device device) {
+  c10::OptionalDeviceGuard guard(device);
+  auto block = std::make_shared<PoolBlock>();
+  block->memory = c10::GetAllocator(device.type())->allocate(nbytes);
+  TORCH_CHECK(nbytes == 0 || block->memory.get() != nullptr, "BucketPool: allocation of ", nbytes,
+              " bytes on ", device, " failed");
+  block->nbytes = nbytes;
+  block->device = device;
+  bytes_reserved_ += static_cast<int64_t>(nbytes);
+  return block;
+}
+
+std::shared_ptr<PoolBlock> BucketPool::take_block(size_t nbytes, at::Device device,
+                                                  const std::string& key) {
+  if (!double_buffer_) {
+    auto& cached = free_by_size_[SizeKey(device.str(), nbytes)];
+    if (cached.empty()) return allocate_block(nbytes, device);
+    auto block = cached.back();
+    cached.pop_back();
+    return block;
+  }
+  auto& slots = slots_[SlotKey(key, device.str())];
+  // Prefer the slot released longest ago: alternating keeps one bucket's reuse off the other's.
+  int chosen = -1;
+  for (int i = 0; i < 2; ++i) {
+    if (!slots[i]) {
+      chosen = i;
+      break;
+    }
+    if (!slots[i]->lent && chosen < 0) chosen = i;
+  }
+  TORCH_CHECK(chosen >= 0, "BucketPool: the double buffer for key '", key, "' on ", device,
+              " already lends two buckets; release one before filling a third, or build the pool "
+              "with double_buffer=False");
+  auto& slot = slots[chosen];
+  if (!slot || slot->nbytes < nbytes) {
+    if (slot) {
+      wait_for_last_use(*slot, /*on_host=*/true);
+      bytes_reserved_ -= static_cast<int64_t>(slot->nbytes);
+    }
+    slot = allocate_block(nbytes, device);
+  }
+  // Move the chosen slot to the back so the other one is preferred next time.
+  if (chosen == 0) std::swap(slots[0], slots[1]);
+  return slots[1];
+}
+
+void BucketPool::fill(const at::Tensor& bucket, const std::string& key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto* storage = bucket.storage().unsafeGetStorageImpl();
+  TORCH_CHECK(lent_.find(storage) == lent_.end(),
+              "BucketPool.fill: this bucket already holds pool memory; release() it first");
+  TORCH_CHECK(bucket.storage().nbytes() == 0,
+              "BucketPool.fill: the bucket must come from placeholder() (its storage owns memory)");
+  const size_t needed = static_cast<size_t>(bucket.storage_offset() + bucket.numel()) *
+                        bucket.element_size();
+  auto block = take_block(round_up(needed), bucket.device(), key);
+  wait_for_last_use(*block, /*on_host=*/false);
+  block->released.reset();
+  block->lent = true;
+  storage->set_data_ptr_noswap(at::DataPtr(block->memory.get(), block->memory.get(), &no_delete,
+                                           bucket.device()));
+  storage->set_nbytes(needed);
+  lent_.emplace(storage, std::make_pair(bucket.storage(),
+                                        block));
+  bytes_in_use_ += static_cast<int64_t>(block->nbytes);
+  note_usage();
+}
+
+void BucketPool::release(const at::Tensor& bucket) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto* storage = bucket.storage().unsafeGetStorageImpl();
+  auto found = lent_.find(storage);
+  TORCH_CHECK(found != lent_.end(),
+              "BucketPool.release: this bucket holds no pool memory (released twice, or never "
+              "filled)");
+  auto block = found->second.second;
+  lent_.erase(found);
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, bucket.device()));
+  storage->set_nbytes(0);
+  if (needs_events(block->device)) {
+    block->released.emplace(block->device.type());
+    block->released->record(current_stream(block->device));
+  }
+  block->lent = false;
+  bytes_in_use_ -= static_cast<int64_t>(block->nbytes);
+  if (!double_buffer_) {
+    free_by_size_[SizeKey(block->device.str(), block->nbytes)].push_back(block);
+  }
+}
+
+at::Tensor BucketPool::fetch(int64_t numel, at::ScalarType dtype, at::Device device,
+                             const std::string& key) {
+  auto bucket = placeholder(numel, dtype, device);
+  fill(bucket, key);
+  return bucket;
+}
+
+bool BucketPool::is_filled(const at::Tensor& bucket) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return lent_.count(bucket.storage().unsafeGetStorageImpl()) > 0;
+}
+
+int64_t BucketPool::bytes_in_use() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return bytes_in_use_;
+}
+
+int64_t BucketPool::bytes_reserved() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return bytes_reserved_;
+}
+
+int64_t BucketPool::high_water_mark() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return high_water_mark_;
+}
+
+void BucketPool::reset_high_water_mark() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  high_water_mark_ = bytes_in_use_;
+}
+
+void BucketPool::empty_cache() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto drop = [this](std::shared_ptr<PoolBlock>& block) {
+    wait_for_last_use(*block, /*on_host=*/true);
+    bytes_reserved_ -= static_cast<int64_t>(block->nbytes);
+    block.reset();
+  };
+  for (auto& entry : free_by_size_) {
+    for (auto& block : entry.second) drop(block);
+  }
+  free_by_size_.clear();
+  for (auto& entry : slots_) {
+    for (auto& block : entry.second) {
+      if (block && !block->lent) drop(block);
+    }
+  }
+}
+
+void BucketPool::note_usage() { high_water_mark_ = std::max(high_water_mark_, bytes_in_use_); }
+
+}  // namespace megatron_fsdp

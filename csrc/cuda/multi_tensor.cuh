@@ -1,0 +1,112 @@
+// "One launch for many tensors": the host splits every tensor into fixed-size chunks and uploads
+// a table describing them; the kernel runs one block per chunk and looks its chunk up by blockIdx.
+//
+// Table layout (int64, on the device):
+//   tensor section: num_tensors rows of `tensor_fields` values chosen by the kernel
+//                   (data pointers stored as integers, flag indices, ...)
+//   chunk section:  num_chunks rows of {tensor row, first element, element count}
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <vector>
+
+namespace megatron_fsdp {
+namespace multi_tensor {
+
+// Elements per chunk (one block each). Large enough to amortise the table lookup, small enough
+// that a few big tensors still spread over every SM.
+constexpr int64_t kChunkSize = 16384;
+constexpr int kBlockThreads = 256;
+constexpr int kChunkFields = 3;
+
+template <typename T>
+inline int64_t address_of(T* ptr) {
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(ptr));
+}
+
+template <typename T>
+__device__ __forceinline__ T* pointer_from(int64_t address) {
+  return reinterpret_cast<T*>(static_cast<intptr_t>(address));
+}
+
+// The chunk this block works on. Launch with gridDim.x == the number of chunks in the range.
+struct Chunk {
+  const int64_t* tensor;  // this chunk's row in the tensor section
+  int64_t start;          // first element of the chunk within its tensor
+  int64_t count;          // elements in the chunk, 1..kChunkSize
+};
+
+__device__ __forceinline__ Chunk current_chunk(const int64_t* tensors, int tensor_fields,
+                                               const int64_t* chunks) {
+  const int64_t* row = chunks + static_cast<int64_t>(blockIdx.x) * kChunkFields;
+  return {tensors + row[0] * tensor_fields, row[1], row[2]};
+}
+
+// The uploaded table. `storage` owns the device memory; dropping it after the launches is safe
+// because the caching allocator orders reuse on the current stream.
+struct ChunkTable {
+  at::Tensor storage;
+  int tensor_fields = 0;
+  int64_t num_tensors = 0;
+  int64_t num_chunks = 0;
+
+  const int64_t* tensors() const { return storage.const_data_ptr<int64_t>(); }
+  // Chunk rows from `first_chunk` on, so one table can serve several launches (one per dtype).
+  const int64_t* chunks(int64_t first_chunk) const {
+    return tensors() + num_tensors * tensor_fields + first_chunk * kChunkFields;
+  }
+};
+
+class ChunkTableBuilder {
+ public:
+  explicit ChunkTableBuilder(int tensor_fields) : tensor_fields_(tensor_fields) {}
+
+  // Adds one tensor: its kernel-specific fields and its element count, cut into chunks.
+  // Zero-element tensors add no chunk, so they cost nothing on the device.
+  void add(std::initializer_list<int64_t> fields, int64_t numel) {
+    TORCH_INTERNAL_ASSERT(static_cast<int>(fields.size()) == tensor_fields_);
+    const int64_t row = static_cast<int64_t>(tensor_rows_.size()) / tensor_fields_;
+    tensor_rows_.insert(tensor_rows_.end(), fields.begin(), fields.end());
+    for (int64_t start = 0; start < numel; start += kChunkSize) {
+      chunk_rows_.push_back(row);
+      chunk_rows_.push_back(start);
+      chunk_rows_.push_back(std::min(kChunkSize, numel - start));
+    }
+  }
+
+  int64_t num_chunks() const { return static_cast<int64_t>(chunk_rows_.size()) / kChunkFields; }
+
+  // Copies the table to `device` on the current stream without blocking the host. The staging
+  // buffer is pinned memory from PyTorch's caching host allocator; copy_(non_blocking=true)
+  // records an event on it, so the buffer is not reused before the copy has read it.
+  ChunkTable upload(at::Device device) const {
+    TORCH_CHECK(num_chunks() <= std::numeric_limits<int32_t>::max(),
+                "multi-tensor launch: too many chunks (", num_chunks(), ")");
+    ChunkTable table;
+    table.tensor_fields = tensor_fields_;
+    table.num_tensors = static_cast<int64_t>(tensor_rows_.size()) / tensor_fields_;
+    table.num_chunks = num_chunks();
+    const int64_t size = static_cast<int64_t>(tensor_rows_.size() + chunk_rows_.size());
+    at::Tensor host =
+        at::empty({size}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    int64_t* out = host.mutable_data_ptr<int64_t>();
+    std::copy(tensor_rows_.begin(), tensor_rows_.end(), out);
+    std::copy(chunk_rows_.begin(), chunk_rows_.end(), out + tensor_rows_.size());
+    table.storage = at::empty({size}, at::TensorOptions().dtype(at::kLong).device(device));
+    table.storage.copy_(host, /*non_blocking=*/true);
+    return table;
+  }
+
+ private:
+  int tensor_fields_;
+  std::vector<int64_t> tensor_rows_;
+  std::vector<int64_t> chunk_rows_;
+};
+
+}  // namespace multi_tensor
+}  // namespace megatron_fsdp

@@ -1,0 +1,129 @@
+// Sums [world, n] chunks in fp32 (fp64 for fp64 input) and writes or accumulates the scaled
+// result into an output of another dtype. Memory-bound, so loads are 16-byte vectors when the
+// layout allows it.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../common/checks.h"
+
+namespace megatron_fsdp {
+namespace {
+
+constexpr int kThreads = 256;
+
+// N consecutive elements moved as one (or a few) wide memory transactions.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T val[N];
+};
+
+// Round-to-nearest intrinsics are never fused into an FMA, so scale-then-accumulate rounds twice
+// exactly like the CPU kernel.
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+
+// No __restrict__: out may be one of the chunk rows (an in-place reduce-scatter).
+// Each thread owns V consecutive columns (one vector) per grid-stride step. V == 1 is the scalar
+// fallback; V > 1 requires n % V == 0 and both pointers aligned to their vector size.
+template <typename in_t, typename out_t, int V>
+__global__ void promoting_reduce_kernel(const in_t* chunks, out_t* out,
+                                        int64_t world, int64_t n, at::opmath_type<in_t> scale,
+                                        bool accumulate) {
+  using acc_t = at::opmath_type<in_t>;
+  using InVec = Vec<in_t, V>;
+  using OutVec = Vec<out_t, V>;
+  const int64_t num_vecs = n / V;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < num_vecs;
+       v += stride) {
+    acc_t sum[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) sum[k] = acc_t(0);
+    // Rows in order 0..world-1, as on the CPU, so fp32 sums round the same way.
+#pragma unroll 4
+    for (int64_t r = 0; r < world; ++r) {
+      const InVec x = reinterpret_cast<const InVec*>(chunks + r * n)[v];
+#pragma unroll
+      for (int k = 0; k < V; ++k) sum[k] += static_cast<acc_t>(x.val[k]);
+    }
+    OutVec* dst = reinterpret_cast<OutVec*>(out) + v;
+    OutVec y;
+    if (accumulate) y = *dst;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      acc_t value = mul_rn(sum[k], scale);
+      if (accumulate) value = add_rn(value, static_cast<acc_t>(y.val[k]));
+      y.val[k] = static_cast<out_t>(value);
+    }
+    *dst = y;
+  }
+}
+
+bool is_aligned(const void* ptr, size_t alignment) {
+  return reinterpret_cast<uintptr_t>(ptr) % alignment == 0;
+}
+
+template <typename in_t, typename out_t, int V>
+void launch(const in_t* chunks, out_t* out, int64_t world, int64_t n,
+            at::opmath_type<in_t> scale, bool accumulate) {
+  const int64_t num_vecs = n / V;
+  // Enough blocks to fill every SM once; the grid-stride loop covers the rest.
+  const int device = c10::cuda::current_device();
+  int sm_count = 0;
+  int threads_per_sm = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device));
+  const int64_t max_blocks = static_cast<int64_t>(sm_count) * std::max(1, threads_per_sm / kThreads);
+  const int64_t blocks = std::min<int64_t>((num_vecs + kThreads - 1) / kThreads, max_blocks);
+  promoting_reduce_kernel<in_t, out_t, V>
+      <<<static_cast<unsigned int>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          chunks, out, world, n, scale, accumulate);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void promoting_reduce_cuda(const at::Tensor& chunks, double scale, bool accumulate,
+                           const at::Tensor& out) {
+  check_promoting_reduce(chunks, out);
+  TORCH_CHECK(out.is_cuda(), "promoting_reduce: chunks and out must be CUDA tensors, got ",
+              out.device());
+  const int64_t world = chunks.size(0);
+  const int64_t n = chunks.size(1);
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, chunks.scalar_type(), "promoting_reduce_in", [&] {
+    using in_t = scalar_t;
+    using acc_t = at::opmath_type<in_t>;
+    const in_t* in = chunks.const_data_ptr<in_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "promoting_reduce_out", [&] {
+      scalar_t* dst = out.mutable_data_ptr<scalar_t>();
+      const acc_t factor = static_cast<acc_t>(scale);
+      // 16-byte input vectors; every row start must be aligned too, hence n % V == 0.
+      constexpr int V = 16 / sizeof(in_t);
+      const bool vectorise = n % V == 0 && is_aligned(in, sizeof(in_t) * V) &&
+                             is_aligned(dst, sizeof(scalar_t) * V);
+      if (vectorise) {
+        launch<in_t, scalar_t, V>(in, dst, world, n, factor, accumulate);
+      } else {
+        launch<in_t, scalar_t, 1>(in, dst, world, n, factor, accumulate);
+      }
+    });
+  });
+}
+
+}  // namespace
+}  // namespace megatron_fsdp
+
+TORCH_LIBRARY_IMPL(megatron_fsdp, CUDA, m) {
+  m.impl("promoting_reduce", &megatron_fsdp::promoting_reduce_cuda);
+}

@@ -1,0 +1,38 @@
+// The whole surface of the megatron_fsdp library: every op schema and the bucket pool class.
+// Kernels register per device in cpu/*.cpp and cuda/*.cu; fake kernels live in megatron_fsdp/_ops.py.
+#include <torch/library.h>
+
+#include "common/bucket_pool.h"
+
+TORCH_LIBRARY(megatron_fsdp, m) {
+  // Parameter-shaped views into one flat buffer. shapes holds every view's sizes back to back and
+  // ranks says how many belong to each view; views share flat's storage (zero copy).
+  m.def("param_views(Tensor(a -> *) flat, int[] offsets, int[] shapes, int[] ranks) -> Tensor(a)[]");
+
+  // flat[offsets[i] : offsets[i] + srcs[i].numel()] = srcs[i], cast to flat's dtype.
+  m.def("flatten_copy(Tensor[] srcs, int[] offsets, Tensor(a!) flat) -> ()");
+
+  // dsts[i] = flat[offsets[i] : offsets[i] + dsts[i].numel()], cast to each dst's dtype.
+  m.def("unflatten_copy(Tensor flat, int[] offsets, Tensor(a!)[] dsts) -> ()");
+
+  // out (=|+=) scale * sum_r chunks[r], summed in fp32 (fp64 for fp64 chunks) whatever the
+  // dtypes of chunks [world, n] and out [n]: the reduction step behind low-precision communication.
+  m.def("promoting_reduce(Tensor chunks, float scale, bool accumulate, Tensor(a!) out) -> ()");
+
+  // One bool per tensor: does it hold a NaN or an Inf. Computed on the tensors' device, no host sync.
+  m.def("find_non_finite(Tensor[] tensors) -> Tensor");
+
+  m.class_<megatron_fsdp::BucketPool>("BucketPool")
+      .def(torch::init<bool>())
+      .def("placeholder", &megatron_fsdp::BucketPool::placeholder)
+      .def("fill", &megatron_fsdp::BucketPool::fill)
+      .def("release", &megatron_fsdp::BucketPool::release)
+      .def("fetch", &megatron_fsdp::BucketPool::fetch)
+      .def("is_filled", &megatron_fsdp::BucketPool::is_filled)
+      .def("bytes_in_use", &megatron_fsdp::BucketPool::bytes_in_use)
+      .def("bytes_reserved", &megatron_fsdp::BucketPool::bytes_reserved)
+      .def("high_water_mark", &megatron_fsdp::BucketPool::high_water_mark)
+      .def("reset_high_water_mark", &megatron_fsdp::BucketPool::reset_high_water_mark)
+      .def("empty_cache", &megatron_fsdp::BucketPool::empty_cache)
+      .def("double_buffer", &megatron_fsdp::BucketPool::double_buffer);
+}

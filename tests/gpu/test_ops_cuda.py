@@ -1,0 +1,20 @@
+"""The C++ ops' CUDA kernels against float64 references, opcheck included."""
+
+import pytest
+import torch
+
+import op_checks
+from megatron_fsdp import _ops
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CHECKS = [name for name in dir(op_checks) if name.startswith("check_")]
+
+
+def test_extension_was_built_with_cuda_kernels() -> None:
+    assert _ops.has_cuda_kernels(), "rebuild on a machine with nvcc and a CUDA torch"
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_op_on_cuda(check: str) -> None:
+    getattr(op_checks, check)("cuda")

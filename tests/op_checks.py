@@ -1,0 +1,188 @@
+"""Checks of every C++ op against a float64 reference, shared by the CPU tests (test_ops.py) and
+the CUDA tests (gpu/test_ops_cuda.py): each takes the device to run on."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_fsdp import _ops
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+# Odd sizes, none a multiple of a vector width, plus empty and single-element tensors.
+ODD_SIZES = [0, 1, 3, 7, 129, 1023, 4099]
+
+# Unit roundoff of each dtype: a correctly rounded result is within this relative error.
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def _random(numel: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=generator, dtype=torch.float64).to(dtype).to(device)
+
+
+def check_param_views_share_storage(device: str) -> None:
+    flat = torch.zeros(40, device=device)
+    shapes = [torch.Size([2, 3]), torch.Size([7]), torch.Size([]), torch.Size([3, 1, 2])]
+    offsets = [0, 8, 15, 16]
+    views = _ops.param_views(flat, offsets, shapes)
+    assert [v.shape for v in views] == shapes
+    for value, (view, offset) in enumerate(zip(views, offsets), start=1):
+        view.fill_(value)
+        assert torch.all(flat[offset : offset + view.numel()] == value)
+        assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    flat[8:15] = -1.0
+    assert torch.all(views[1] == -1.0), "a write into the buffer must be seen through the view"
+    # AOT dispatch is left out: PyTorch cannot functionalize a custom op whose outputs alias an
+    # input, and a view-returning op is exactly that. Views are made when buffers are set up,
+    # outside any compiled region, so schema, fake kernel and autograd registration are what count.
+    torch.library.opcheck(
+        torch.ops.megatron_fsdp.param_views.default,
+        (flat, offsets, [2, 3, 7, 3, 1, 2], [2, 1, 0, 3]),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+
+
+def check_flatten_copy_casts_exactly(device: str) -> None:
+    for src_dtype in DTYPES:
+        for flat_dtype in DTYPES:
+            srcs = [_random(n, src_dtype, device, seed=n).view(-1) for n in ODD_SIZES]
+            srcs.append(_random(35, src_dtype, device, seed=3).view(5, 7).t())  # non-contiguous source
+            offsets, cursor = [], 5
+            for src in srcs:
+                offsets.append(cursor)
+                cursor += src.numel() + 3
+            flat = torch.full((cursor + 2,), 7.0, dtype=flat_dtype, device=device)
+            _ops.flatten_copy(srcs, offsets, flat)
+            for src, offset in zip(srcs, offsets):
+                got = flat[offset : offset + src.numel()]
+                # Reference: the float64 value rounded once to the flat dtype (the source values are
+                # exact in float64, so this is the correctly rounded cast).
+                expected = src.reshape(-1).to(torch.float64).to(flat_dtype)
+                assert torch.equal(got, expected), f"{src_dtype}->{flat_dtype} numel {src.numel()}: max err {(got.double() - expected.double()).abs().max()}"
+            assert torch.all(flat[:5] == 7.0), "bytes outside the segments must stay untouched"
+
+            dsts = [torch.empty(src.shape, dtype=src_dtype, device=device).contiguous() for src in srcs]
+            _ops.unflatten_copy(flat, offsets, dsts)
+            for dst, offset in zip(dsts, offsets):
+                expected = flat[offset : offset + dst.numel()].to(torch.float64).to(src_dtype)
+                assert torch.equal(dst.reshape(-1), expected), f"unflatten {flat_dtype}->{src_dtype} numel {dst.numel()}"
+    flat = torch.zeros(64, device=device)
+    srcs = [torch.randn(5, 3, device=device), torch.randn(11, device=device, dtype=torch.bfloat16)]
+    torch.library.opcheck(torch.ops.megatron_fsdp.flatten_copy.default, (srcs, [1, 20], flat))
+    torch.library.opcheck(torch.ops.megatron_fsdp.unflatten_copy.default, (flat, [1, 20], [torch.empty(5, 3, device=device), torch.empty(11, device=device)]))
+
+
+def _reduce_bound(chunks: torch.Tensor, scale: float, previous: torch.Tensor, out_dtype: torch.dtype, expected: torch.Tensor) -> torch.Tensor:
+    """Error bound of one summation in the accumulation dtype followed by one rounding to out_dtype."""
+    acc_roundoff = UNIT_ROUNDOFF[torch.float64 if chunks.dtype == torch.float64 else torch.float32]
+    magnitude = abs(scale) * chunks.double().abs().sum(0) + previous.double().abs()
+    # Below the smallest normal the spacing is fixed, so rounding there has an absolute bound.
+    subnormal = UNIT_ROUNDOFF[out_dtype] * torch.finfo(out_dtype).smallest_normal
+    return UNIT_ROUNDOFF[out_dtype] * expected.abs() + subnormal + (chunks.shape[0] + 2) * acc_roundoff * magnitude
+
+
+def check_promoting_reduce_matches_float64(device: str) -> None:
+    for in_dtype in DTYPES:
+        for out_dtype in DTYPES:
+            for world in (1, 2, 3, 8):
+                for n in ODD_SIZES:
+                    chunks = _random(world * n, in_dtype, device, seed=world * 100 + n).view(world, n)
+                    previous = _random(n, out_dtype, device, seed=n + 7)
+                    for accumulate, scale in ((False, 1.0), (False, 1.0 / world), (True, 0.37)):
+                        out = previous.clone()
+                        _ops.promoting_reduce(chunks, out, scale=scale, accumulate=accumulate)
+                        expected = chunks.double().sum(0) * scale + (previous.double() if accumulate else 0.0)
+                        bound = _reduce_bound(chunks, scale, previous if accumulate else torch.zeros_like(previous), out_dtype, expected)
+                        err = (out.double() - expected).abs()
+                        assert torch.all(err <= bound), f"{in_dtype}->{out_dtype} world {world} n {n} acc {accumulate}: max err {err.max()} > bound {bound.max()}"
+    chunks = torch.randn(3, 33, device=device, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.megatron_fsdp.promoting_reduce.default, (chunks, 0.5, True, torch.randn(33, device=device)))
+
+
+def check_promoting_reduce_beats_low_precision_sum(device: str) -> None:
+    """bf16 chunks summed in fp32 land closer to the exact sum than a bf16 running sum, as a ring
+    reduce-scatter in bf16 computes it (every partial sum rounded to bf16)."""
+    world, n = 8, 1 << 16
+    chunks = _random(world * n, torch.bfloat16, device, seed=11).view(world, n)
+    exact = chunks.double().sum(0)
+    promoted = torch.empty(n, dtype=torch.float32, device=device)
+    _ops.promoting_reduce(chunks, promoted)
+    running = chunks[0].clone()
+    for r in range(1, world):
+        running = running + chunks[r]
+    promoted_err = (promoted.double() - exact).abs().mean().item()
+    low_err = (running.double() - exact).abs().mean().item()
+    # fp32 accumulation of 8 bf16 values is exact to ~2^-24 relative; the bf16 running sum rounds
+    # 7 times at 2^-9 relative, so the gap is orders of magnitude; 100x leaves a wide margin.
+    assert promoted_err * 100 < low_err, f"promoting reduce error {promoted_err} vs bf16 sum error {low_err}"
+
+
+def check_find_non_finite_flags_each_tensor(device: str) -> None:
+    for dtype in DTYPES:
+        tensors = [_random(n, dtype, device, seed=n) for n in ODD_SIZES]
+        assert not _ops.find_non_finite(tensors).any()
+        poison = {1: float("nan"), 3: float("inf"), 6: float("-inf")}
+        for index, value in poison.items():
+            tensors[index][tensors[index].numel() // 2] = value
+        flags = _ops.find_non_finite(tensors)
+        assert flags.device.type == torch.device(device).type
+        expected = [i in poison for i in range(len(tensors))]
+        assert flags.cpu().tolist() == expected, f"{dtype}: {flags.tolist()} != {expected}"
+    big = torch.finfo(torch.float32).max * torch.ones(9, dtype=torch.float64, device=device) * 4
+    assert not _ops.find_non_finite([big]).any(), "a finite fp64 value beyond the fp32 range is finite"
+    torch.library.opcheck(torch.ops.megatron_fsdp.find_non_finite.default, ([torch.randn(5, device=device), torch.randn(3, 2, device=device)],))
+
+
+def check_bucket_pool_reuses_memory(device: str) -> None:
+    pool = _ops.new_bucket_pool(double_buffer=False)
+    dev = torch.device(device)
+    bucket = pool.placeholder(1000, torch.float32, dev)
+    assert bucket.shape == (1000,) and bucket.untyped_storage().nbytes() == 0
+    pool.fill(bucket, "weights")
+    views = _ops.param_views(bucket, [0, 600], [torch.Size([20, 30]), torch.Size([400])])
+    bucket.copy_(torch.arange(1000, dtype=torch.float32, device=dev))
+    first_ptr = bucket.data_ptr()
+    assert pool.bytes_in_use() == 4096 and pool.high_water_mark() == 4096
+    pool.release(bucket)
+    assert bucket.untyped_storage().nbytes() == 0 and pool.bytes_in_use() == 0
+    assert pool.bytes_reserved() == 4096, "a released block stays cached for reuse"
+    pool.fill(bucket, "weights")
+    assert bucket.data_ptr() == first_ptr, "the same block must come back for the same size"
+    assert views[1][0].item() == 600.0, "views made under an earlier lease see the new lease's memory"
+    for _ in range(50):  # many fetch/release cycles reserve nothing new
+        temp = pool.fetch(1000, torch.bfloat16, dev, "grads")
+        pool.release(temp)
+    assert pool.bytes_reserved() == 4096 + 2048
+    pool.release(bucket)
+    pool.empty_cache()
+    assert pool.bytes_reserved() == 0 and pool.high_water_mark() == 4096 + 2048, "peak: the weight bucket and one temporary at once"
+    try:
+        pool.release(bucket)
+    except RuntimeError as error:
+        assert "holds no pool memory" in str(error)
+    else:
+        raise AssertionError("releasing twice must fail")
+
+
+def check_bucket_pool_double_buffer_bounds_memory(device: str) -> None:
+    pool = _ops.new_bucket_pool(double_buffer=True)
+    assert pool.double_buffer()
+    dev = torch.device(device)
+    sizes = [300, 1000, 700, 1000, 50]
+    live = []
+    for size in sizes:
+        if len(live) == 2:
+            pool.release(live.pop(0))
+        live.append(pool.fetch(size, torch.float32, dev, "weights"))
+    # Two persistent blocks, each grown to the largest request it served.
+    assert pool.bytes_reserved() <= 2 * 4096
+    try:
+        pool.fetch(10, torch.float32, dev, "weights")
+    except RuntimeError as error:
+        assert "already lends two buckets" in str(error)
+    else:
+        raise AssertionError("a third live bucket on one key must be refused")
+    other = pool.fetch(10, torch.float32, dev, "grads")  # another key has its own two slots
+    for bucket in live + [other]:
+        pool.release(bucket)
+    assert pool.bytes_in_use() == 0
