@@ -32,9 +32,9 @@ __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(
 __device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 
-// No __restrict__: out may be one of the chunk rows (an in-place reduce-scatter).
 // Each thread owns V consecutive columns (one vector) per grid-stride step. V == 1 is the scalar
 // fallback; V > 1 requires n % V == 0 and both pointers aligned to their vector size.
+// No __restrict__: out may be one of the chunk rows (an in-place reduce-scatter).
 template <typename in_t, typename out_t, int V>
 __global__ void promoting_reduce_kernel(const in_t* chunks, out_t* out,
                                         int64_t world, int64_t n, at::opmath_type<in_t> scale,

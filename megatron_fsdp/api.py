@@ -1,0 +1,161 @@
+"""The public entry points: fully_shard, fully_shard_model and fully_shard_optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from megatron_fsdp.config import FSDPSettings, ShardingStrategy
+from megatron_fsdp.mesh import resolve_dp_shard_group
+from megatron_fsdp.module import MegatronFSDP
+from megatron_fsdp.optimizer import distribute_optimizer
+from megatron_fsdp.units import resolve_unit_classes
+
+# Arguments of features not built yet: each must keep its default until its feature lands,
+# so a setting is never silently ignored.
+_NOT_YET_SUPPORTED = {
+    "dp_outer_dim": (None, "hybrid sharding (HSDP)"),
+    "hybrid_fsdp_group": (None, "hybrid sharding (HSDP)"),
+    "outer_dp_sharding_strategy": (0, "hybrid sharding (HSDP/HFSDP)"),
+    "tp_dim": (None, "tensor-parallel meshes"),
+    "expt_device_mesh": (None, "expert-parallel meshes"),
+    "init_model_with_meta_device": (False, "meta-device initialisation"),
+    "mixed_precision_policy": (None, "MixedPrecisionPolicy (mixed precision)"),
+    "grad_reduce_in_fp32": (False, "fp32 gradient reduction (mixed precision)"),
+    "preserve_fp32_weights": (True, "turning off fp32 main weights (mixed precision)"),
+    "check_for_nan_in_grad": (False, "NaN checks of reduced gradients (mixed precision)"),
+    "report_nan_in_param_grad": (False, "NaN reports per parameter (mixed precision)"),
+    "nccl_ub": (False, "NCCL user-buffer registration (GPU performance)"),
+}
+
+
+def _reject_unsupported(arguments: dict[str, Any]) -> None:
+    for name, (default, feature) in _NOT_YET_SUPPORTED.items():
+        value = arguments[name]
+        if name == "outer_dp_sharding_strategy":
+            is_default = ShardingStrategy.parse(value, name) is ShardingStrategy.NO_SHARD
+        else:
+            is_default = value is default or (isinstance(value, bool) and value == default)
+        if not is_default:
+            raise NotImplementedError(
+                f"{name}={value!r} needs {feature}, which megatron_fsdp does not support yet; leave {name} at {default!r}"
+            )
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    devices = {p.device for p in module.parameters()}
+    if any(d.type == "meta" for d in devices):
+        raise NotImplementedError(
+            "the model has parameters on the meta device; meta-device initialisation is not supported yet: "
+            "build the model on a real device"
+        )
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are spread over {sorted(map(str, devices))}; move it to one device first")
+    return next(iter(devices), torch.device("cpu"))
+
+
+def fully_shard_model(
+    module: nn.Module,
+    device_mesh: DeviceMesh | None = None,
+    dp_shard_dim: str | None = None,
+    dp_outer_dim: str | None = None,
+    tp_dim: str | None = None,
+    hybrid_fsdp_group: dist.ProcessGroup | None = None,
+    expt_device_mesh: DeviceMesh | None = None,
+    fsdp_unit_modules: Sequence[type | str] | None = None,
+    zero_dp_strategy: int | str = "optim_grads_params",
+    outer_dp_sharding_strategy: int | str = "no_shard",
+    device: torch.device | str | None = None,
+    init_model_with_meta_device: bool = False,
+    grad_reduce_in_fp32: bool = False,
+    preserve_fp32_weights: bool = True,
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    sync_model_each_microbatch: bool = True,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+    check_for_nan_in_grad: bool = False,
+    report_nan_in_param_grad: bool = False,
+    fsdp_double_buffer: bool = False,
+    nccl_ub: bool = False,
+    mixed_precision_policy: Any = None,
+) -> MegatronFSDP:
+    """Shards ``module`` over the data-parallel group and returns the :class:`MegatronFSDP`
+    wrapper. See docs/api.md for every argument; the essentials:
+
+    - ``fsdp_unit_modules``: classes (or import paths) whose instances are gathered and
+      resharded as one unit; required for strategies 1..3.
+    - ``zero_dp_strategy``: 0/``no_shard``, 1/``optim``, 2/``optim_grads`` or
+      3/``optim_grads_params`` (default).
+    - ``device_mesh`` + ``dp_shard_dim``: the mesh dim to shard over; without a mesh, the
+      default process group.
+    - ``sync_model_each_microbatch`` (default True): finish every gradient reduction at the end
+      of each backward; False leaves that to ``finish_grad_sync()`` / the optimizer step.
+    """
+    _reject_unsupported(locals())
+    strategy = ShardingStrategy.parse(zero_dp_strategy)
+    unit_classes = resolve_unit_classes(fsdp_unit_modules)
+    if strategy is not ShardingStrategy.NO_SHARD and not unit_classes:
+        raise ValueError(
+            f"zero_dp_strategy={strategy.label!r} needs fsdp_unit_modules: pass the classes of the blocks to "
+            "shard as units, e.g. fsdp_unit_modules=[MyTransformerBlock]"
+        )
+    if isinstance(module, MegatronFSDP):
+        raise ValueError("this model is already sharded by megatron_fsdp")
+    dp = resolve_dp_shard_group(device_mesh, dp_shard_dim)
+    if device is not None:
+        module.to(device)
+    _module_device(module)
+    settings = FSDPSettings(
+        strategy=strategy,
+        sync_model_each_microbatch=sync_model_each_microbatch,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        fsdp_double_buffer=fsdp_double_buffer,
+    )
+    return MegatronFSDP(module, dp, settings, unit_classes)
+
+
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP | None = None) -> torch.optim.Optimizer:
+    """Makes ``optimizer`` step only this rank's main-parameter shard (see
+    :func:`megatron_fsdp.optimizer.distribute_optimizer`). ``model`` defaults to the
+    MegatronFSDP that owns the optimizer's parameters."""
+    if model is None:
+        model = _owning_model(optimizer)
+    return distribute_optimizer(optimizer, model)
+
+
+def _owning_model(optimizer: torch.optim.Optimizer) -> MegatronFSDP:
+    owners = {
+        id(owner): owner
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if (owner := _owner_of(param)) is not None
+    }
+    if len(owners) != 1:
+        raise ValueError(
+            "cannot tell which sharded model this optimizer belongs to; pass it: fully_shard_optimizer(optimizer, model)"
+        )
+    return next(iter(owners.values()))
+
+
+def _owner_of(param: torch.Tensor) -> MegatronFSDP | None:
+    owner_ref = getattr(param, "_megatron_fsdp_owner", None)
+    return owner_ref() if owner_ref is not None else None
+
+
+def fully_shard(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    **kwargs: Any,
+) -> tuple[MegatronFSDP, torch.optim.Optimizer | None]:
+    """``fully_shard_model(module, **kwargs)`` then, when given, ``fully_shard_optimizer``:
+    returns ``(model, optimizer)``."""
+    model = fully_shard_model(module, **kwargs)
+    if optimizer is not None:
+        optimizer = distribute_optimizer(optimizer, model)
+    return model, optimizer

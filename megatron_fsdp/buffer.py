@@ -1,0 +1,210 @@
+"""A bucket: one unit's parameters of one (dtype, requires_grad) group in flat buffers.
+
+The compute weights live in one flat buffer (sharded for ``optim_grads_params``, gathered into a
+pooled bucket when used) and every parameter's ``.data`` is a view into it. Gradients are added
+into a pooled un-reduced buffer, reduced once per bucket, and accumulated into the main gradient
+(sharded for strategies 1..3). Trainable buckets also hold the fp32 main parameters that the
+optimizer steps, one tensor per parameter covering this rank's piece of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_fsdp import _ops
+from megatron_fsdp.collectives import all_gather_shards, all_reduce_sum, reduce_scatter_sum
+from megatron_fsdp.config import FSDPSettings, ShardingStrategy
+from megatron_fsdp.layout import BucketLayout, alignment_in_elements, build_bucket_layout
+from megatron_fsdp.mesh import DataParallelGroup
+
+MAIN_PARAMS_DTYPE = torch.float32
+
+
+def _released_placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What a sharded parameter's ``.data`` is: an empty tensor, so stray reads fail loudly."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+@dataclass
+class PendingReduction:
+    bucket: Bucket
+    work: dist.Work | None
+    unreduced: torch.Tensor
+    reduced: torch.Tensor
+
+
+class Bucket:
+    def __init__(
+        self,
+        names: list[str],
+        params: list[nn.Parameter],
+        dp: DataParallelGroup,
+        settings: FSDPSettings,
+        pool: torch.ScriptObject,
+    ) -> None:
+        self.names = names
+        self.params = params
+        self.dp = dp
+        self.strategy = settings.strategy
+        self.pool = pool
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.requires_grad = params[0].requires_grad
+        self.shapes = [p.shape for p in params]
+        alignment = alignment_in_elements(settings.alignment_bytes, params[0].element_size())
+        self.layout: BucketLayout = build_bucket_layout([p.numel() for p in params], dp.size, alignment)
+        self.offsets = [slot.offset for slot in self.layout.slots]
+        self.shard_start, self.shard_end = self.layout.shard_range(dp.rank)
+
+        self.weight_shard: torch.Tensor | None = None
+        self.views: list[torch.Tensor] | None = None
+        if self.strategy.shards_weights:
+            self.weight_shard = self._local_pieces(self.shard_start, self.shard_end, self.dtype)
+            self.full_weight = pool.placeholder(self.layout.padded_numel, self.dtype, self.device)
+            for param in params:
+                param.data = _released_placeholder(self.dtype, self.device)
+        else:
+            self.full_weight = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            _ops.flatten_copy([p.detach() for p in params], self.offsets, self.full_weight)
+            self.views = _ops.param_views(self.full_weight, self.offsets, self.shapes)
+            for param, view in zip(params, self.views):
+                param.data = view
+
+        self.unreduced_grad: torch.Tensor | None = None
+        self.grads_received = [False] * len(params)
+        if self.requires_grad:
+            self._init_main_state()
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _local_pieces(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Bucket elements ``[start, end)`` built from the parameters' current values."""
+        out = torch.zeros(end - start, dtype=dtype, device=self.device)
+        for index, param in enumerate(self.params):
+            lo, hi = self._piece(index, start, end)
+            if hi > lo:
+                slot = self.layout.slots[index]
+                out[lo - start : hi - start].copy_(param.detach().reshape(-1)[lo - slot.offset : hi - slot.offset])
+        return out
+
+    def _piece(self, index: int, start: int, end: int) -> tuple[int, int]:
+        slot = self.layout.slots[index]
+        lo = min(max(slot.offset, start), end)
+        return lo, max(min(slot.end, end), lo)
+
+    def _init_main_state(self) -> None:
+        # Strategy 0 steps the whole bucket on every rank; the others step this rank's shard.
+        if self.strategy is ShardingStrategy.NO_SHARD:
+            self.main_start, self.main_end = 0, self.layout.padded_numel
+        else:
+            self.main_start, self.main_end = self.shard_start, self.shard_end
+        weights = self._main_weight_target()
+        # With fp32 compute weights the main params are the weights themselves: nothing to copy.
+        self.main_params_alias_weights = self.dtype == MAIN_PARAMS_DTYPE
+        self.main_params = weights if self.main_params_alias_weights else weights.to(MAIN_PARAMS_DTYPE)
+        self.main_grad = torch.zeros(self.main_end - self.main_start, dtype=self.dtype, device=self.device)
+        self.optim_params: list[nn.Parameter] = []
+        self.optim_ranges: list[tuple[int, int]] = []
+        for index in range(len(self.params)):
+            lo, hi = self._piece(index, self.main_start, self.main_end)
+            self.optim_ranges.append((lo - self.main_start, hi - self.main_start))
+            self.optim_params.append(nn.Parameter(self.main_params[lo - self.main_start : hi - self.main_start]))
+
+    def _main_weight_target(self) -> torch.Tensor:
+        """The compute weights the main params are installed into after a step."""
+        if self.weight_shard is not None:
+            return self.weight_shard
+        return self.full_weight[self.main_start : self.main_end]
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def start_unshard(self, async_op: bool) -> dist.Work | None:
+        """Fills the pooled bucket and launches the all-gather of the weight shards into it."""
+        self.pool.fill(self.full_weight, "weights")
+        return all_gather_shards(self.full_weight, self.weight_shard, self.dp.group, async_op=async_op)
+
+    def point_params_at_full_weight(self) -> None:
+        if self.views is None:
+            self.views = _ops.param_views(self.full_weight, self.offsets, self.shapes)
+        for param, view in zip(self.params, self.views):
+            param.data = view
+
+    def reshard(self) -> None:
+        for param in self.params:
+            param.data = _released_placeholder(self.dtype, self.device)
+        self.pool.release(self.full_weight)
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def add_grad(self, index: int, grad: torch.Tensor) -> bool:
+        """Adds one parameter's gradient into the un-reduced buffer; True once every parameter
+        of the bucket has delivered its gradient in this backward."""
+        if self.unreduced_grad is None:
+            self.unreduced_grad = self.pool.fetch(self.layout.padded_numel, self.dtype, self.device, "grads")
+            self.unreduced_grad.zero_()
+        slot = self.layout.slots[index]
+        self.unreduced_grad[slot.offset : slot.end].add_(grad.reshape(-1))
+        self.grads_received[index] = True
+        return all(self.grads_received)
+
+    def end_backward(self) -> None:
+        self.grads_received = [False] * len(self.params)
+
+    def start_reduction(self, async_op: bool) -> PendingReduction:
+        """Launches the reduction of the un-reduced buffer: all-reduce for no_shard, else a
+        reduce-scatter whose shard is added into the main gradient when finished."""
+        unreduced, self.unreduced_grad = self.unreduced_grad, None
+        if self.strategy is ShardingStrategy.NO_SHARD:
+            work = all_reduce_sum(unreduced, self.dp.group, async_op=async_op)
+            return PendingReduction(self, work, unreduced, unreduced)
+        reduced = self.pool.fetch(self.layout.shard_numel, self.dtype, self.device, "reduced_grads")
+        work = reduce_scatter_sum(reduced, unreduced, self.dp.group, async_op=async_op)
+        return PendingReduction(self, work, unreduced, reduced)
+
+    def finish_reduction(self, pending: PendingReduction) -> None:
+        if pending.work is not None:
+            pending.work.wait()
+        # Gradients are averaged over the group: each rank's loss is a mean over its own batch.
+        self.main_grad.add_(pending.reduced, alpha=1.0 / self.dp.size)
+        if pending.reduced is not pending.unreduced:
+            self.pool.release(pending.reduced)
+        self.pool.release(pending.unreduced)
+
+    def zero_main_grad(self) -> None:
+        self.main_grad.zero_()
+        for optim_param in self.optim_params:
+            optim_param.grad = None
+
+    # -- optimizer ----------------------------------------------------------------------------
+
+    def attach_optimizer_grads(self) -> None:
+        grads = self.main_grad if self.main_grad.dtype == MAIN_PARAMS_DTYPE else self.main_grad.to(MAIN_PARAMS_DTYPE)
+        for optim_param, (lo, hi) in zip(self.optim_params, self.optim_ranges):
+            optim_param.grad = grads[lo:hi]
+
+    def install_main_params(self) -> None:
+        """Writes the stepped main params into the compute weights and, where every rank holds
+        full weights but stepped only its shard (strategies 1 and 2), gathers the others'."""
+        if not self.main_params_alias_weights:
+            self._main_weight_target().copy_(self.main_params)
+        if self.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
+            # A copy: not every backend (gloo) accepts an input that aliases the output.
+            own_shard = self.full_weight[self.shard_start : self.shard_end].clone()
+            all_gather_shards(self.full_weight, own_shard, self.dp.group)
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    def gather_full(self, source: torch.Tensor) -> torch.Tensor:
+        """A copy of the whole bucket of a per-rank tensor that is either full or this rank's shard."""
+        if source.numel() == self.layout.padded_numel:
+            return source.clone()
+        full = torch.empty(self.layout.padded_numel, dtype=source.dtype, device=source.device)
+        all_gather_shards(full, source.contiguous(), self.dp.group)
+        return full
+
+    def split_full(self, full: torch.Tensor) -> list[torch.Tensor]:
+        return [full[s.offset : s.end].view(shape) for s, shape in zip(self.layout.slots, self.shapes)]

@@ -1,0 +1,75 @@
+"""Where every parameter lives in its bucket: offsets, padding and shard ranges.
+
+Pure arithmetic, no tensors and no process groups. A bucket holds its parameters back to back,
+each at an offset that is a multiple of ``alignment`` elements; the total is padded to a multiple
+of ``world_size * alignment``, so every shard ``[r * S, (r + 1) * S)`` has the same size S and
+starts aligned. A parameter may straddle shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter's place in its bucket: ``[offset, offset + numel)``."""
+
+    offset: int
+    numel: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    slots: tuple[ParamSlot, ...]
+    padded_numel: int
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """The bucket elements rank ``rank`` owns."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def local_range(self, index: int, rank: int) -> tuple[int, int]:
+        """The part of parameter ``index`` inside rank ``rank``'s shard, as bucket offsets
+        ``[start, end)``; empty (start == end) when the shard holds none of it."""
+        slot = self.slots[index]
+        shard_start, shard_end = self.shard_range(rank)
+        start = min(max(slot.offset, shard_start), shard_end)
+        end = max(min(slot.end, shard_end), start)
+        return start, end
+
+
+def build_bucket_layout(numels: Sequence[int], world_size: int, alignment: int) -> BucketLayout:
+    """Lays parameters of the given sizes out back to back at aligned offsets."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if alignment < 1:
+        raise ValueError(f"alignment must be >= 1, got {alignment}")
+    slots, cursor = [], 0
+    for numel in numels:
+        if numel < 0:
+            raise ValueError(f"a parameter cannot have {numel} elements")
+        slots.append(ParamSlot(offset=cursor, numel=numel))
+        cursor = _round_up(cursor + numel, alignment)
+    padded = _round_up(max(cursor, 1), world_size * alignment)
+    return BucketLayout(slots=tuple(slots), padded_numel=padded, world_size=world_size)
+
+
+def alignment_in_elements(alignment_bytes: int, element_size: int) -> int:
+    """The element count matching ``alignment_bytes`` (at least one element)."""
+    return max(1, alignment_bytes // element_size)

@@ -1,0 +1,51 @@
+"""Finds the data-parallel process group from a DeviceMesh (or the default group)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class DataParallelGroup:
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+
+def resolve_dp_shard_group(device_mesh: DeviceMesh | None, dp_shard_dim: str | None) -> DataParallelGroup:
+    """The group FSDP shards over: ``device_mesh[dp_shard_dim]``, the mesh itself when it is
+    1-D and no dim is named, or the default group without a mesh. Raises before any collective."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "megatron_fsdp needs torch.distributed: call torch.distributed.init_process_group() "
+            "(or launch with torchrun) before fully_shard"
+        )
+    if device_mesh is None:
+        if dp_shard_dim is not None:
+            raise ValueError(f"dp_shard_dim={dp_shard_dim!r} was given without a device_mesh; pass device_mesh too")
+        group = dist.group.WORLD
+    else:
+        names = device_mesh.mesh_dim_names
+        if dp_shard_dim is None:
+            if device_mesh.ndim != 1:
+                raise ValueError(
+                    f"device_mesh has {device_mesh.ndim} dims {names}; name the one to shard over with dp_shard_dim"
+                )
+            group = device_mesh.get_group()
+        else:
+            group = _submesh(device_mesh, dp_shard_dim).get_group()
+    return DataParallelGroup(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group))
+
+
+def _submesh(device_mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``device_mesh[name]``, where name may also be a dim made with ``_flatten``."""
+    try:
+        return device_mesh[name]
+    except (KeyError, RuntimeError, ValueError) as error:
+        raise ValueError(
+            f"device_mesh has no dim named {name!r} (its dims: {device_mesh.mesh_dim_names}); pass one of "
+            "those as dp_shard_dim, or flatten the dims you want with device_mesh[(...)]._flatten(name)"
+        ) from error

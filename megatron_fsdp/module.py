@@ -1,0 +1,193 @@
+"""MegatronFSDP: the module wrapper that shards a model unit by unit and drives the hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron_fsdp import _ops
+from megatron_fsdp.config import FSDPSettings
+from megatron_fsdp.mesh import DataParallelGroup
+from megatron_fsdp.schedule import StepScheduler, StepState
+from megatron_fsdp.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_to_units, find_unit_modules
+
+logger = logging.getLogger(__name__)
+
+
+def _tensors_requiring_grad(output: Any) -> list[torch.Tensor]:
+    """The tensors inside a module output (tensors, tuples, lists, dicts, dataclass-like
+    model outputs) that autograd will differentiate."""
+    found: list[torch.Tensor] = []
+    stack = [output]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif hasattr(item, "__dataclass_fields__"):
+            stack.extend(getattr(item, field) for field in item.__dataclass_fields__)
+    return found
+
+
+class MegatronFSDP(nn.Module):
+    """Wraps ``module`` so every FSDP unit's parameters live in flat, sharded buffers.
+
+    Built by :func:`megatron_fsdp.fully_shard_model`; ``self.module`` is the original model,
+    whose parameters stay the same ``nn.Parameter`` objects (their ``.data`` are views into the
+    buffers while gathered, empty while sharded under ``optim_grads_params``).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        dp: DataParallelGroup,
+        settings: FSDPSettings,
+        unit_classes: tuple[type, ...],
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.dp = dp
+        self.settings = settings
+        self.pool = _ops.new_bucket_pool(settings.fsdp_double_buffer)
+        unit_modules = find_unit_modules(module, unit_classes)
+        assignment = assign_params_to_units(module, [m for _, m in unit_modules])
+        named = dict(module.named_parameters())
+        module_names = {m: name for name, m in unit_modules}
+
+        self.units: list[FSDPUnit] = []
+        for owner, names in assignment.items():
+            name = ROOT_UNIT_NAME if owner is None else module_names[owner]
+            self.units.append(FSDPUnit(name, [(n, named[n]) for n in names], dp, settings, self.pool))
+        self.root_unit = self.units[0]
+        for param in module.parameters():
+            # Lets fully_shard_optimizer(optimizer) find this wrapper from the optimizer's params.
+            param._megatron_fsdp_owner = weakref.ref(self)
+        self.scheduler = StepScheduler(self.units, settings)
+        self._register_hooks(unit_modules)
+        total = sum(b.layout.padded_numel for u in self.units for b in u.buckets)
+        logger.info(
+            "megatron_fsdp: %d units, %d buckets, %d elements (padded) sharded %s over %d ranks",
+            len(self.units), sum(len(u.buckets) for u in self.units), total, settings.strategy.label, dp.size,
+        )
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def _register_hooks(self, unit_modules: list[tuple[str, nn.Module]]) -> None:
+        units_by_name = {unit.name: unit for unit in self.units}
+        for name, module in unit_modules:
+            unit = units_by_name[name]
+            module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
+            module.register_forward_hook(functools.partial(self._post_forward, unit))
+        for unit in self.units:
+            for bucket in unit.trainable_buckets:
+                for index, param in enumerate(bucket.params):
+                    param.register_post_accumulate_grad_hook(
+                        functools.partial(self.scheduler.on_grad, unit, bucket, index)
+                    )
+
+    def _pre_forward(self, unit: FSDPUnit, module: nn.Module, args: Any) -> None:
+        self.scheduler.before_unit_forward(unit)
+
+    def _post_forward(self, unit: FSDPUnit, module: nn.Module, args: Any, output: Any) -> None:
+        self.scheduler.after_unit_forward(unit)
+        self._arm_pre_backward(unit, output)
+
+    def _arm_pre_backward(self, unit: FSDPUnit | None, output: Any) -> bool:
+        tensors = _tensors_requiring_grad(output) if torch.is_grad_enabled() else []
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads: self.scheduler.before_unit_backward(unit), mode="any"
+            )
+        return bool(tensors)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.scheduler.before_unit_forward(self.root_unit)
+        output = self.module(*args, **kwargs)
+        if not self._arm_pre_backward(None, output):
+            self.scheduler.end_forward_without_backward()
+        return output
+
+    # -- training-loop controls ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without reducing them across ranks
+        (strategies 0 and 1); 2 and 3 still reduce-scatter every micro-batch to free memory.
+        The first backward outside reduces everything accumulated."""
+        previous = self.scheduler.sync_grads
+        self.scheduler.sync_grads = False
+        try:
+            yield
+        finally:
+            self.scheduler.sync_grads = previous
+
+    def finish_grad_sync(self) -> None:
+        """Waits for every gradient reduction; the optimizer step calls it for you."""
+        self.scheduler.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        """Zeroes the main gradients (``optimizer.zero_grad()`` calls it)."""
+        for bucket in self._trainable_buckets():
+            bucket.zero_main_grad()
+
+    # -- optimizer support --------------------------------------------------------------------
+
+    def _trainable_buckets(self):
+        return [bucket for unit in self.units for bucket in unit.trainable_buckets]
+
+    def optimizer_params(self) -> dict[nn.Parameter, nn.Parameter]:
+        """Each trainable model parameter -> the main-parameter piece the optimizer steps."""
+        return {
+            param: optim_param
+            for bucket in self._trainable_buckets()
+            for param, optim_param in zip(bucket.params, bucket.optim_params)
+        }
+
+    def prepare_optimizer_step(self) -> None:
+        if self.scheduler.state is not StepState.IDLE:
+            raise RuntimeError("optimizer.step() was called during forward or backward")
+        self.finish_grad_sync()
+        for bucket in self._trainable_buckets():
+            bucket.attach_optimizer_grads()
+
+    def install_optimizer_step(self) -> None:
+        for bucket in self._trainable_buckets():
+            bucket.install_main_params()
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full value by name (a collective: call on every rank). Trainable
+        parameters come from the fp32 main parameters, frozen ones from the compute weights."""
+        full = {}
+        for unit in self.units:
+            for bucket in unit.buckets:
+                if bucket.requires_grad:
+                    source = bucket.main_params
+                elif bucket.weight_shard is not None:
+                    source = bucket.weight_shard
+                else:
+                    source = bucket.full_weight
+                full.update(zip(bucket.names, bucket.split_full(bucket.gather_full(source))))
+        return full
+
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter's reduced gradient by name (a collective), after
+        ``finish_grad_sync()``."""
+        full = {}
+        for bucket in self._trainable_buckets():
+            full.update(zip(bucket.names, bucket.split_full(bucket.gather_full(bucket.main_grad))))
+        return full

@@ -1,0 +1,57 @@
+"""The distributed optimizer: any elementwise torch optimizer, stepping only this rank's
+fp32 main-parameter pieces, then installing them into the compute weights."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron_fsdp.module import MegatronFSDP
+
+
+def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) -> torch.optim.Optimizer:
+    """Re-points ``optimizer`` at ``model``'s main-parameter pieces, in place, and wraps its
+    ``step`` (finish gradient sync, step, install weights) and ``zero_grad`` (also zero the
+    main gradients). Hyper-parameters and param groups stay as the user built them."""
+    if getattr(optimizer, "_megatron_fsdp_model", None) is not None:
+        raise ValueError("this optimizer was already passed to fully_shard_optimizer")
+    if len(optimizer.state) > 0:
+        raise ValueError(
+            "the optimizer already holds state (it has stepped): build it fresh and shard it before the first step"
+        )
+    mapping = model.optimizer_params()
+    model_params = {p for p in model.parameters()}
+    for group_index, group in enumerate(optimizer.param_groups):
+        pieces = []
+        for param in group["params"]:
+            if param not in mapping:
+                reason = (
+                    "it does not require grad" if param in model_params else "it is not a parameter of the sharded model"
+                )
+                raise ValueError(
+                    f"optimizer param group {group_index} holds a parameter of shape {tuple(param.shape)} that "
+                    f"megatron_fsdp cannot step: {reason}. Build the optimizer from the model's trainable parameters"
+                )
+            pieces.append(mapping[param])
+        group["params"] = pieces
+
+    original_step = optimizer.step
+    original_zero_grad = optimizer.zero_grad
+
+    @functools.wraps(original_step)
+    def step(*args, **kwargs):
+        model.prepare_optimizer_step()
+        result = original_step(*args, **kwargs)
+        model.install_optimizer_step()
+        return result
+
+    @functools.wraps(original_zero_grad)
+    def zero_grad(set_to_none: bool = True) -> None:
+        model.zero_grad_buffer()
+        original_zero_grad(set_to_none)
+
+    optimizer.step = step
+    optimizer.zero_grad = zero_grad
+    optimizer._megatron_fsdp_model = model
+    return optimizer

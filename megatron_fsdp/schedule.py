@@ -1,0 +1,115 @@
+"""The per-step pipeline: when units gather and reshard, when gradient buckets reduce, and the
+bookkeeping of reductions in flight.
+
+A step moves IDLE -> FORWARD -> BACKWARD -> IDLE. Reductions start when a bucket's last gradient
+arrives (strategies 2/3 always; 0/1 only when gradients sync this micro-batch) and are finished
+oldest-first, at most ``max_reductions_in_flight`` at a time, so un-reduced buffers never pile up.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+
+import torch
+from torch.autograd import Variable
+
+from megatron_fsdp.buffer import Bucket, PendingReduction
+from megatron_fsdp.config import FSDPSettings
+from megatron_fsdp.units import FSDPUnit
+
+logger = logging.getLogger(__name__)
+
+
+class StepState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class StepScheduler:
+    def __init__(self, units: list[FSDPUnit], settings: FSDPSettings) -> None:
+        self.units = units
+        self.settings = settings
+        self.state = StepState.IDLE
+        self.sync_grads = True
+        self._pending: deque[PendingReduction] = deque()
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def before_unit_forward(self, unit: FSDPUnit) -> None:
+        if self.state is StepState.BACKWARD:
+            raise RuntimeError(
+                f"unit {unit.name} ran forward while a backward pass is in progress; finish backward() first"
+            )
+        self.state = StepState.FORWARD
+        unit.unshard()
+
+    def after_unit_forward(self, unit: FSDPUnit) -> None:
+        if not unit.is_root:
+            unit.reshard()
+
+    def end_forward_without_backward(self) -> None:
+        """Inference (no_grad, or nothing to differentiate): nothing stays gathered."""
+        for unit in self.units:
+            unit.reshard()
+        self.state = StepState.IDLE
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def before_unit_backward(self, unit: FSDPUnit | None) -> None:
+        if self.state is not StepState.BACKWARD:
+            self.state = StepState.BACKWARD
+            # Runs once the autograd engine has finished this backward pass.
+            Variable._execution_engine.queue_callback(self._end_backward)
+        if unit is not None:
+            unit.unshard()
+
+    def on_grad(self, unit: FSDPUnit, bucket: Bucket, index: int, param: torch.nn.Parameter) -> None:
+        bucket_complete = bucket.add_grad(index, param.grad)
+        param.grad = None
+        if not bucket_complete or not self._reduces_now():
+            return
+        self._start_reduction(bucket)
+        if unit.note_bucket_reduced(bucket) and unit.reshard_on_grads and not unit.is_root:
+            unit.reshard()
+
+    def _reduces_now(self) -> bool:
+        return self.settings.strategy.shards_grads or self.sync_grads
+
+    def _start_reduction(self, bucket: Bucket) -> None:
+        self._pending.append(bucket.start_reduction(async_op=self.settings.overlap_grad_reduce))
+        while len(self._pending) > self.settings.max_reductions_in_flight:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        pending = self._pending.popleft()
+        pending.bucket.finish_reduction(pending)
+
+    def _end_backward(self) -> None:
+        reduces = self._reduces_now()
+        for unit in self.units:
+            for bucket in unit.trainable_buckets:
+                # A bucket some of whose parameters got no gradient: those contribute zeros.
+                if bucket.unreduced_grad is not None and reduces:
+                    self._start_reduction(bucket)
+            unit.reshard()
+            unit.end_backward()
+        self.state = StepState.IDLE
+        if self.settings.sync_model_each_microbatch:
+            self.finish_grad_sync()
+
+    # -- optimizer ----------------------------------------------------------------------------
+
+    def finish_grad_sync(self) -> None:
+        """Finishes every reduction in flight and reduces gradients still held back (after
+        micro-batches run under no_sync), so the main gradients are complete."""
+        if self.state is not StepState.IDLE:
+            raise RuntimeError("finish_grad_sync() was called during forward or backward; call it after backward()")
+        for unit in self.units:
+            for bucket in unit.trainable_buckets:
+                if bucket.unreduced_grad is not None:
+                    self._start_reduction(bucket)
+        while self._pending:
+            self._finish_oldest()

@@ -1,0 +1,143 @@
+"""FSDP units: which parameters each unit owns, and a unit's sharded/unsharded life."""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from megatron_fsdp.buffer import Bucket
+from megatron_fsdp.config import FSDPSettings
+from megatron_fsdp.mesh import DataParallelGroup
+
+ROOT_UNIT_NAME = "<root>"
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDED = "unsharded"
+
+
+def resolve_unit_classes(fsdp_unit_modules: Iterable[type | str] | None) -> tuple[type, ...]:
+    """Classes from classes or import paths (``"pkg.module.ClassName"``)."""
+    classes = []
+    for entry in fsdp_unit_modules or ():
+        if isinstance(entry, type):
+            classes.append(entry)
+            continue
+        if not isinstance(entry, str) or "." not in entry:
+            raise ValueError(
+                f"fsdp_unit_modules entry {entry!r} is neither a class nor an import path like 'package.module.ClassName'"
+            )
+        module_path, _, class_name = entry.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_path), class_name)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"fsdp_unit_modules entry {entry!r} cannot be imported: {error}") from error
+        if not isinstance(cls, type):
+            raise ValueError(f"fsdp_unit_modules entry {entry!r} is not a class")
+        classes.append(cls)
+    return tuple(classes)
+
+
+def find_unit_modules(root: nn.Module, classes: tuple[type, ...]) -> list[tuple[str, nn.Module]]:
+    """Every module of the given classes, in registration order; every class must occur."""
+    found = [(name, m) for name, m in root.named_modules() if m is not root and isinstance(m, classes)]
+    present = {type(m) for _, m in found}
+    for cls in classes:
+        if not any(issubclass(p, cls) for p in present):
+            model_classes = sorted({type(m).__name__ for m in root.modules()})
+            raise ValueError(
+                f"fsdp_unit_modules names {cls.__module__}.{cls.__qualname__}, but the model holds no "
+                f"module of that class (its classes: {', '.join(model_classes)})"
+            )
+    return found
+
+
+def assign_params_to_units(root: nn.Module, unit_modules: Sequence[nn.Module]) -> dict[nn.Module | None, list[str]]:
+    """Parameter names per owning unit (``None`` is the root unit). A parameter belongs to the
+    innermost unit around the module that holds it; one reachable from two units (a weight tied
+    across them) goes to the root, which stays gathered for the whole step."""
+    unit_set = set(unit_modules)
+    owners: dict[nn.Parameter, set] = {}
+
+    def walk(module: nn.Module, unit: nn.Module | None) -> None:
+        if module in unit_set:
+            unit = module
+        for param in module._parameters.values():
+            if param is not None:
+                owners.setdefault(param, set()).add(unit)
+        for child in module.children():
+            walk(child, unit)
+
+    walk(root, None)
+    assignment: dict[nn.Module | None, list[str]] = {None: []}
+    for unit in unit_modules:
+        assignment[unit] = []
+    for name, param in root.named_parameters():
+        units = owners[param]
+        assignment[next(iter(units)) if len(units) == 1 else None].append(name)
+    return assignment
+
+
+class FSDPUnit:
+    """One unit's buckets and its state: weights gathered (UNSHARDED) or not (SHARDED)."""
+
+    def __init__(
+        self,
+        name: str,
+        named_params: list[tuple[str, nn.Parameter]],
+        dp: DataParallelGroup,
+        settings: FSDPSettings,
+        pool: torch.ScriptObject,
+    ) -> None:
+        self.name = name
+        self.settings = settings
+        groups: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
+        for param_name, param in named_params:
+            groups.setdefault((param.dtype, param.requires_grad), []).append((param_name, param))
+        self.buckets = [
+            Bucket([n for n, _ in members], [p for _, p in members], dp, settings, pool)
+            for members in groups.values()
+        ]
+        self.trainable_buckets = [b for b in self.buckets if b.requires_grad]
+        # Frozen weights are still read in backward, but no gradient says when they are done:
+        # such a unit is resharded at the end of backward instead of when its grads arrive.
+        self.reshard_on_grads = bool(self.buckets) and all(b.requires_grad for b in self.buckets)
+        shards = settings.strategy.shards_weights and bool(self.buckets)
+        self.state = UnitState.SHARDED if shards else UnitState.UNSHARDED
+        self._reduced_buckets: set[int] = set()
+
+    @property
+    def is_root(self) -> bool:
+        return self.name == ROOT_UNIT_NAME
+
+    def unshard(self) -> None:
+        if self.state is UnitState.UNSHARDED:
+            return
+        works = [bucket.start_unshard(async_op=True) for bucket in self.buckets]
+        for bucket, work in zip(self.buckets, works):
+            if work is not None:
+                work.wait()
+            bucket.point_params_at_full_weight()
+        self.state = UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        if self.state is UnitState.SHARDED or not self.settings.strategy.shards_weights:
+            return
+        for bucket in self.buckets:
+            bucket.reshard()
+        self.state = UnitState.SHARDED
+
+    def note_bucket_reduced(self, bucket: Bucket) -> bool:
+        """True once every trainable bucket of the unit has launched its reduction."""
+        self._reduced_buckets.add(id(bucket))
+        return len(self._reduced_buckets) == len(self.trainable_buckets)
+
+    def end_backward(self) -> None:
+        self._reduced_buckets.clear()
+        for bucket in self.trainable_buckets:
+            bucket.end_backward()

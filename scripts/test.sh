@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Sets up (scripts/setup.sh) and runs the whole test suite; GPU tests skip without CUDA.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"

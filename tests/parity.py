@@ -1,0 +1,167 @@
+"""Sharded training against a single-process reference on the same model, data and seed.
+
+The reference trains one model on the concatenated global batch (all ranks, all micro-batches),
+keeping fp32 master weights for a bf16 model exactly as megatron_fsdp does. The sharded run
+splits the same rows over ranks and micro-batches. Both report the loss of every step, the
+reduced gradients of the last step and the parameters after the last step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import megatron_fsdp
+from models import Block, make_batch, make_model
+
+
+@dataclass(frozen=True)
+class Setup:
+    strategy: int | str = 3
+    accum: int = 1
+    dtype: torch.dtype = torch.float32
+    optimizer: str = "adam"
+    steps: int = 5
+    micro_rows: int = 2
+    model_options: tuple = ()
+    no_sync_until_last: bool = False
+    sync_each_microbatch: bool = True
+
+    def build_model(self):
+        return make_model(seed=0, dtype=self.dtype, **dict(self.model_options))
+
+
+@dataclass
+class Result:
+    losses: list[float] = field(default_factory=list)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def build_optimizer(params, name: str) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-2)
+    if name == "adamw_foreach":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+    if name == "adam_fused":
+        return torch.optim.Adam(params, lr=1e-2, fused=True)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    raise ValueError(name)
+
+
+def _rows(setup: Setup, world: int, step: int):
+    return make_batch(step, world * setup.accum * setup.micro_rows)
+
+
+def reference_run(setup: Setup, world: int, compute_dtype: torch.dtype | None = None) -> Result:
+    """The single-process run; ``compute_dtype`` overrides the model's dtype (the same initial
+    values, e.g. a bf16 model's weights trained in fp32 as the exact-arithmetic yardstick)."""
+    model = setup.build_model()
+    if compute_dtype is not None:
+        model = model.to(compute_dtype)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    master = {n: p.detach().float().clone().requires_grad_(True) for n, p in trainable}
+    optimizer = build_optimizer(list(master.values()), setup.optimizer)
+    result = Result()
+    for step in range(setup.steps):
+        tokens, targets = _rows(setup, world, step)
+        loss = model(tokens, targets)
+        loss.backward()
+        result.losses.append(loss.item())
+        for name, param in trainable:
+            master[name].grad = param.grad.float()
+        if step == setup.steps - 1:
+            result.grads = {n: p.grad.detach().clone() for n, p in trainable}
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for name, param in trainable:
+                param.copy_(master[name])
+                param.grad = None
+    result.params = {n: (master[n].detach() if n in master else p.detach().float()) for n, p in model.named_parameters()}
+    return result
+
+
+def sharded_run(rank: int, world: int, setup: Setup, device: str = "cpu") -> Result:
+    model = setup.build_model().to(device)
+    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], setup.optimizer)
+    model, optimizer = megatron_fsdp.fully_shard(
+        model,
+        optimizer,
+        fsdp_unit_modules=[Block],
+        zero_dp_strategy=setup.strategy,
+        sync_model_each_microbatch=setup.sync_each_microbatch,
+    )
+    result = Result()
+    for step in range(setup.steps):
+        tokens, targets = _rows(setup, world, step)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for micro in range(setup.accum):
+            start = (micro * world + rank) * setup.micro_rows
+            rows = slice(start, start + setup.micro_rows)
+            deferred = setup.no_sync_until_last and micro < setup.accum - 1
+            with model.no_sync() if deferred else contextlib.nullcontext():
+                loss = model(tokens[rows].to(device), targets[rows].to(device))
+                (loss / setup.accum).backward()
+            total += loss.detach().double()
+        dist.all_reduce(total)
+        result.losses.append(total.item() / (world * setup.accum))
+        model.finish_grad_sync()
+        if step == setup.steps - 1:
+            result.grads = {n: g.cpu() for n, g in model.full_gradients().items()}
+        optimizer.step()
+        optimizer.zero_grad()
+    result.params = {n: p.float().cpu() for n, p in model.full_parameters().items()}
+    return result
+
+
+def sharded_runs(rank: int, world: int, setups: list[Setup], device: str = "cpu") -> list[Result]:
+    return [sharded_run(rank, world, setup, device) for setup in setups]
+
+
+def max_relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest error relative to the tensor's largest magnitude (elementwise relative error is
+    meaningless for entries that are zero up to rounding)."""
+    scale = expected.double().abs().max().clamp_min(1e-30)
+    return ((got.double() - expected.double()).abs().max() / scale).item()
+
+
+def compare(got: Result, expected: Result, loss_rtol: float, grad_rtol: float, param_rtol: float, label: str) -> None:
+    for step, (a, b) in enumerate(zip(got.losses, expected.losses)):
+        assert abs(a - b) <= loss_rtol * abs(b), f"{label}: loss at step {step}: {a} vs reference {b}"
+    assert got.grads.keys() == expected.grads.keys(), f"{label}: gradient names differ"
+    for name, grad in expected.grads.items():
+        err = max_relative_error(got.grads[name], grad)
+        assert err <= grad_rtol, f"{label}: gradient of {name}: relative error {err:.2e} > {grad_rtol:.0e}"
+    assert got.params.keys() == expected.params.keys(), f"{label}: parameter names differ"
+    for name, param in expected.params.items():
+        err = max_relative_error(got.params[name], param)
+        assert err <= param_rtol, f"{label}: parameter {name}: relative error {err:.2e} > {param_rtol:.0e}"
+
+
+def _distances(run: Result, exact: Result) -> dict[str, float]:
+    distances = {f"loss {i}": abs(a - b) / abs(b) for i, (a, b) in enumerate(zip(run.losses, exact.losses))}
+    distances.update({f"grad {n}": max_relative_error(run.grads[n].float(), g.float()) for n, g in exact.grads.items()})
+    distances.update({f"param {n}": max_relative_error(run.params[n], p) for n, p in exact.params.items()})
+    return distances
+
+
+def compare_low_precision(got: Result, reference: Result, exact: Result, label: str, slack: float = 2.0) -> None:
+    """Low-precision runs cannot match each other to a fixed tolerance: the rounding of every
+    activation depends on batch shapes. So, for each of losses, gradients and parameters, the
+    sharded run's largest distance to the exact (fp32-compute) run must be within ``slack``
+    times the single-process low-precision reference's. Both are the same kind of rounding
+    process, so their worst distances differ by a small factor (about 1x measured); a sharding
+    bug (a wrong shard, a missing scale, a gradient counted twice) moves values by O(1)."""
+    ours, theirs = _distances(got, exact), _distances(reference, exact)
+    assert ours.keys() == theirs.keys(), f"{label}: names differ"
+    for kind in ("loss", "grad", "param"):
+        worst_ours = max(v for k, v in ours.items() if k.startswith(kind))
+        worst_theirs = max(v for k, v in theirs.items() if k.startswith(kind))
+        assert worst_ours <= slack * worst_theirs, (
+            f"{label}: worst {kind} distance to fp32 {worst_ours:.2e} > {slack} x the bf16 reference's {worst_theirs:.2e}"
+        )
