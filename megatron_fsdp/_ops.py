@@ -69,6 +69,8 @@ def promoting_reduce(chunks: torch.Tensor, out: torch.Tensor, scale: float = 1.0
 
 def find_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """A bool per tensor, on the tensors' device: does it hold a NaN or an Inf."""
+    if not tensors:  # no tensor argument: the dispatcher would have no device to pick a kernel by
+        return torch.zeros(0, dtype=torch.bool)
     return _ops.find_non_finite(list(tensors))
 
 

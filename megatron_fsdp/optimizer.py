@@ -21,17 +21,18 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) 
             "the optimizer already holds state (it has stepped): build it fresh and shard it before the first step"
         )
     mapping = model.optimizer_params()
-    model_params = {p for p in model.parameters()}
+    model_param_names = {p: n for n, p in model.module.named_parameters()}
     for group_index, group in enumerate(optimizer.param_groups):
         pieces = []
         for param in group["params"]:
             if param not in mapping:
-                reason = (
-                    "it does not require grad" if param in model_params else "it is not a parameter of the sharded model"
-                )
+                if param in model_param_names:
+                    what = f"the model's parameter {model_param_names[param]!r}, which does not require grad"
+                else:
+                    what = f"a parameter of shape {tuple(param.shape)} that is not in the sharded model"
                 raise ValueError(
-                    f"optimizer param group {group_index} holds a parameter of shape {tuple(param.shape)} that "
-                    f"megatron_fsdp cannot step: {reason}. Build the optimizer from the model's trainable parameters"
+                    f"optimizer param group {group_index} holds {what}; megatron_fsdp steps only the model's "
+                    "trainable parameters: build the optimizer from those"
                 )
             pieces.append(mapping[param])
         group["params"] = pieces

@@ -128,6 +128,7 @@ def check_find_non_finite_flags_each_tensor(device: str) -> None:
         assert flags.device.type == torch.device(device).type
         expected = [i in poison for i in range(len(tensors))]
         assert flags.cpu().tolist() == expected, f"{dtype}: {flags.tolist()} != {expected}"
+    assert _ops.find_non_finite([]).shape == (0,)
     big = torch.finfo(torch.float32).max * torch.ones(9, dtype=torch.float64, device=device) * 4
     assert not _ops.find_non_finite([big]).any(), "a finite fp64 value beyond the fp32 range is finite"
     torch.library.opcheck(torch.ops.megatron_fsdp.find_non_finite.default, ([torch.randn(5, device=device), torch.randn(3, 2, device=device)],))

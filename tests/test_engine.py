@@ -1,0 +1,184 @@
+"""Engine behaviour beyond parity: bad input, unit states, memory, inference, no_shard buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+import megatron_fsdp
+from _dist import free_port, run_distributed
+from megatron_fsdp.units import UnitState
+from models import Block, TinyGPT, make_batch, make_model
+
+
+@pytest.fixture
+def single_rank_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fully_shard_without_a_process_group_says_how_to_start_one() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block])
+
+
+@pytest.mark.parametrize("strategy", ["zero3", 4, -1, True, "OPTIM_GRAD"])
+def test_unknown_strategy_is_rejected_with_the_allowed_values(strategy) -> None:
+    with pytest.raises(ValueError, match="use 0, 1, 2, 3 or one of no_shard, optim, optim_grads, optim_grads_params"):
+        megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+
+
+def test_strategy_names_numbers_and_case_are_equivalent() -> None:
+    parse = megatron_fsdp.ShardingStrategy.parse
+    assert parse("optim_grads_params") is parse(3) is parse("OPTIM_GRADS_PARAMS")
+    assert [parse(i).label for i in range(4)] == ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
+def test_unit_class_absent_from_the_model_is_named(single_rank_group) -> None:
+    with pytest.raises(ValueError, match=r"torch.nn.modules.rnn.LSTM.*holds no module of that class.*Block"):
+        megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block, torch.nn.LSTM])
+
+
+def test_unit_import_paths_resolve_and_bad_ones_are_named(single_rank_group) -> None:
+    model = megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=["models.Block"])
+    assert [u.name for u in model.units] == ["<root>", "blocks.0", "blocks.1"]
+    with pytest.raises(ValueError, match="'models.NoSuchBlock' cannot be imported"):
+        megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=["models.NoSuchBlock"])
+
+
+def test_sharding_strategies_need_units(single_rank_group) -> None:
+    with pytest.raises(ValueError, match="needs fsdp_unit_modules"):
+        megatron_fsdp.fully_shard_model(make_model(), zero_dp_strategy="optim")
+
+
+def test_mesh_without_the_named_dim_lists_its_dims(single_rank_group) -> None:
+    mesh = DeviceMesh("cpu", [0], mesh_dim_names=("dp",))
+    with pytest.raises(ValueError, match=r"no dim named 'dp_shard_cp' \(its dims: \('dp',\)\)"):
+        megatron_fsdp.fully_shard_model(make_model(), device_mesh=mesh, dp_shard_dim="dp_shard_cp", fsdp_unit_modules=[Block])
+    model = megatron_fsdp.fully_shard_model(make_model(), device_mesh=mesh, dp_shard_dim="dp", fsdp_unit_modules=[Block])
+    assert model.dp.size == 1
+
+
+def test_optimizer_holding_foreign_or_frozen_params_is_rejected(single_rank_group) -> None:
+    model = make_model(frozen=True)
+    stranger = torch.nn.Parameter(torch.zeros(3, 5))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with pytest.raises(ValueError, match=r"shape \(3, 5\) that is not in the sharded model"):
+        megatron_fsdp.fully_shard(model, torch.optim.SGD(trainable + [stranger], lr=0.1), fsdp_unit_modules=[Block])
+    model = make_model(frozen=True)
+    with pytest.raises(ValueError, match="parameter 'blocks.0.norm1.weight', which does not require grad"):
+        megatron_fsdp.fully_shard(model, torch.optim.SGD(model.parameters(), lr=0.1), fsdp_unit_modules=[Block])
+
+
+@pytest.mark.parametrize(
+    "argument, value, feature",
+    [
+        ("dp_outer_dim", "dp_outer", "hybrid sharding"),
+        ("tp_dim", "tp", "tensor-parallel"),
+        ("init_model_with_meta_device", True, "meta-device"),
+        ("grad_reduce_in_fp32", True, "mixed precision"),
+        ("outer_dp_sharding_strategy", "optim", "HFSDP"),
+    ],
+)
+def test_features_not_built_yet_raise_instead_of_being_ignored(argument, value, feature) -> None:
+    with pytest.raises(NotImplementedError, match=feature):
+        megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block], **{argument: value})
+
+
+def test_optimizer_is_found_from_its_parameters(single_rank_group) -> None:
+    model = megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block])
+    optimizer = megatron_fsdp.fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert optimizer.param_groups[0]["params"][0] is model.optimizer_params()[next(model.parameters())]
+    with pytest.raises(ValueError, match="already passed"):
+        megatron_fsdp.fully_shard_optimizer(optimizer, model)
+
+
+def _unit_lifecycle(rank: int, world: int, layers: int) -> dict:
+    model = make_model(layers=layers)
+    model, optimizer = megatron_fsdp.fully_shard(model, torch.optim.SGD(model.parameters(), lr=0.1), fsdp_unit_modules=[Block])
+    seen = {}
+    block = model.module.blocks[1]
+
+    def record_shape(module, args) -> None:
+        seen.setdefault("in_forward", block.up.weight.shape)
+
+    block.register_forward_pre_hook(record_shape)  # runs after the unit's own gathering pre-hook
+    tokens, targets = make_batch(0, 2)
+    loss = model(tokens, targets)
+    states_after_forward = [u.state for u in model.units]
+    loss.backward()
+    states_after_backward = [u.state for u in model.units]
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        model.eval()
+        inference_loss = model(tokens, targets).item()
+    return {
+        "in_forward": tuple(seen["in_forward"]),
+        "after_step": tuple(block.up.weight.shape),
+        "forward": states_after_forward,
+        "backward": states_after_backward,
+        "after_inference": [u.state for u in model.units],
+        "in_use": model.pool.bytes_in_use(),
+        "high_water": model.pool.high_water_mark(),
+        "inference_loss": inference_loss,
+        "params": model.full_parameters(),
+    }
+
+
+def test_units_gather_for_use_and_reshard_after_and_the_pool_is_bounded() -> None:
+    results = run_distributed(_unit_lifecycle, 2, 4)
+    deeper = run_distributed(_unit_lifecycle, 2, 8)
+    for r, r_deeper in zip(results, deeper):
+        assert r["in_forward"] == (52, 20), "inside its forward a unit's parameters have their full shape"
+        assert r["after_step"] == (0,), "outside forward/backward a sharded parameter holds no memory"
+        assert r["forward"] == [UnitState.UNSHARDED] + [UnitState.SHARDED] * 4, "only the root stays gathered for backward"
+        assert r_deeper["in_use"] == 0
+        assert r["backward"] == [UnitState.SHARDED] * 5
+        assert r["after_inference"] == [UnitState.SHARDED] * 5
+        assert r["in_use"] == 0, "every pooled bucket is returned after the step"
+        # The pool holds the root, about two gathered units and the reductions in flight: twice
+        # the depth must not need more memory.
+        assert r_deeper["high_water"] == r["high_water"], f"peak pool use grew with depth: {r['high_water']} -> {r_deeper['high_water']} B"
+    reference = make_model(layers=4)
+    missing = reference.load_state_dict(results[0]["params"], strict=False).missing_keys
+    assert missing == ["head.weight"], "only the head, tied to the embedding, is not a parameter of its own"
+    with torch.no_grad():
+        expected = reference.eval()(*make_batch(0, 2)).item()
+    assert abs(results[0]["inference_loss"] - expected) <= 1e-5 * abs(expected), "no_grad inference uses the stepped weights"
+
+
+def _no_shard_buffers(rank: int, world: int) -> dict:
+    model = megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block], zero_dp_strategy="no_shard")
+    optimizer = megatron_fsdp.fully_shard_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model)
+    buckets = [b for u in model.units for b in u.buckets]
+    views_share_buffer = all(
+        p.untyped_storage().data_ptr() == b.full_weight.untyped_storage().data_ptr() for b in buckets for p in b.params
+    )
+    for step in range(2):
+        tokens, targets = make_batch(step, 2 * world)
+        model(tokens[rank::world], targets[rank::world]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "buffers": [b.full_weight.untyped_storage().nbytes() for b in buckets],
+        "views_share_buffer": views_share_buffer,
+        "state_dict": {k: v.clone() for k, v in model.module.state_dict().items()},
+    }
+
+
+def test_no_shard_keeps_its_weight_buffer_and_replicas_in_sync() -> None:
+    """Seed 001's bug: ``no_shard`` built no weight buffer, breaking checkpoints and parameter
+    sync. Here every bucket has one, parameters are views into it, and after steps every rank
+    holds the same full weights."""
+    results = run_distributed(_no_shard_buffers, 2)
+    for r in results:
+        assert all(nbytes > 0 for nbytes in r["buffers"])
+        assert r["views_share_buffer"]
+    expected_shapes = {k: v.shape for k, v in TinyGPT().state_dict().items()}
+    assert {k: v.shape for k, v in results[0]["state_dict"].items()} == expected_shapes
+    for key, value in results[0]["state_dict"].items():
+        assert torch.equal(value, results[1]["state_dict"][key]), f"ranks disagree on {key}"
