@@ -4,6 +4,7 @@ fp32 main-parameter pieces, then installing them into the compute weights."""
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
@@ -41,18 +42,19 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) 
     original_zero_grad = optimizer.zero_grad
 
     @functools.wraps(original_step)
-    def step(*args, **kwargs):
+    def step(self, *args, **kwargs):
         model.prepare_optimizer_step()
         result = original_step(*args, **kwargs)
         model.install_optimizer_step()
         return result
 
     @functools.wraps(original_zero_grad)
-    def zero_grad(set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         model.zero_grad_buffer()
         original_zero_grad(set_to_none)
 
-    optimizer.step = step
-    optimizer.zero_grad = zero_grad
+    # Bound methods, as LR schedulers re-wrap ``optimizer.step`` through its ``__func__``.
+    optimizer.step = types.MethodType(step, optimizer)
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
     optimizer._megatron_fsdp_model = model
     return optimizer

@@ -57,10 +57,10 @@ def _rows(setup: Setup, world: int, step: int):
     return make_batch(step, world * setup.accum * setup.micro_rows)
 
 
-def reference_run(setup: Setup, world: int, compute_dtype: torch.dtype | None = None) -> Result:
+def reference_run(setup: Setup, world: int, compute_dtype: torch.dtype | None = None, device: str = "cpu") -> Result:
     """The single-process run; ``compute_dtype`` overrides the model's dtype (the same initial
     values, e.g. a bf16 model's weights trained in fp32 as the exact-arithmetic yardstick)."""
-    model = setup.build_model()
+    model = setup.build_model().to(device)
     if compute_dtype is not None:
         model = model.to(compute_dtype)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -69,20 +69,20 @@ def reference_run(setup: Setup, world: int, compute_dtype: torch.dtype | None = 
     result = Result()
     for step in range(setup.steps):
         tokens, targets = _rows(setup, world, step)
-        loss = model(tokens, targets)
+        loss = model(tokens.to(device), targets.to(device))
         loss.backward()
         result.losses.append(loss.item())
         for name, param in trainable:
             master[name].grad = param.grad.float()
         if step == setup.steps - 1:
-            result.grads = {n: p.grad.detach().clone() for n, p in trainable}
+            result.grads = {n: p.grad.detach().cpu() for n, p in trainable}
         optimizer.step()
         optimizer.zero_grad()
         with torch.no_grad():
             for name, param in trainable:
                 param.copy_(master[name])
                 param.grad = None
-    result.params = {n: (master[n].detach() if n in master else p.detach().float()) for n, p in model.named_parameters()}
+    result.params = {n: (master[n] if n in master else p).detach().float().cpu() for n, p in model.named_parameters()}
     return result
 
 

@@ -96,6 +96,23 @@ def test_optimizer_is_found_from_its_parameters(single_rank_group) -> None:
         megatron_fsdp.fully_shard_optimizer(optimizer, model)
 
 
+def test_lr_schedulers_drive_the_sharded_optimizer(single_rank_group) -> None:
+    model = make_model()
+    model, optimizer = megatron_fsdp.fully_shard(model, torch.optim.SGD(model.parameters(), lr=1.0), fsdp_unit_modules=[Block])
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    before = model.full_parameters()["blocks.0.up.bias"].clone()
+    for step in range(2):
+        model(*make_batch(step, 2)).backward()
+        grad = model.full_gradients()["blocks.0.up.bias"] if step == 1 else None
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+        if step == 0:
+            before = model.full_parameters()["blocks.0.up.bias"].clone()
+    after = model.full_parameters()["blocks.0.up.bias"]
+    torch.testing.assert_close(after, before - 0.5 * grad, rtol=1e-6, atol=1e-7)
+
+
 def _unit_lifecycle(rank: int, world: int, layers: int) -> dict:
     model = make_model(layers=layers)
     model, optimizer = megatron_fsdp.fully_shard(model, torch.optim.SGD(model.parameters(), lr=0.1), fsdp_unit_modules=[Block])

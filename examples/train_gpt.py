@@ -1,0 +1,134 @@
+"""Train a small character-level GPT with megatron_fsdp.
+
+    torchrun --standalone --nproc_per_node 2 examples/train_gpt.py
+
+Runs on CPU with gloo, or on CUDA with NCCL when GPUs are present (one per process). The corpus
+is examples/data/corpus.txt (public-domain text shipped with the repo); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import megatron_fsdp
+from gpt_model import GPT, GPTConfig, TransformerBlock
+
+CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", default="optim_grads_params", help="zero_dp_strategy: 0..3 or its name")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--micro-batch", type=int, default=16, help="sequences per rank per micro-batch")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--bf16", action="store_true", help="compute in bf16 (fp32 main weights stay in the optimizer)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sample-chars", type=int, default=200, help="characters of text to generate at the end")
+    return parser.parse_args()
+
+
+def setup_distributed() -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+        return torch.device("cuda")
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+class CharData:
+    """The corpus as character ids; batches are drawn with a per-rank generator."""
+
+    def __init__(self, path: str, seq_len: int, seed: int) -> None:
+        with open(path, encoding="ascii") as handle:
+            text = handle.read()
+        self.chars = sorted(set(text))
+        self.index = {c: i for i, c in enumerate(self.chars)}
+        self.data = torch.tensor([self.index[c] for c in text], dtype=torch.long)
+        self.seq_len = seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def batch(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (rows,), generator=self.generator)
+        window = torch.stack([self.data[s : s + self.seq_len + 1] for s in starts.tolist()])
+        return window[:, :-1].to(device), window[:, 1:].to(device)
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, data: CharData, prompt: str, length: int, device: torch.device) -> str:
+    """Sampling runs on every rank in lockstep: a sharded model's forward is a collective."""
+    generator = torch.Generator(device=device).manual_seed(1234)
+    ids = [data.index[c] for c in prompt]
+    for _ in range(length):
+        context = torch.tensor([ids[-data.seq_len :]], device=device)
+        logits = model(context)[0, -1].float()
+        probs = F.softmax(logits / 0.8, dim=-1)
+        ids.append(int(torch.multinomial(probs, 1, generator=generator)))
+    return data.decode(ids)
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    device = setup_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = CharData(CORPUS, args.seq_len, seed=args.seed + rank)
+
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    config = GPTConfig(vocab_size=len(data.chars), seq_len=args.seq_len, layers=args.layers, hidden=args.hidden,
+                       heads=args.heads, ffn=int(args.hidden * 8 / 3) // 16 * 16)
+    model = GPT(config).to(device, torch.bfloat16 if args.bf16 else torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    model, optimizer = megatron_fsdp.fully_shard(
+        model, optimizer, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=args.strategy
+    )
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
+
+    tokens_per_step = world * args.grad_accum * args.micro_batch * args.seq_len
+    progress = tqdm(range(args.steps), disable=rank != 0, desc="train", unit="step")
+    first_loss = last_loss = None
+    for _ in progress:
+        started = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(args.grad_accum):
+            inputs, targets = data.batch(args.micro_batch, device)
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.float().view(-1, config.vocab_size), targets.reshape(-1))
+            (loss / args.grad_accum).backward()
+            loss_sum += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+        dist.all_reduce(loss_sum)
+        last_loss = loss_sum.item() / (world * args.grad_accum)
+        first_loss = first_loss if first_loss is not None else last_loss
+        progress.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_step / (time.perf_counter() - started):,.0f}")
+
+    model.eval()
+    sample = generate(model, data, "Shall I compare thee", args.sample_chars, device)
+    if rank == 0:
+        logging.info("loss %.3f -> %.3f over %d steps (%s, %d ranks)", first_loss, last_loss, args.steps,
+                     megatron_fsdp.ShardingStrategy.parse(args.strategy).label, world)
+        logging.info("sample:\n%s", sample)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The parity tests of test_parity.py on NCCL: 2 GPUs against a single-GPU reference run of
+the same model, data and seed (tolerances and their reasons as in test_parity.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from _dist import run_distributed
+from parity import Setup, compare, compare_low_precision, reference_run, sharded_runs
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"
+)
+
+WORLD = 2
+SETUPS = {
+    f"{dtype_name}-s{strategy}-a{accum}": Setup(
+        strategy=strategy, accum=accum, dtype=dtype, optimizer="adam" if dtype == torch.float32 else "sgd"
+    )
+    for strategy in range(4)
+    for accum in (1, 3)
+    for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+}
+SETUPS["frozen-reused-s3"] = Setup(
+    strategy=3, accum=2, optimizer="sgd", model_options=(("tie", False), ("frozen", True), ("reuse_last_block", True))
+)
+SETUPS["no-sync-s1"] = Setup(strategy=1, accum=3, no_sync_until_last=True)
+
+
+@functools.cache
+def _results() -> dict:
+    names = list(SETUPS)
+    per_rank = run_distributed(sharded_runs, WORLD, [SETUPS[n] for n in names], "cuda", backend="nccl", timeout=600)
+    return dict(zip(names, per_rank[0]))
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32_matmuls():
+    # TF32 would make the fp32 reference itself inexact.
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@pytest.mark.parametrize("name", list(SETUPS))
+def test_nccl_run_matches_single_gpu_reference(name: str) -> None:
+    setup = SETUPS[name]
+    got = _results()[name]
+    reference = reference_run(setup, WORLD, device="cuda")
+    if setup.dtype == torch.float32:
+        compare(got, reference, 1e-5, 1e-5, 1e-5, f"{name} nccl")
+    else:
+        exact = reference_run(setup, WORLD, compute_dtype=torch.float32, device="cuda")
+        compare_low_precision(got, reference, exact, f"{name} nccl")
