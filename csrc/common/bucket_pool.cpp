@@ -42,9 +42,10 @@ BucketPool::~BucketPool() {
 
 at::Tensor BucketPool::placeholder(int64_t numel, at::ScalarType dtype, at::Device device) {
   TORCH_CHECK(numel >= 0, "BucketPool.placeholder: numel must be >= 0, got ", numel);
-  auto storage = c10::Storage(c10::Storage::use_byte_size_t(), 0, at::DataPtr(nullptr, device),
-                              /*allocator=*/nullptr, /*resizable=*/false);
   auto bucket = at::empty({0}, at::TensorOptions().dtype(dtype).device(device));
+  // The tensor's device carries an index even when `device` ("cuda") did not.
+  auto storage = c10::Storage(c10::Storage::use_byte_size_t(), 0, at::DataPtr(nullptr, bucket.device()),
+                              /*allocator=*/nullptr, /*resizable=*/false);
   auto* impl = bucket.unsafeGetTensorImpl();
   impl->set_storage_keep_dtype(std::move(storage));
   impl->set_sizes_contiguous({numel});
