@@ -1,8 +1,8 @@
 """megatron_fsdp: fully sharded data parallelism for PyTorch on flat, per-unit, dtype-aware buffers."""
 
 from megatron_fsdp.api import fully_shard, fully_shard_model, fully_shard_optimizer
-from megatron_fsdp.config import ShardingStrategy
+from megatron_fsdp.config import MixedPrecisionPolicy, ShardingStrategy
 from megatron_fsdp.module import MegatronFSDP
 
-__all__ = ["MegatronFSDP", "ShardingStrategy", "fully_shard", "fully_shard_model", "fully_shard_optimizer"]
+__all__ = ["MegatronFSDP", "MixedPrecisionPolicy", "ShardingStrategy", "fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 __version__ = "0.1.0"

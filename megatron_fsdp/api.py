@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from megatron_fsdp.config import FSDPSettings, ShardingStrategy
+from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
 from megatron_fsdp.mesh import resolve_dp_shard_group
 from megatron_fsdp.module import MegatronFSDP
 from megatron_fsdp.optimizer import distribute_optimizer
@@ -25,11 +27,6 @@ _NOT_YET_SUPPORTED = {
     "tp_dim": (None, "tensor-parallel meshes"),
     "expt_device_mesh": (None, "expert-parallel meshes"),
     "init_model_with_meta_device": (False, "meta-device initialisation"),
-    "mixed_precision_policy": (None, "MixedPrecisionPolicy (mixed precision)"),
-    "grad_reduce_in_fp32": (False, "fp32 gradient reduction (mixed precision)"),
-    "preserve_fp32_weights": (True, "turning off fp32 main weights (mixed precision)"),
-    "check_for_nan_in_grad": (False, "NaN checks of reduced gradients (mixed precision)"),
-    "report_nan_in_param_grad": (False, "NaN reports per parameter (mixed precision)"),
     "nccl_ub": (False, "NCCL user-buffer registration (GPU performance)"),
 }
 
@@ -40,7 +37,7 @@ def _reject_unsupported(arguments: dict[str, Any]) -> None:
         if name == "outer_dp_sharding_strategy":
             is_default = ShardingStrategy.parse(value, name) is ShardingStrategy.NO_SHARD
         else:
-            is_default = value is default or (isinstance(value, bool) and value == default)
+            is_default = value is default or value == default
         if not is_default:
             raise NotImplementedError(
                 f"{name}={value!r} needs {feature}, which megatron_fsdp does not support yet; leave {name} at {default!r}"
@@ -59,6 +56,28 @@ def _module_device(module: nn.Module) -> torch.device:
     return next(iter(devices), torch.device("cpu"))
 
 
+def _resolve_policy(
+    policy: MixedPrecisionPolicy | None, grad_reduce_in_fp32: bool | None, preserve_fp32_weights: bool | None
+) -> MixedPrecisionPolicy:
+    """The policy, or one built from the deprecated flags (with a DeprecationWarning)."""
+    legacy = {"grad_reduce_in_fp32": grad_reduce_in_fp32, "preserve_fp32_weights": preserve_fp32_weights}
+    given = [name for name, value in legacy.items() if value is not None]
+    if not given:
+        return policy or MixedPrecisionPolicy()
+    if policy is not None:
+        raise ValueError(f"pass either mixed_precision_policy or {' / '.join(given)}, not both")
+    warnings.warn(
+        f"{' and '.join(given)} are deprecated: use mixed_precision_policy=MixedPrecisionPolicy("
+        "main_params_dtype=..., main_grads_dtype=..., grad_comm_dtype=...)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return MixedPrecisionPolicy(
+        main_params_dtype=torch.float32 if preserve_fp32_weights in (None, True) else None,
+        main_grads_dtype=torch.float32 if grad_reduce_in_fp32 else None,
+    )
+
+
 def fully_shard_model(
     module: nn.Module,
     device_mesh: DeviceMesh | None = None,
@@ -72,8 +91,8 @@ def fully_shard_model(
     outer_dp_sharding_strategy: int | str = "no_shard",
     device: torch.device | str | None = None,
     init_model_with_meta_device: bool = False,
-    grad_reduce_in_fp32: bool = False,
-    preserve_fp32_weights: bool = True,
+    grad_reduce_in_fp32: bool | None = None,
+    preserve_fp32_weights: bool | None = None,
     overlap_grad_reduce: bool = True,
     overlap_param_gather: bool = True,
     sync_model_each_microbatch: bool = True,
@@ -82,7 +101,7 @@ def fully_shard_model(
     report_nan_in_param_grad: bool = False,
     fsdp_double_buffer: bool = False,
     nccl_ub: bool = False,
-    mixed_precision_policy: Any = None,
+    mixed_precision_policy: MixedPrecisionPolicy | None = None,
 ) -> MegatronFSDP:
     """Shards ``module`` over the data-parallel group and returns the :class:`MegatronFSDP`
     wrapper. See docs/api.md for every argument; the essentials:
@@ -95,6 +114,11 @@ def fully_shard_model(
       default process group.
     - ``sync_model_each_microbatch`` (default True): finish every gradient reduction at the end
       of each backward; False leaves that to ``finish_grad_sync()`` / the optimizer step.
+    - ``mixed_precision_policy``: see :class:`MixedPrecisionPolicy`; ``grad_reduce_in_fp32`` and
+      ``preserve_fp32_weights`` are its deprecated predecessors.
+    - ``check_for_nan_in_grad``: raise, naming the step, when reduced gradients hold NaN/Inf.
+    - ``report_nan_in_param_grad``: raise at the end of backward, naming every parameter whose
+      local gradient holds NaN/Inf and the ranks where it does (one device check per gradient).
     """
     _reject_unsupported(locals())
     strategy = ShardingStrategy.parse(zero_dp_strategy)
@@ -110,8 +134,12 @@ def fully_shard_model(
     if device is not None:
         module.to(device)
     _module_device(module)
+    policy = _resolve_policy(mixed_precision_policy, grad_reduce_in_fp32, preserve_fp32_weights)
     settings = FSDPSettings(
         strategy=strategy,
+        mixed_precision=policy,
+        check_for_nan_in_grad=check_for_nan_in_grad,
+        report_nan_in_param_grad=report_nan_in_param_grad,
         sync_model_each_microbatch=sync_model_each_microbatch,
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,

@@ -9,6 +9,7 @@ optimizer steps, one tensor per parameter covering this rank's piece of it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,13 +17,10 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fsdp import _ops
-from megatron_fsdp.collectives import all_gather_shards, all_reduce_sum, reduce_scatter_sum
-from megatron_fsdp.config import FSDPSettings, ShardingStrategy
+from megatron_fsdp.collectives import all_gather_shards, all_reduce_sum, all_to_all, reduce_scatter_sum
+from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
 from megatron_fsdp.layout import BucketLayout, alignment_in_elements, build_bucket_layout
 from megatron_fsdp.mesh import DataParallelGroup
-
-MAIN_PARAMS_DTYPE = torch.float32
-
 
 def _released_placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """What a sharded parameter's ``.data`` is: an empty tensor, so stray reads fail loudly."""
@@ -31,10 +29,12 @@ def _released_placeholder(dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 @dataclass
 class PendingReduction:
+    """A launched reduction: ``finish`` runs once ``work`` is done and adds the result into the
+    main gradient."""
+
     bucket: Bucket
     work: dist.Work | None
-    unreduced: torch.Tensor
-    reduced: torch.Tensor
+    finish: Callable[[], None]
 
 
 class Bucket:
@@ -52,6 +52,7 @@ class Bucket:
         self.strategy = settings.strategy
         self.pool = pool
         self.dtype = params[0].dtype
+        self.dtypes = settings.mixed_precision.resolve(self.dtype)
         self.device = params[0].device
         self.requires_grad = params[0].requires_grad
         self.shapes = [p.shape for p in params]
@@ -76,6 +77,10 @@ class Bucket:
 
         self.unreduced_grad: torch.Tensor | None = None
         self.grads_received = [False] * len(params)
+        # One flag per parameter, set on the device when a local gradient holds NaN/Inf.
+        self.nonfinite_flags = (
+            torch.zeros(len(params), dtype=torch.bool, device=self.device) if settings.report_nan_in_param_grad else None
+        )
         if self.requires_grad:
             self._init_main_state()
 
@@ -103,10 +108,10 @@ class Bucket:
         else:
             self.main_start, self.main_end = self.shard_start, self.shard_end
         weights = self._main_weight_target()
-        # With fp32 compute weights the main params are the weights themselves: nothing to copy.
-        self.main_params_alias_weights = self.dtype == MAIN_PARAMS_DTYPE
-        self.main_params = weights if self.main_params_alias_weights else weights.to(MAIN_PARAMS_DTYPE)
-        self.main_grad = torch.zeros(self.main_end - self.main_start, dtype=self.dtype, device=self.device)
+        # Main params in the compute dtype are the weights themselves: nothing to copy.
+        self.main_params_alias_weights = self.dtypes.main_params == self.dtype
+        self.main_params = weights if self.main_params_alias_weights else weights.to(self.dtypes.main_params)
+        self.main_grad = torch.zeros(self.main_end - self.main_start, dtype=self.dtypes.main_grads, device=self.device)
         self.optim_params: list[nn.Parameter] = []
         self.optim_ranges: list[tuple[int, int]] = []
         for index in range(len(self.params)):
@@ -140,14 +145,28 @@ class Bucket:
 
     # -- gradients ----------------------------------------------------------------------------
 
+    def set_policy(self, policy: MixedPrecisionPolicy) -> None:
+        """Switches the communication dtype between steps; the buffers' dtypes are fixed."""
+        new = policy.resolve(self.dtype)
+        if (new.main_params, new.main_grads) != (self.dtypes.main_params, self.dtypes.main_grads):
+            raise ValueError(
+                "only grad_comm_dtype can change after fully_shard; main_params_dtype and main_grads_dtype size the buffers"
+            )
+        self.dtypes = new
+
     def add_grad(self, index: int, grad: torch.Tensor) -> bool:
         """Adds one parameter's gradient into the un-reduced buffer; True once every parameter
         of the bucket has delivered its gradient in this backward."""
         if self.unreduced_grad is None:
-            self.unreduced_grad = self.pool.fetch(self.layout.padded_numel, self.dtype, self.device, "grads")
+            # Strategies 0/1 accumulate micro-batches locally: in the main-gradient dtype. 2/3
+            # hold one micro-batch: straight in the communication dtype.
+            dtype = self.dtypes.comm if self.strategy.shards_grads else self.dtypes.main_grads
+            self.unreduced_grad = self.pool.fetch(self.layout.padded_numel, dtype, self.device, "grads")
             self.unreduced_grad.zero_()
         slot = self.layout.slots[index]
         self.unreduced_grad[slot.offset : slot.end].add_(grad.reshape(-1))
+        if self.nonfinite_flags is not None:
+            self.nonfinite_flags[index : index + 1].logical_or_(_ops.find_non_finite([grad]))
         self.grads_received[index] = True
         return all(self.grads_received)
 
@@ -155,24 +174,57 @@ class Bucket:
         self.grads_received = [False] * len(self.params)
 
     def start_reduction(self, async_op: bool) -> PendingReduction:
-        """Launches the reduction of the un-reduced buffer: all-reduce for no_shard, else a
-        reduce-scatter whose shard is added into the main gradient when finished."""
+        """Launches the reduction of the un-reduced buffer. Same-precision communication: an
+        all-reduce (no_shard) or reduce-scatter. Lower-precision communication: an all-to-all
+        of the chunks, summed in the main-gradient dtype by ``promoting_reduce``."""
         unreduced, self.unreduced_grad = self.unreduced_grad, None
+        comm = self._in_comm_dtype(unreduced)
+        group = self.dp.group
+        if self.dtypes.promotes_reduction:
+            received = self.pool.fetch(self.layout.padded_numel, comm.dtype, self.device, "received_grads")
+            work = all_to_all(received, comm, group, async_op=async_op)
+            return PendingReduction(self, work, lambda: self._finish_promoted(comm, received))
         if self.strategy is ShardingStrategy.NO_SHARD:
-            work = all_reduce_sum(unreduced, self.dp.group, async_op=async_op)
-            return PendingReduction(self, work, unreduced, unreduced)
-        reduced = self.pool.fetch(self.layout.shard_numel, self.dtype, self.device, "reduced_grads")
-        work = reduce_scatter_sum(reduced, unreduced, self.dp.group, async_op=async_op)
-        return PendingReduction(self, work, unreduced, reduced)
+            work = all_reduce_sum(comm, group, async_op=async_op)
+            return PendingReduction(self, work, lambda: self._add_to_main_grad(comm, comm))
+        reduced = self.pool.fetch(self.layout.shard_numel, comm.dtype, self.device, "reduced_grads")
+        work = reduce_scatter_sum(reduced, comm, group, async_op=async_op)
+        return PendingReduction(self, work, lambda: self._add_to_main_grad(reduced, comm, reduced))
+
+    def _in_comm_dtype(self, unreduced: torch.Tensor) -> torch.Tensor:
+        """The un-reduced gradients in the communication dtype: a pooled copy only when the
+        dtypes differ, released right after the reduction."""
+        if unreduced.dtype == self.dtypes.comm:
+            return unreduced
+        comm = self.pool.fetch(unreduced.numel(), self.dtypes.comm, self.device, "comm_grads")
+        comm.copy_(unreduced)
+        self.pool.release(unreduced)
+        return comm
+
+    def _add_to_main_grad(self, reduced: torch.Tensor, *pooled: torch.Tensor) -> None:
+        # Gradients are averaged over the group: each rank's loss is a mean over its own batch.
+        self.main_grad.add_(reduced, alpha=1.0 / self.dp.size)
+        for buffer in pooled:
+            self.pool.release(buffer)
+
+    def _finish_promoted(self, comm: torch.Tensor, received: torch.Tensor) -> None:
+        chunks = received.view(self.dp.size, self.layout.shard_numel)
+        if self.strategy is ShardingStrategy.NO_SHARD:
+            # This rank sums its shard in high precision, then every rank gathers every shard.
+            shard = self.pool.fetch(self.layout.shard_numel, self.dtypes.main_grads, self.device, "reduced_grads")
+            _ops.promoting_reduce(chunks, shard, scale=1.0 / self.dp.size)
+            all_gather_shards(comm, shard.to(comm.dtype), self.dp.group)
+            self.main_grad.add_(comm)
+            self.pool.release(shard)
+        else:
+            _ops.promoting_reduce(chunks, self.main_grad, scale=1.0 / self.dp.size, accumulate=True)
+        self.pool.release(received)
+        self.pool.release(comm)
 
     def finish_reduction(self, pending: PendingReduction) -> None:
         if pending.work is not None:
             pending.work.wait()
-        # Gradients are averaged over the group: each rank's loss is a mean over its own batch.
-        self.main_grad.add_(pending.reduced, alpha=1.0 / self.dp.size)
-        if pending.reduced is not pending.unreduced:
-            self.pool.release(pending.reduced)
-        self.pool.release(pending.unreduced)
+        pending.finish()
 
     def zero_main_grad(self) -> None:
         self.main_grad.zero_()
@@ -182,7 +234,8 @@ class Bucket:
     # -- optimizer ----------------------------------------------------------------------------
 
     def attach_optimizer_grads(self) -> None:
-        grads = self.main_grad if self.main_grad.dtype == MAIN_PARAMS_DTYPE else self.main_grad.to(MAIN_PARAMS_DTYPE)
+        main_dtype = self.main_params.dtype
+        grads = self.main_grad if self.main_grad.dtype == main_dtype else self.main_grad.to(main_dtype)
         for optim_param, (lo, hi) in zip(self.optim_params, self.optim_ranges):
             optim_param.grad = grads[lo:hi]
 

@@ -26,3 +26,8 @@ def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group: dist.Proc
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """``tensor`` = the sum of every rank's ``tensor``, in place."""
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_to_all(received: torch.Tensor, sent: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """Chunk r of ``sent`` goes to rank r; ``received`` holds every rank's chunk for this rank."""
+    return dist.all_to_all_single(received, sent, group=group, async_op=async_op)

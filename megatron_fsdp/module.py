@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from megatron_fsdp import _ops
-from megatron_fsdp.config import FSDPSettings
+from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy
 from megatron_fsdp.mesh import DataParallelGroup
 from megatron_fsdp.schedule import StepScheduler, StepState
 from megatron_fsdp.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_to_units, find_unit_modules
@@ -73,7 +73,9 @@ class MegatronFSDP(nn.Module):
         for param in module.parameters():
             # Lets fully_shard_optimizer(optimizer) find this wrapper from the optimizer's params.
             param._megatron_fsdp_owner = weakref.ref(self)
-        self.scheduler = StepScheduler(self.units, settings)
+        self.scheduler = StepScheduler(self.units, settings, dp)
+        self._policy = settings.mixed_precision
+        self.optimizer_steps = 0
         self._register_hooks(unit_modules)
         total = sum(b.layout.padded_numel for u in self.units for b in u.buckets)
         logger.info(
@@ -158,12 +160,32 @@ class MegatronFSDP(nn.Module):
         if self.scheduler.state is not StepState.IDLE:
             raise RuntimeError("optimizer.step() was called during forward or backward")
         self.finish_grad_sync()
+        if self.settings.check_for_nan_in_grad:
+            self.scheduler.check_reduced_grads_finite(self.optimizer_steps)
         for bucket in self._trainable_buckets():
             bucket.attach_optimizer_grads()
 
     def install_optimizer_step(self) -> None:
         for bucket in self._trainable_buckets():
             bucket.install_main_params()
+        self.optimizer_steps += 1
+
+    # -- mixed precision ----------------------------------------------------------------------
+
+    @property
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        return self._policy
+
+    @mixed_precision_policy.setter
+    def mixed_precision_policy(self, policy: MixedPrecisionPolicy) -> None:
+        """Between steps, ``grad_comm_dtype`` may change (e.g. to bf16 once training is stable);
+        the main-parameter and main-gradient dtypes size the buffers and stay."""
+        if self.scheduler.state is not StepState.IDLE:
+            raise RuntimeError("change the mixed-precision policy between steps, not during forward or backward")
+        for unit in self.units:
+            for bucket in unit.buckets:
+                bucket.set_policy(policy)
+        self._policy = policy
 
     # -- inspection ---------------------------------------------------------------------------
 

@@ -13,10 +13,14 @@ import logging
 from collections import deque
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 
+from megatron_fsdp import _ops
 from megatron_fsdp.buffer import Bucket, PendingReduction
+from megatron_fsdp.collectives import all_gather_shards
 from megatron_fsdp.config import FSDPSettings
+from megatron_fsdp.mesh import DataParallelGroup
 from megatron_fsdp.units import FSDPUnit
 
 logger = logging.getLogger(__name__)
@@ -29,9 +33,10 @@ class StepState(enum.Enum):
 
 
 class StepScheduler:
-    def __init__(self, units: list[FSDPUnit], settings: FSDPSettings) -> None:
+    def __init__(self, units: list[FSDPUnit], settings: FSDPSettings, dp: DataParallelGroup) -> None:
         self.units = units
         self.settings = settings
+        self.dp = dp
         self.state = StepState.IDLE
         self.sync_grads = True
         self._pending: deque[PendingReduction] = deque()
@@ -99,6 +104,30 @@ class StepScheduler:
         self.state = StepState.IDLE
         if self.settings.sync_model_each_microbatch:
             self.finish_grad_sync()
+        if self.settings.report_nan_in_param_grad:
+            self._report_nonfinite_param_grads()
+
+    def _report_nonfinite_param_grads(self) -> None:
+        """Raises on every rank, naming each parameter whose local gradient held NaN/Inf this
+        backward and the ranks where it did (one all-gather of the per-parameter flags)."""
+        buckets = [b for unit in self.units for b in unit.trainable_buckets]
+        if not buckets:
+            return
+        local = torch.cat([b.nonfinite_flags for b in buckets]).to(torch.uint8)
+        gathered = torch.empty(self.dp.size * local.numel(), dtype=torch.uint8, device=local.device)
+        all_gather_shards(gathered, local, self.dp.group)
+        for bucket in buckets:
+            bucket.nonfinite_flags.zero_()
+        flags = gathered.view(self.dp.size, -1).cpu()
+        if not flags.any():
+            return
+        names = [name for b in buckets for name in b.names]
+        offenders = [
+            f"{name} (ranks {flags[:, i].nonzero().flatten().tolist()})" for i, name in enumerate(names) if flags[:, i].any()
+        ]
+        raise FloatingPointError(
+            "report_nan_in_param_grad: NaN or Inf in the local gradients of " + ", ".join(offenders)
+        )
 
     # -- optimizer ----------------------------------------------------------------------------
 
@@ -113,3 +142,16 @@ class StepScheduler:
                     self._start_reduction(bucket)
         while self._pending:
             self._finish_oldest()
+
+    def check_reduced_grads_finite(self, step: int) -> None:
+        """Raises on every rank when any rank's reduced gradient shard holds NaN/Inf."""
+        grads = [b.main_grad for unit in self.units for b in unit.trainable_buckets]
+        if not grads:
+            return
+        found = _ops.find_non_finite(grads).any().to(torch.int32).reshape(1)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.dp.group)
+        if found.item():
+            raise FloatingPointError(
+                f"check_for_nan_in_grad: the reduced gradients hold NaN or Inf before optimizer step {step}; "
+                "the step was skipped. Set report_nan_in_param_grad=True to find the parameters"
+            )

@@ -29,6 +29,7 @@ class Setup:
     model_options: tuple = ()
     no_sync_until_last: bool = False
     sync_each_microbatch: bool = True
+    policy: megatron_fsdp.MixedPrecisionPolicy | None = None
 
     def build_model(self):
         return make_model(seed=0, dtype=self.dtype, **dict(self.model_options))
@@ -95,6 +96,7 @@ def sharded_run(rank: int, world: int, setup: Setup, device: str = "cpu") -> Res
         fsdp_unit_modules=[Block],
         zero_dp_strategy=setup.strategy,
         sync_model_each_microbatch=setup.sync_each_microbatch,
+        mixed_precision_policy=setup.policy,
     )
     result = Result()
     for step in range(setup.steps):
@@ -116,6 +118,77 @@ def sharded_run(rank: int, world: int, setup: Setup, device: str = "cpu") -> Res
         optimizer.step()
         optimizer.zero_grad()
     result.params = {n: p.float().cpu() for n, p in model.full_parameters().items()}
+    return result
+
+
+def emulated_reference_run(setup: Setup, world: int) -> Result:
+    """One process doing the sharded run's arithmetic with setup.policy: every rank's
+    micro-batch gradient computed separately, accumulated and cast as the buckets do, summed
+    across ranks in rank order in the main-gradient dtype when communication is less precise
+    (the all-to-all + promoting_reduce path), else summed in the communication dtype, averaged
+    and added into main gradients, stepped in the main-parameter dtype and cast back."""
+    dtypes = setup.policy.resolve(setup.dtype)
+    strategy = megatron_fsdp.ShardingStrategy.parse(setup.strategy)
+    model = setup.build_model()
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    master = {n: p.detach().to(dtypes.main_params).clone() for n, p in trainable}
+    optimizer = build_optimizer(list(master.values()), setup.optimizer)
+    result = Result()
+
+    no_shard = strategy is megatron_fsdp.ShardingStrategy.NO_SHARD
+    scale = torch.tensor(1.0 / world, dtype=torch.float32)
+
+    def reduce_into(main: torch.Tensor, per_rank: list[torch.Tensor]) -> None:
+        """One bucket reduction of every rank's gradient, added into the main gradient."""
+        comm = [g.to(dtypes.comm) for g in per_rank]
+        if dtypes.promotes_reduction:
+            total = comm[0].float()
+            for g in comm[1:]:
+                total = total + g.float()
+            if no_shard:  # the averaged shards are gathered in the communication dtype
+                main.add_((total * scale).to(dtypes.main_grads).to(dtypes.comm))
+            else:
+                main.copy_((total * scale + main.float()).to(main.dtype))
+            return
+        total = comm[0].clone()
+        for g in comm[1:]:
+            total += g
+        main.add_(total, alpha=1.0 / world)
+
+    for step in range(setup.steps):
+        tokens, targets = _rows(setup, world, step)
+        main_grads = {n: torch.zeros(p.shape, dtype=dtypes.main_grads) for n, p in trainable}
+        # The un-reduced buffers: one micro-batch in the communication dtype (strategies 2/3),
+        # or accumulated locally in the main-gradient dtype (0/1).
+        local_dtype = dtypes.comm if strategy.shards_grads else dtypes.main_grads
+        local = {n: [torch.zeros(p.shape, dtype=local_dtype) for _ in range(world)] for n, p in trainable}
+        total_loss = 0.0
+        for micro in range(setup.accum):
+            for rank in range(world):
+                start = (micro * world + rank) * setup.micro_rows
+                rows = slice(start, start + setup.micro_rows)
+                loss = model(tokens[rows], targets[rows])
+                (loss / setup.accum).backward()
+                total_loss += loss.item()
+                for name, param in trainable:
+                    local[name][rank].add_(param.grad)
+                    param.grad = None
+            deferred = setup.no_sync_until_last and micro < setup.accum - 1 and not strategy.shards_grads
+            if not deferred:
+                for name, _ in trainable:
+                    reduce_into(main_grads[name], local[name])
+                    local[name] = [torch.zeros_like(g) for g in local[name]]
+        result.losses.append(total_loss / (world * setup.accum))
+        if step == setup.steps - 1:
+            result.grads = {n: g.clone() for n, g in main_grads.items()}
+        for name, _ in trainable:
+            master[name].grad = main_grads[name].to(dtypes.main_params)
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for name, param in trainable:
+                param.copy_(master[name])
+    result.params = {n: (master[n] if n in master else p).detach().float() for n, p in model.named_parameters()}
     return result
 
 

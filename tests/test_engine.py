@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import megatron_fsdp
-from _dist import free_port, run_distributed
+from _dist import run_distributed
 from megatron_fsdp.units import UnitState
 from models import Block, TinyGPT, make_batch, make_model
-
-
-@pytest.fixture
-def single_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_fully_shard_without_a_process_group_says_how_to_start_one() -> None:
@@ -79,7 +71,7 @@ def test_optimizer_holding_foreign_or_frozen_params_is_rejected(single_rank_grou
         ("dp_outer_dim", "dp_outer", "hybrid sharding"),
         ("tp_dim", "tp", "tensor-parallel"),
         ("init_model_with_meta_device", True, "meta-device"),
-        ("grad_reduce_in_fp32", True, "mixed precision"),
+        ("nccl_ub", True, "NCCL user-buffer"),
         ("outer_dp_sharding_strategy", "optim", "HFSDP"),
     ],
 )

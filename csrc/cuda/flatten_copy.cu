@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
@@ -30,16 +31,77 @@ __device__ __forceinline__ Dst cast_value(Src value) {
   }
 }
 
-// No __restrict__: a source may be a view of the very flat segment it is copied into.
+// Copies num_vecs vectors of V elements. Each thread issues all its loads before its first
+// store, so many loads are in flight; vector i is read and written by one thread only.
+template <int V, typename Src, typename Dst>
+__device__ __forceinline__ void copy_vectors(const Src* src, Dst* dst, int num_vecs) {
+  using SrcVec = mt::Vec<Src, V>;
+  using DstVec = mt::Vec<Dst, V>;
+  constexpr int kLoads = mt::loads_in_flight(static_cast<int>(sizeof(SrcVec)));
+  const SrcVec* src_vecs = reinterpret_cast<const SrcVec*>(src);
+  DstVec* dst_vecs = reinterpret_cast<DstVec*>(dst);
+  for (int base = static_cast<int>(threadIdx.x); base < num_vecs;
+       base += kLoads * mt::kBlockThreads) {
+    SrcVec in[kLoads];
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int i = base + k * mt::kBlockThreads;
+      if (i < num_vecs) in[k] = src_vecs[i];
+    }
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int i = base + k * mt::kBlockThreads;
+      if (i < num_vecs) {
+        DstVec out;
+#pragma unroll
+        for (int j = 0; j < V; ++j) out.val[j] = cast_value<Dst>(in[k].val[j]);
+        dst_vecs[i] = out;
+      }
+    }
+  }
+}
+
+// Copies one chunk with the widest vectors V that both sides allow. A few scalar head elements
+// bring src to a V-vector boundary; if dst is then not on one too (the two are offset by a
+// different amount, e.g. an odd flat offset), retry with V / 2, down to plain scalar copies,
+// which stay coalesced and unrolled. Every branch depends only on the chunk, so it is uniform.
+template <int V, typename Src, typename Dst>
+__device__ void copy_chunk(const Src* src, Dst* dst, int count) {
+  if constexpr (V == 1) {
+    copy_vectors<1>(src, dst, count);
+  } else {
+    constexpr uintptr_t kSrcAlign = sizeof(Src) * V;
+    constexpr uintptr_t kDstAlign = sizeof(Dst) * V;
+    // Tensors are always aligned to their element size, so this is a whole number of elements.
+    int head = static_cast<int>((kSrcAlign - mt::misalignment(src, kSrcAlign)) % kSrcAlign /
+                                sizeof(Src));
+    if (head > count) head = count;
+    if (mt::misalignment(dst + head, kDstAlign) != 0) {
+      copy_chunk<V / 2>(src, dst, count);
+      return;
+    }
+    const int num_vecs = (count - head) / V;
+    const int tail = head + num_vecs * V + static_cast<int>(threadIdx.x);  // after the vectors
+    // Head and tail are each shorter than V, so one element per thread covers them.
+    if (static_cast<int>(threadIdx.x) < head) {
+      dst[threadIdx.x] = cast_value<Dst>(src[threadIdx.x]);
+    }
+    copy_vectors<V>(src + head, dst + head, num_vecs);
+    if (tail < count) dst[tail] = cast_value<Dst>(src[tail]);
+  }
+}
+
+// No __restrict__: a source may be a view of the very flat segment it is copied into. That is
+// safe because such a source is the identical range and each element is read before it is
+// written, by the same thread.
 template <typename Src, typename Dst>
 __global__ void copy_cast_kernel(const int64_t* tensors, const int64_t* chunks) {
   const mt::Chunk chunk = mt::current_chunk(tensors, kFields, chunks);
   const Src* src = mt::pointer_from<const Src>(chunk.tensor[0]) + chunk.start;
   Dst* dst = mt::pointer_from<Dst>(chunk.tensor[1]) + chunk.start;
-  const int count = static_cast<int>(chunk.count);
-  for (int i = threadIdx.x; i < count; i += blockDim.x) {
-    dst[i] = cast_value<Dst>(src[i]);
-  }
+  // 16-byte accesses on the wider side; the narrower side then moves fewer bytes per vector.
+  constexpr int kVec = static_cast<int>(16 / std::max(sizeof(Src), sizeof(Dst)));
+  copy_chunk<kVec>(src, dst, static_cast<int>(chunk.count));
 }
 
 struct CopyJob {

@@ -18,11 +18,29 @@
 namespace megatron_fsdp {
 namespace multi_tensor {
 
-// Elements per chunk (one block each). Large enough to amortise the table lookup, small enough
-// that a few big tensors still spread over every SM.
-constexpr int64_t kChunkSize = 16384;
+// Elements per chunk (one block each). Large enough to amortise the table lookup and block
+// start-up over many loads, small enough that the last wave of blocks ends soon after the rest.
+constexpr int64_t kChunkSize = 32768;
+// Kernels stride by this constant rather than blockDim.x so index offsets fold into immediates.
 constexpr int kBlockThreads = 256;
 constexpr int kChunkFields = 3;
+
+// N consecutive elements moved by one load or store instruction (N * sizeof(T) <= 16 bytes).
+// The pointer cast to Vec* must be aligned to alignof(Vec).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T val[N];
+};
+
+// Loads each thread issues before using any of them. Memory-bound kernels need many bytes in
+// flight to cover DRAM latency: about 64 per thread, more loads when each one is narrow.
+constexpr int loads_in_flight(int bytes_per_load) {
+  return bytes_per_load >= 16 ? 4 : bytes_per_load >= 4 ? 64 / bytes_per_load : 16;
+}
+
+__device__ __forceinline__ uintptr_t misalignment(const void* ptr, uintptr_t alignment) {
+  return reinterpret_cast<uintptr_t>(ptr) % alignment;
+}
 
 template <typename T>
 inline int64_t address_of(T* ptr) {

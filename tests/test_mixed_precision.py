@@ -1,0 +1,240 @@
+"""MixedPrecisionPolicy: every combination of main-parameter, main-gradient and communication
+dtype under every strategy, against a single-process run that does the same arithmetic
+(parity.emulated_reference_run); low-precision communication with high-precision reduction;
+the deprecated flags; NaN reporting."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import warnings
+
+import pytest
+import torch
+
+import megatron_fsdp
+from _dist import run_distributed
+from megatron_fsdp import MixedPrecisionPolicy
+from parity import Setup, emulated_reference_run, max_relative_error, sharded_runs
+
+ADAM_LR = 1e-2  # parity.build_optimizer("adam")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COMBOS = list(itertools.product(DTYPES, DTYPES, DTYPES))  # (main params, main grads, comm)
+
+
+def _setup(strategy: int, combo: tuple[str, str, str]) -> Setup:
+    params, grads, comm = (DTYPES[name] for name in combo)
+    policy = MixedPrecisionPolicy(main_params_dtype=params, main_grads_dtype=grads, grad_comm_dtype=comm)
+    return Setup(strategy=strategy, accum=2, dtype=torch.bfloat16, optimizer="adam", steps=3, policy=policy)
+
+
+SETUPS = {f"s{s}-{'-'.join(c)}": _setup(s, c) for s in range(4) for c in COMBOS}
+
+
+@functools.cache
+def _results(world: int) -> dict:
+    names = list(SETUPS)
+    return dict(zip(names, run_distributed(sharded_runs, world, [SETUPS[n] for n in names], timeout=600)[0]))
+
+
+@pytest.fixture
+def one_thread():
+    # The reference must compute each rank's gradients with the kernels the ranks used (one thread).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(SETUPS))
+def test_policy_matches_a_reference_doing_the_same_arithmetic(name: str, world: int, one_thread) -> None:
+    """The all-to-all + promoting_reduce path sums in a fixed rank order, so the reference
+    reproduces it bit for bit, as it does every path on 2 ranks (a + b has one rounding). A
+    same-precision reduction on 4 ranks sums in the backend's own order: the losses and
+    gradients then agree within 3 unit roundoffs of the communication dtype per reduction
+    (2e-2 for bf16, 2e-5 for fp32); Adam turns such differences in near-zero gradients into
+    updates of up to lr per step with either sign, so parameters agree within 2 * lr * steps."""
+    setup = SETUPS[name]
+    got = _results(world)[name]
+    expected = emulated_reference_run(setup, world)
+    dtypes = setup.policy.resolve(setup.dtype)
+    exact = dtypes.promotes_reduction or world == 2
+    rtol = 0.0 if exact else (2e-2 if dtypes.comm == torch.bfloat16 else 2e-5)
+    param_atol = 0.0 if exact else 2 * ADAM_LR * setup.steps
+    for step, (a, b) in enumerate(zip(got.losses, expected.losses)):
+        assert abs(a - b) <= rtol * abs(b), f"{name} world {world}: loss at step {step}: {a} vs {b}"
+    for key, value in expected.grads.items():
+        assert got.grads[key].dtype == value.dtype, f"{name}: gradient {key} is {got.grads[key].dtype}, expected {value.dtype}"
+        err = max_relative_error(got.grads[key], value)
+        assert err <= rtol, f"{name} world {world}: gradient {key}: relative error {err:.2e} > {rtol}"
+    for key, value in expected.params.items():
+        err = (got.params[key] - value).abs().max().item()
+        assert err <= param_atol, f"{name} world {world}: parameter {key}: max error {err:.2e} > {param_atol}"
+
+
+def _reduce_once(rank: int, world: int, comm_dtype: torch.dtype, promote: bool) -> torch.Tensor:
+    """One reduce-scatter of the same bf16-representable gradients, through the promoting path
+    (bf16 communication, fp32 main gradients) or a bf16 reduce-scatter (bf16 main gradients)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
+    policy = MixedPrecisionPolicy(main_grads_dtype=torch.float32 if promote else torch.bfloat16, grad_comm_dtype=comm_dtype)
+    model = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[torch.nn.Linear], mixed_precision_policy=policy)
+    bucket = model.units[1].buckets[0]
+    generator = torch.Generator().manual_seed(rank)
+    local = torch.randn(bucket.layout.padded_numel, generator=generator).to(torch.bfloat16)
+    bucket.unreduced_grad = model.pool.fetch(local.numel(), bucket.dtypes.comm if bucket.strategy.shards_grads else bucket.dtypes.main_grads, local.device, "grads")
+    bucket.unreduced_grad.copy_(local)
+    bucket.finish_reduction(bucket.start_reduction(async_op=False))
+    return bucket.main_grad.float().clone()
+
+
+def _all_local_gradients(world: int, numel: int) -> torch.Tensor:
+    return torch.stack([torch.randn(numel, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16) for r in range(world)])
+
+
+@pytest.mark.parametrize("world", [4])
+def test_bf16_communication_with_fp32_reduction_is_closer_to_fp32_than_a_bf16_reduction(world: int) -> None:
+    promoted = run_distributed(_reduce_once, world, torch.bfloat16, True)
+    low = run_distributed(_reduce_once, world, torch.bfloat16, False)
+    shard = promoted[0].numel()
+    exact = _all_local_gradients(world, shard * world).double().mean(0)
+    exact_shards = exact.view(world, shard)
+    promoted_err = sum((p.double() - e).abs().mean() for p, e in zip(promoted, exact_shards)) / world
+    low_err = sum((p.double() - e).abs().mean() for p, e in zip(low, exact_shards)) / world
+    # fp32 sums of bf16 values are exact to ~2^-24; a bf16 reduce rounds each partial sum to
+    # 2^-9: the promoting path must be at least 10x closer (measured: far more).
+    assert promoted_err * 10 < low_err, f"promoting reduce error {promoted_err:.3e} vs bf16 reduce-scatter {low_err:.3e}"
+
+
+class _RecordingPool:
+    """Delegates to the real pool and records the key of every bucket fetched."""
+
+    def __init__(self, pool) -> None:
+        self.pool, self.keys = pool, []
+
+    def fetch(self, numel, dtype, device, key):
+        self.keys.append((key, dtype))
+        return self.pool.fetch(numel, dtype, device, key)
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+
+def _fetched_buckets(rank: int, world: int, strategy: str, comm_dtype: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(torch.bfloat16)
+    policy = MixedPrecisionPolicy(main_grads_dtype=torch.float32, grad_comm_dtype=comm_dtype)
+    model, optimizer = megatron_fsdp.fully_shard(
+        model, torch.optim.Adam(model.parameters()), fsdp_unit_modules=[torch.nn.Linear], zero_dp_strategy=strategy, mixed_precision_policy=policy
+    )
+    recorder = _RecordingPool(model.pool)
+    for unit in model.units:
+        for bucket in unit.buckets:
+            bucket.pool = recorder
+    model(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum().backward()
+    optimizer.step()
+    return {"keys": sorted(set(recorder.keys), key=str), "in_use": model.pool.bytes_in_use()}
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
+def test_a_communication_bucket_exists_only_while_dtypes_differ_and_is_freed(strategy: str) -> None:
+    same = run_distributed(_fetched_buckets, 2, strategy, torch.float32)[0]
+    lower = run_distributed(_fetched_buckets, 2, strategy, torch.bfloat16)[0]
+    assert same["in_use"] == lower["in_use"] == 0, "every pooled bucket is released after the step"
+    assert all(dtype == torch.float32 for key, dtype in same["keys"] if key != "weights"), same["keys"]
+    assert ("received_grads", torch.bfloat16) in lower["keys"], lower["keys"]
+    if strategy in ("no_shard", "optim"):
+        # Local accumulation stays fp32; a bf16 copy is made for the reduction only.
+        assert ("grads", torch.float32) in lower["keys"] and ("comm_grads", torch.bfloat16) in lower["keys"], lower["keys"]
+    else:
+        # One micro-batch per reduction: gradients go straight into a bf16 bucket, no copy.
+        assert ("grads", torch.bfloat16) in lower["keys"] and not any(k == "comm_grads" for k, _ in lower["keys"]), lower["keys"]
+
+
+def _change_comm_dtype_mid_flight(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16)).to(torch.bfloat16)
+    policy = MixedPrecisionPolicy(main_grads_dtype=torch.float32)
+    model, optimizer = megatron_fsdp.fully_shard(model, torch.optim.SGD(model.parameters(), lr=0.1), fsdp_unit_modules=[torch.nn.Linear], mixed_precision_policy=policy)
+    paths = []
+    for step, comm in enumerate([torch.float32, torch.bfloat16, torch.float32]):
+        model.mixed_precision_policy = MixedPrecisionPolicy(main_grads_dtype=torch.float32, grad_comm_dtype=comm)
+        paths.append(model.units[1].buckets[0].dtypes.promotes_reduction)
+        model(torch.randn(2, 16, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(step * world + rank))).float().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    try:
+        model.mixed_precision_policy = MixedPrecisionPolicy(main_params_dtype=torch.bfloat16)
+        error = ""
+    except ValueError as caught:
+        error = str(caught)
+    return {"paths": paths, "error": error, "params": model.full_parameters()}
+
+
+def test_grad_comm_dtype_can_change_between_steps() -> None:
+    results = run_distributed(_change_comm_dtype_mid_flight, 2)
+    assert results[0]["paths"] == [False, True, False], "fp32 -> bf16 -> fp32 communication takes effect each step"
+    assert "only grad_comm_dtype can change" in results[0]["error"]
+    for key, value in results[0]["params"].items():
+        assert torch.equal(value, results[1]["params"][key])
+
+
+def _nan_run(rank: int, world: int, option: str, poison_rank: int) -> str:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model, optimizer = megatron_fsdp.fully_shard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), fsdp_unit_modules=[torch.nn.Linear], **{option: True}
+    )
+    inputs = torch.randn(2, 8)
+    if rank == poison_rank:
+        inputs[0, 3] = float("nan")
+    try:
+        model(torch.randn(2, 8)).sum().backward()  # a clean step first
+        optimizer.step()
+        optimizer.zero_grad()
+        model(inputs).sum().backward()
+        optimizer.step()
+    except FloatingPointError as error:
+        return str(error)
+    return "no error"
+
+
+def test_check_for_nan_in_grad_names_the_step_on_every_rank() -> None:
+    messages = run_distributed(_nan_run, 2, "check_for_nan_in_grad", 1)
+    for message in messages:
+        assert "before optimizer step 1" in message, message
+
+
+def test_report_nan_in_param_grad_names_parameters_and_ranks() -> None:
+    messages = run_distributed(_nan_run, 2, "report_nan_in_param_grad", 1)
+    for message in messages:
+        # The NaN enters the first layer's input: both layers' weight gradients see it.
+        assert "0.weight (ranks [1])" in message and "1.weight (ranks [1])" in message, message
+        assert "0.bias" not in message, message
+
+
+def test_deprecated_flags_map_onto_the_policy_with_a_warning(single_rank_group) -> None:
+    with pytest.warns(DeprecationWarning, match="grad_reduce_in_fp32 are deprecated"):
+        model = megatron_fsdp.fully_shard_model(
+            torch.nn.Sequential(torch.nn.Linear(4, 4)).to(torch.bfloat16), fsdp_unit_modules=[torch.nn.Linear], grad_reduce_in_fp32=True
+        )
+    dtypes = model.units[1].buckets[0].dtypes
+    assert (dtypes.main_params, dtypes.main_grads, dtypes.comm) == (torch.float32, torch.float32, torch.float32)
+    with pytest.warns(DeprecationWarning):
+        model = megatron_fsdp.fully_shard_model(
+            torch.nn.Sequential(torch.nn.Linear(4, 4)).to(torch.bfloat16), fsdp_unit_modules=[torch.nn.Linear], preserve_fp32_weights=False
+        )
+    assert model.units[1].buckets[0].dtypes.main_params == torch.bfloat16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = megatron_fsdp.fully_shard_model(torch.nn.Sequential(torch.nn.Linear(4, 4)).to(torch.bfloat16), fsdp_unit_modules=[torch.nn.Linear])
+    dtypes = model.units[1].buckets[0].dtypes
+    assert (dtypes.main_params, dtypes.main_grads, dtypes.comm) == (torch.float32, torch.bfloat16, torch.bfloat16), "defaults"
+    with pytest.raises(ValueError, match="either mixed_precision_policy or grad_reduce_in_fp32"):
+        megatron_fsdp.fully_shard_model(
+            torch.nn.Sequential(torch.nn.Linear(4, 4)), fsdp_unit_modules=[torch.nn.Linear],
+            mixed_precision_policy=MixedPrecisionPolicy(), grad_reduce_in_fp32=True,
+        )
+    with pytest.raises(ValueError, match="float dtype"):
+        MixedPrecisionPolicy(grad_comm_dtype=torch.int8)
