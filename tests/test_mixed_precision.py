@@ -15,9 +15,8 @@ import torch
 import megatron_fsdp
 from _dist import run_distributed
 from megatron_fsdp import MixedPrecisionPolicy
-from parity import Setup, emulated_reference_run, max_relative_error, sharded_runs
+from parity import Setup, compare_emulated, emulated_reference_run, sharded_runs
 
-ADAM_LR = 1e-2  # parity.build_optimizer("adam")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COMBOS = list(itertools.product(DTYPES, DTYPES, DTYPES))  # (main params, main grads, comm)
 
@@ -49,28 +48,8 @@ def one_thread():
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(SETUPS))
 def test_policy_matches_a_reference_doing_the_same_arithmetic(name: str, world: int, one_thread) -> None:
-    """The all-to-all + promoting_reduce path sums in a fixed rank order, so the reference
-    reproduces it bit for bit, as it does every path on 2 ranks (a + b has one rounding). A
-    same-precision reduction on 4 ranks sums in the backend's own order: the losses and
-    gradients then agree within 3 unit roundoffs of the communication dtype per reduction
-    (2e-2 for bf16, 2e-5 for fp32); Adam turns such differences in near-zero gradients into
-    updates of up to lr per step with either sign, so parameters agree within 2 * lr * steps."""
     setup = SETUPS[name]
-    got = _results(world)[name]
-    expected = emulated_reference_run(setup, world)
-    dtypes = setup.policy.resolve(setup.dtype)
-    exact = dtypes.promotes_reduction or world == 2
-    rtol = 0.0 if exact else (2e-2 if dtypes.comm == torch.bfloat16 else 2e-5)
-    param_atol = 0.0 if exact else 2 * ADAM_LR * setup.steps
-    for step, (a, b) in enumerate(zip(got.losses, expected.losses)):
-        assert abs(a - b) <= rtol * abs(b), f"{name} world {world}: loss at step {step}: {a} vs {b}"
-    for key, value in expected.grads.items():
-        assert got.grads[key].dtype == value.dtype, f"{name}: gradient {key} is {got.grads[key].dtype}, expected {value.dtype}"
-        err = max_relative_error(got.grads[key], value)
-        assert err <= rtol, f"{name} world {world}: gradient {key}: relative error {err:.2e} > {rtol}"
-    for key, value in expected.params.items():
-        err = (got.params[key] - value).abs().max().item()
-        assert err <= param_atol, f"{name} world {world}: parameter {key}: max error {err:.2e} > {param_atol}"
+    compare_emulated(_results(world)[name], emulated_reference_run(setup, world), setup, world, f"{name} world {world}")
 
 
 def _reduce_once(rank: int, world: int, comm_dtype: torch.dtype, promote: bool) -> torch.Tensor:
