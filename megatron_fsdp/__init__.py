@@ -1,8 +1,27 @@
 """megatron_fsdp: fully sharded data parallelism for PyTorch on flat, per-unit, dtype-aware buffers."""
 
 from megatron_fsdp.api import fully_shard, fully_shard_model, fully_shard_optimizer
+from megatron_fsdp.checkpoint_io import (
+    export_safetensors,
+    full_state_dict,
+    latest_checkpoint_step,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron_fsdp.config import MixedPrecisionPolicy, ShardingStrategy
 from megatron_fsdp.module import MegatronFSDP
 
-__all__ = ["MegatronFSDP", "MixedPrecisionPolicy", "ShardingStrategy", "fully_shard", "fully_shard_model", "fully_shard_optimizer"]
+__all__ = [
+    "MegatronFSDP",
+    "export_safetensors",
+    "full_state_dict",
+    "MixedPrecisionPolicy",
+    "ShardingStrategy",
+    "fully_shard",
+    "fully_shard_model",
+    "fully_shard_optimizer",
+    "latest_checkpoint_step",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 __version__ = "0.1.0"

@@ -140,6 +140,7 @@ def fully_shard_model(
         mixed_precision=policy,
         check_for_nan_in_grad=check_for_nan_in_grad,
         report_nan_in_param_grad=report_nan_in_param_grad,
+        preproc_state_dict_for_dcp_ckpt=preproc_state_dict_for_dcp_ckpt,
         sync_model_each_microbatch=sync_model_each_microbatch,
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,

@@ -249,6 +249,33 @@ class Bucket:
             own_shard = self.full_weight[self.shard_start : self.shard_end].clone()
             all_gather_shards(self.full_weight, own_shard, self.dp.group)
 
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def checkpoint_source(self) -> tuple[torch.Tensor, int]:
+        """What a checkpoint holds for this bucket (the main params where they exist, else the
+        weights) and the bucket offset of its first element."""
+        if self.requires_grad:
+            return self.main_params, self.main_start
+        if self.weight_shard is not None:
+            return self.weight_shard, self.shard_start
+        return self.full_weight, 0
+
+    def checkpoint_pieces(self) -> list[tuple[torch.Tensor, int]]:
+        """Per parameter: the flat piece of it this rank saves and loads (its part of the
+        checkpoint source; replicated sources give every rank the same pieces, which DCP
+        writes once) and where the piece starts in the flattened parameter."""
+        source, base = self.checkpoint_source()
+        pieces = []
+        for index, slot in enumerate(self.layout.slots):
+            lo, hi = self._piece(index, base, base + source.numel())
+            pieces.append((source[lo - base : hi - base], lo - slot.offset))
+        return pieces
+
+    def sync_after_load(self) -> None:
+        """After pieces were loaded in place: install the main params into the weights."""
+        if self.requires_grad:
+            self.install_main_params()
+
     # -- inspection ---------------------------------------------------------------------------
 
     def gather_full(self, source: torch.Tensor) -> torch.Tensor:

@@ -111,6 +111,7 @@ class FSDPSettings:
     mixed_precision: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     check_for_nan_in_grad: bool = False
     report_nan_in_param_grad: bool = False
+    preproc_state_dict_for_dcp_ckpt: bool = True
     sync_model_each_microbatch: bool = False
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True

@@ -73,3 +73,43 @@ def build_bucket_layout(numels: Sequence[int], world_size: int, alignment: int) 
 def alignment_in_elements(alignment_bytes: int, element_size: int) -> int:
     """The element count matching ``alignment_bytes`` (at least one element)."""
     return max(1, alignment_bytes // element_size)
+
+
+def rectangular_chunks(shape: Sequence[int], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The elements ``[start, end)`` of a row-major tensor of ``shape``, as rectangular chunks
+    ``(offsets, sizes)`` in flat order: a partial first row, whole rows, a partial last row,
+    each partial row split the same way one dimension down. Every chunk is also a contiguous
+    flat range, so a flat piece of a parameter is written and read as a few plain blocks."""
+    if start >= end:
+        return []
+    if len(shape) == 0:
+        return [((), ())]
+    row = 1
+    for size in shape[1:]:
+        row *= size
+    rest = tuple(shape[1:])
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def within_row(index: int, lo: int, hi: int) -> None:
+        for offsets, sizes in rectangular_chunks(rest, lo, hi):
+            chunks.append(((index, *offsets), (1, *sizes)))
+
+    if start % row:
+        first = start // row
+        within_row(first, start % row, min(end - first * row, row))
+        start = (first + 1) * row
+    if start < end and end // row > start // row:
+        first, last = start // row, end // row
+        chunks.append(((first,) + (0,) * len(rest), (last - first, *rest)))
+        start = last * row
+    if start < end:
+        within_row(start // row, 0, end - start)
+    return chunks
+
+
+def flat_offset(shape: Sequence[int], offsets: Sequence[int]) -> int:
+    """The row-major flat index of the element at ``offsets``."""
+    flat = 0
+    for size, offset in zip(shape, offsets):
+        flat = flat * size + offset
+    return flat

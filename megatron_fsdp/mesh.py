@@ -13,6 +13,12 @@ class DataParallelGroup:
     group: dist.ProcessGroup
     rank: int
     size: int
+    # The 1-D mesh of this group when the user gave one; else made from the group on demand.
+    mesh: DeviceMesh | None = None
+
+    def device_mesh(self, device_type: str) -> DeviceMesh:
+        """A 1-D DeviceMesh over this group (what state-dict DTensors are placed on)."""
+        return self.mesh if self.mesh is not None else DeviceMesh.from_group(self.group, device_type)
 
 
 def resolve_dp_shard_group(device_mesh: DeviceMesh | None, dp_shard_dim: str | None) -> DataParallelGroup:
@@ -26,7 +32,7 @@ def resolve_dp_shard_group(device_mesh: DeviceMesh | None, dp_shard_dim: str | N
     if device_mesh is None:
         if dp_shard_dim is not None:
             raise ValueError(f"dp_shard_dim={dp_shard_dim!r} was given without a device_mesh; pass device_mesh too")
-        group = dist.group.WORLD
+        group, mesh = dist.group.WORLD, None
     else:
         names = device_mesh.mesh_dim_names
         if dp_shard_dim is None:
@@ -34,10 +40,11 @@ def resolve_dp_shard_group(device_mesh: DeviceMesh | None, dp_shard_dim: str | N
                 raise ValueError(
                     f"device_mesh has {device_mesh.ndim} dims {names}; name the one to shard over with dp_shard_dim"
                 )
-            group = device_mesh.get_group()
+            mesh = device_mesh
         else:
-            group = _submesh(device_mesh, dp_shard_dim).get_group()
-    return DataParallelGroup(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group))
+            mesh = _submesh(device_mesh, dp_shard_dim)
+        group = mesh.get_group()
+    return DataParallelGroup(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group), mesh=mesh)
 
 
 def _submesh(device_mesh: DeviceMesh, name: str) -> DeviceMesh:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_fsdp import _ops
+from megatron_fsdp import _ops, checkpoint
 from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy
 from megatron_fsdp.mesh import DataParallelGroup
 from megatron_fsdp.schedule import StepScheduler, StepState
@@ -186,6 +186,26 @@ class MegatronFSDP(nn.Module):
             for bucket in unit.buckets:
                 bucket.set_policy(policy)
         self._policy = policy
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Parameter FQN -> DTensor of the parameter's global shape holding this rank's piece
+        (fp32 main weights where they exist), plus buffers: ready for
+        ``torch.distributed.checkpoint``. With ``preproc_state_dict_for_dcp_ckpt=False``, the
+        wrapped module's own ``state_dict()``."""
+        if not self.settings.preproc_state_dict_for_dcp_ckpt:
+            return self.module.state_dict(*args, **kwargs)
+        return checkpoint.model_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Loads :meth:`state_dict`'s form (filled in place by ``dcp.load``) or full tensors
+        (e.g. a plain model's state dict); raises naming missing, unexpected and mis-shaped keys."""
+        if assign:
+            raise ValueError("assign=True cannot apply: parameters live in megatron_fsdp's buffers")
+        if self.scheduler.state is not StepState.IDLE:
+            raise RuntimeError("load a state dict between steps, not during forward or backward")
+        checkpoint.load_model_state_dict(self, state_dict, strict=strict)
 
     # -- inspection ---------------------------------------------------------------------------
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import functools
 import types
+from typing import Any
 
 import torch
 
+from megatron_fsdp import checkpoint
 from megatron_fsdp.module import MegatronFSDP
 
 
@@ -53,8 +55,22 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) 
         model.zero_grad_buffer()
         original_zero_grad(set_to_none)
 
+    original_state_dict = optimizer.state_dict
+    original_load_state_dict = optimizer.load_state_dict
+
+    @functools.wraps(original_state_dict)
+    def state_dict(self) -> dict[str, Any]:
+        return checkpoint.optimizer_state_dict(optimizer, model, original_step)
+
+    @functools.wraps(original_load_state_dict)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        checkpoint.load_optimizer_state_dict(optimizer, model, state_dict, original_load_state_dict)
+
     # Bound methods, as LR schedulers re-wrap ``optimizer.step`` through its ``__func__``.
     optimizer.step = types.MethodType(step, optimizer)
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+    if model.settings.preproc_state_dict_for_dcp_ckpt:
+        optimizer.state_dict = types.MethodType(state_dict, optimizer)
+        optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
     optimizer._megatron_fsdp_model = model
     return optimizer

@@ -60,3 +60,25 @@ def test_bad_layout_arguments_are_rejected() -> None:
         build_bucket_layout([-1], world_size=1, alignment=1)
     with pytest.raises(ValueError, match="outside a world"):
         build_bucket_layout([1], world_size=2, alignment=1).shard_range(2)
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (5, 3), (4, 3, 5), (2, 3, 1, 4)])
+def test_rectangular_chunks_tile_every_flat_range_exactly_once(shape) -> None:
+    import torch
+
+    from megatron_fsdp.layout import flat_offset, rectangular_chunks
+
+    numel = int(torch.tensor(shape).prod().item()) if shape else 1
+    values = torch.arange(numel).reshape(shape)
+    for start in range(numel + 1):
+        for end in range(start, numel + 1):
+            chunks = rectangular_chunks(shape, start, end)
+            covered = []
+            for offsets, sizes in chunks:
+                index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+                block = values[index].reshape(-1)
+                lo = flat_offset(shape, offsets)
+                assert block.tolist() == list(range(lo, lo + block.numel())), "each chunk is a contiguous flat range"
+                covered.extend(block.tolist())
+            assert covered == list(range(start, end)), f"{shape} [{start}, {end}) -> {chunks}"
+            assert len(chunks) <= max(2 * len(shape) - 1, 1), "a partial first row, whole rows, a partial last row, recursively"

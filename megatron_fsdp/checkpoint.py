@@ -1,0 +1,262 @@
+"""State dicts for torch.distributed.checkpoint (DCP).
+
+``model.state_dict()`` maps each parameter's original FQN to a DTensor of the parameter's global
+shape whose local tensor is this rank's flat piece of it (a view into the main parameters, or
+the weights where no main parameters exist). A flat piece is not one rectangle, so the local
+tensor tells DCP its rectangular chunks through DCP's checkpointable hooks
+(``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``), which DTensor
+delegates to its local tensor. DCP then saves, loads in place and reshards across world sizes
+and strategies; the files hold plain tensors of the original shapes. Optimizer state follows
+the same scheme, keyed by parameter FQN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from megatron_fsdp.buffer import Bucket
+from megatron_fsdp.layout import flat_offset, rectangular_chunks
+
+if TYPE_CHECKING:
+    from megatron_fsdp.module import MegatronFSDP
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= size
+    return tuple(reversed(strides))
+
+
+def piece_dtensor(piece: torch.Tensor, shape: torch.Size, flat_start: int, mesh: DeviceMesh) -> DTensor:
+    """A DTensor of global ``shape`` holding the flat elements ``[flat_start, flat_start +
+    piece.numel())`` of it, in ``piece`` (no copy: loading writes into ``piece``)."""
+    chunks = [
+        (torch.Size(offsets), torch.Size(sizes), flat_offset(shape, offsets) - flat_start)
+        for offsets, sizes in rectangular_chunks(shape, flat_start, flat_start + piece.numel())
+    ]
+    dtensor = DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous_strides(shape))
+    with torch.no_grad():
+        local = dtensor.to_local()
+
+    def create_write_items(fqn: str, obj: Any) -> list[WriteItem]:
+        properties = TensorProperties.create_from_tensor(local)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes), properties=properties, size=shape),
+            )
+            for offsets, sizes, _ in chunks
+        ]
+
+    def create_chunk_list() -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets, sizes) for offsets, sizes, _ in chunks]
+
+    def get_tensor_shard(index: MetadataIndex) -> torch.Tensor:
+        for offsets, sizes, start in chunks:
+            if offsets == index.offset:
+                return local[start : start + sizes.numel()].view(sizes)
+        raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {tuple(index.offset)}")
+
+    local.__create_write_items__ = create_write_items
+    local.__create_chunk_list__ = create_chunk_list
+    local.__get_tensor_shard__ = get_tensor_shard
+    if dtensor.__create_chunk_list__() != create_chunk_list():
+        raise RuntimeError("this torch's DTensor does not delegate checkpoint hooks to its local tensor")
+    return dtensor
+
+
+def _param_names(model: MegatronFSDP) -> dict[nn.Parameter, list[str]]:
+    """Every name of every parameter, tied aliases included, in state-dict order."""
+    names: dict[nn.Parameter, list[str]] = {}
+    for name, param in model.module.named_parameters(remove_duplicate=False):
+        names.setdefault(param, []).append(name)
+    return names
+
+
+def _bucket_params(model: MegatronFSDP) -> Iterator[tuple[Bucket, int, nn.Parameter]]:
+    for unit in model.units:
+        for bucket in unit.buckets:
+            for index, param in enumerate(bucket.params):
+                yield bucket, index, param
+
+
+def model_state_dict(model: MegatronFSDP) -> dict[str, Any]:
+    """FQN -> DTensor for every parameter (tied ones under each name), plus persistent buffers."""
+    mesh = model.dp.device_mesh(_device_type(model))
+    pieces: dict[nn.Parameter, DTensor] = {}
+    for bucket, index, param in _bucket_params(model):
+        piece, start = bucket.checkpoint_pieces()[index]
+        pieces[param] = piece_dtensor(piece, bucket.shapes[index], start, mesh)
+    names = _param_names(model)
+    state: dict[str, Any] = {}
+    for key, value in model.module.state_dict(keep_vars=True).items():
+        state[key] = pieces[value] if isinstance(value, nn.Parameter) and value in names else value
+    return state
+
+
+def _device_type(model: MegatronFSDP) -> str:
+    bucket = next((b for u in model.units for b in u.buckets), None)
+    return bucket.device.type if bucket is not None else "cpu"
+
+
+def load_model_state_dict(model: MegatronFSDP, state_dict: dict[str, Any], strict: bool = True) -> None:
+    """Loads a state dict from :func:`model_state_dict` (after ``dcp.load`` filled it in place)
+    or any dict of full tensors (a plain model's ``state_dict()``), then re-installs weights."""
+    expected = model.module.state_dict(keep_vars=True)
+    pieces = {param: (bucket, index) for bucket, index, param in _bucket_params(model)}
+    names = _param_names(model)
+    shapes = {key: (pieces[v][0].shapes[pieces[v][1]] if v in pieces else v.shape) for key, v in expected.items()}
+    given = {k: (v.shape if isinstance(v, torch.Tensor) else None) for k, v in state_dict.items()}
+    check_keys(shapes, given, strict, "model state dict")
+    with torch.no_grad():
+        for param, (bucket, index) in pieces.items():
+            key = next((n for n in names[param] if n in state_dict), None)
+            if key is None:
+                continue
+            piece, start = bucket.checkpoint_pieces()[index]
+            _copy_into_piece(piece, start, state_dict[key])
+        for key, value in expected.items():
+            if not isinstance(value, nn.Parameter) and key in state_dict and state_dict[key] is not value:
+                value.copy_(state_dict[key])
+        for unit in model.units:
+            for bucket in unit.buckets:
+                bucket.sync_after_load()
+
+
+def _copy_into_piece(piece: torch.Tensor, start: int, value: torch.Tensor) -> None:
+    """Copies this rank's flat piece out of ``value`` unless ``value`` already holds it."""
+    if isinstance(value, DTensor):
+        with torch.no_grad():
+            local = value.to_local()
+        if local.data_ptr() == piece.data_ptr() and local.numel() == piece.numel():
+            return  # dcp.load wrote straight into the piece
+        value = value.full_tensor()
+    piece.copy_(value.reshape(-1)[start : start + piece.numel()])
+
+
+def check_keys(expected: dict[str, torch.Size], given: dict[str, torch.Size | None], strict: bool, what: str) -> None:
+    """Raises naming every missing, unexpected and mis-shaped key (only mis-shaped ones when
+    not ``strict``); ``None`` stands for an entry that is not a tensor."""
+    missing = [k for k in expected if k not in given]
+    unexpected = [k for k in given if k not in expected]
+    mis_shaped = [
+        f"{k} (given {tuple(given[k])}, model {tuple(shape)})"
+        for k, shape in expected.items()
+        if given.get(k) is not None and shape is not None and tuple(given[k]) != tuple(shape)
+    ]
+    problems = []
+    if mis_shaped:
+        problems.append("mis-shaped: " + ", ".join(mis_shaped))
+    if strict and missing:
+        problems.append("missing: " + ", ".join(missing))
+    if strict and unexpected:
+        problems.append("unexpected: " + ", ".join(unexpected))
+    if problems:
+        raise RuntimeError(f"the {what} does not fit this model; " + "; ".join(problems))
+
+
+def _optimizer_param_names(optimizer: torch.optim.Optimizer, model: MegatronFSDP) -> dict[int, tuple[str, Bucket, int]]:
+    """id(main-parameter piece) -> (parameter FQN, bucket, index in bucket)."""
+    names = _param_names(model)
+    return {
+        id(bucket.optim_params[index]): (names[param][0], bucket, index)
+        for bucket, index, param in _bucket_params(model)
+        if bucket.requires_grad
+    }
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer, step: Any) -> None:
+    """Creates the state of a fresh optimizer (so DCP has tensors to load into) with one step
+    of zero gradients at zero learning rate, as torch's own distributed state-dict code does."""
+    if optimizer.state:
+        return
+    saved = []
+    for group in optimizer.param_groups:
+        saved.append(group.get("lr"))
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    step()
+    for group, lr in zip(optimizer.param_groups, saved):
+        if lr is not None:
+            group["lr"] = lr
+        for param in group["params"]:
+            param.grad = None
+
+
+def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: MegatronFSDP, unwrapped_step: Any) -> dict[str, Any]:
+    """``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}`` with
+    every per-element state tensor as a DTensor piece like the parameter's."""
+    _init_optimizer_state(optimizer, unwrapped_step)
+    mesh = model.dp.device_mesh(_device_type(model))
+    owners = _optimizer_param_names(optimizer, model)
+    state: dict[str, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        for piece in group["params"]:
+            fqn, bucket, index = owners[id(piece)]
+            start = bucket.checkpoint_pieces()[index][1]  # the optimizer steps exactly this piece
+            entries = {}
+            for name, value in optimizer.state.get(piece, {}).items():
+                per_element = isinstance(value, torch.Tensor) and value.shape == piece.shape
+                entries[name] = piece_dtensor(value, bucket.shapes[index], start, mesh) if per_element else value
+            state[fqn] = entries
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [owners[id(p)][0] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state_dict(
+    optimizer: torch.optim.Optimizer, model: MegatronFSDP, state_dict: dict[str, Any], unwrapped_load: Any
+) -> None:
+    """Loads a state dict of :func:`optimizer_state_dict` form (after ``dcp.load`` filled it in
+    place) through the optimizer's own ``load_state_dict``."""
+    owners = _optimizer_param_names(optimizer, model)
+    pieces = [piece for group in optimizer.param_groups for piece in group["params"]]
+    fqns = [owners[id(piece)][0] for piece in pieces]
+    saved = state_dict["state"]
+    missing = [fqn for fqn in fqns if fqn not in saved]
+    unexpected = [fqn for fqn in saved if fqn not in set(fqns)]
+    if missing or unexpected:
+        raise RuntimeError(
+            "the optimizer state dict does not fit this model; "
+            f"missing: {', '.join(missing) or '-'}; unexpected: {', '.join(unexpected) or '-'}"
+        )
+    torch_state = {}
+    for position, (piece, fqn) in enumerate(zip(pieces, fqns)):
+        torch_state[position] = {name: _local_piece(value, piece, owners[id(piece)]) for name, value in saved[fqn].items()}
+    groups, position = [], 0
+    for group, saved_group in zip(optimizer.param_groups, state_dict["param_groups"]):
+        count = len(group["params"])
+        groups.append({**saved_group, "params": list(range(position, position + count))})
+        position += count
+    unwrapped_load({"state": torch_state, "param_groups": groups})
+
+
+def _local_piece(value: Any, piece: torch.Tensor, owner: tuple[str, Bucket, int]) -> Any:
+    """This rank's piece of a per-element state entry (our DTensor after dcp.load, or a full
+    tensor from elsewhere); other entries (a step count) as they are."""
+    if isinstance(value, DTensor):
+        with torch.no_grad():
+            local = value.to_local()
+        if local.numel() == piece.numel():
+            return local.reshape(piece.shape)
+        value = value.full_tensor()
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        _, bucket, index = owner
+        start = bucket.checkpoint_pieces()[index][1]
+        return value.reshape(-1)[start : start + piece.numel()]
+    return value

@@ -1,0 +1,184 @@
+"""Saving and loading training checkpoints safely, and exporting full weights.
+
+``save_checkpoint`` writes ``<dir>/step_<N>`` with torch.distributed.checkpoint into
+``step_<N>.partial`` first, renames it when every rank has finished, and only then points
+``<dir>/latest`` at it (an atomic file replace). A save that fails or is killed at any moment
+leaves ``latest`` naming the previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megatron_fsdp.checkpoint import check_keys
+from megatron_fsdp.module import MegatronFSDP
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+EXTRA_STATE = "extra_state.pt"
+
+
+def _step_dir(checkpoint_dir: str, step: int) -> str:
+    return os.path.join(checkpoint_dir, f"step_{step:08d}")
+
+
+def latest_checkpoint_step(checkpoint_dir: str) -> int | None:
+    """The step of the newest complete checkpoint in ``checkpoint_dir``, or None."""
+    try:
+        with open(os.path.join(checkpoint_dir, LATEST)) as handle:
+            return int(handle.read().strip())
+    except FileNotFoundError:
+        return None
+
+
+def _training_state(model: MegatronFSDP, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": model.state_dict()}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    return state
+
+
+def save_checkpoint(
+    checkpoint_dir: str,
+    step: int,
+    model: MegatronFSDP,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra_state: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> str:
+    """Saves model and optimizer (and ``extra_state``, e.g. an LR scheduler's or a data
+    loader's, written by rank 0 with ``torch.save``) as step ``step``; a collective. Keeps the
+    newest ``keep_last`` checkpoints when given. Returns the checkpoint's directory."""
+    final = _step_dir(checkpoint_dir, step)
+    partial = final + ".partial"
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by an earlier save that died
+    dist.barrier()
+    dcp.save(_training_state(model, optimizer), checkpoint_id=partial)
+    if rank == 0:
+        if extra_state is not None:
+            torch.save(extra_state, os.path.join(partial, EXTRA_STATE))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _point_latest_at(checkpoint_dir, step)
+        if keep_last is not None:
+            _prune(checkpoint_dir, keep_last)
+        logger.info("saved checkpoint %s", final)
+    dist.barrier()
+    return final
+
+
+def _point_latest_at(checkpoint_dir: str, step: int) -> None:
+    temporary = os.path.join(checkpoint_dir, LATEST + ".tmp")
+    with open(temporary, "w") as handle:
+        handle.write(f"{step}\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, os.path.join(checkpoint_dir, LATEST))
+
+
+def _prune(checkpoint_dir: str, keep_last: int) -> None:
+    steps = sorted(
+        int(name[len("step_") :]) for name in os.listdir(checkpoint_dir) if name.startswith("step_") and name[5:].isdigit()
+    )
+    for old in steps[: max(len(steps) - keep_last, 0)]:
+        shutil.rmtree(_step_dir(checkpoint_dir, old), ignore_errors=True)
+
+
+def check_checkpoint_fits(path: str, model: MegatronFSDP) -> None:
+    """Raises naming every missing, unexpected and mis-shaped model tensor of the checkpoint at
+    ``path`` before anything is read into the model."""
+    metadata = FileSystemReader(path).read_metadata()
+    saved = {
+        key[len("model.") :]: md.size
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+    }
+    expected = {key: getattr(value, "shape", None) for key, value in model.state_dict().items()}
+    check_keys(expected, saved, True, f"checkpoint {path}")
+
+
+def load_checkpoint(
+    checkpoint_dir: str,
+    model: MegatronFSDP,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int | None = None,
+) -> tuple[int, dict[str, Any] | None] | None:
+    """Loads step ``step`` (default: the latest) into model and optimizer; a collective.
+    Returns ``(step, extra_state)``, or None when there is no checkpoint yet."""
+    step = latest_checkpoint_step(checkpoint_dir) if step is None else step
+    if step is None:
+        return None
+    path = _step_dir(checkpoint_dir, step)
+    check_checkpoint_fits(path, model)
+    state = _training_state(model, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    extra_path = os.path.join(path, EXTRA_STATE)
+    extra = torch.load(extra_path, weights_only=False) if os.path.exists(extra_path) else None
+    logger.info("loaded checkpoint %s", path)
+    return step, extra
+
+
+@torch.no_grad()
+def full_state_dict(
+    model: MegatronFSDP, rank0_only: bool = True, cpu_offload: bool = True, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer at full size under its FQN (tied parameters under each name);
+    a collective. Gathered bucket by bucket and, with ``cpu_offload``, moved to the CPU at once,
+    so the extra device memory is one bucket. Trainable parameters come from the main weights.
+    With ``rank0_only`` the other ranks return an empty dict."""
+    keep = not rank0_only or dist.get_rank() == 0
+    names = {}
+    for name, param in model.module.named_parameters(remove_duplicate=False):
+        names.setdefault(param, []).append(name)
+    gathered: dict[str, torch.Tensor] = {}
+    for unit in model.units:
+        for bucket in unit.buckets:
+            full = bucket.gather_full(bucket.checkpoint_source()[0])
+            if keep:
+                for param, value in zip(bucket.params, bucket.split_full(full)):
+                    value = value.to(dtype) if dtype is not None else value
+                    value = value.cpu() if cpu_offload else value.clone()
+                    for alias_index, name in enumerate(names[param]):
+                        gathered[name] = value if alias_index == 0 else value.clone()
+            del full
+    if not keep:
+        return {}
+    result = {}
+    for key, value in model.module.state_dict(keep_vars=True).items():
+        if key in gathered:
+            result[key] = gathered[key]
+        else:
+            result[key] = value.detach().cpu() if cpu_offload else value.detach().clone()
+    return result
+
+
+def export_safetensors(model: MegatronFSDP, path: str, dtype: torch.dtype | None = None) -> None:
+    """Writes the full weights (see :func:`full_state_dict`) as one safetensors file that
+    ``safetensors.torch.load_file`` and Hugging Face ``from_pretrained`` read; rank 0 writes,
+    through a temporary file, so a failed export leaves no half-written file. A collective."""
+    from safetensors.torch import save_file
+
+    state = full_state_dict(model, rank0_only=True, cpu_offload=True, dtype=dtype)
+    if dist.get_rank() == 0:
+        temporary = path + ".tmp"
+        save_file({k: v.contiguous() for k, v in state.items()}, temporary, metadata={"format": "pt"})
+        os.replace(temporary, path)
+        logger.info("exported %d tensors to %s", len(state), path)
+    dist.barrier()
