@@ -27,7 +27,11 @@ CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpu
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", default="optim_grads_params", help="zero_dp_strategy: 0..3 or its name")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=300, help="total optimizer steps of the training run")
+    parser.add_argument("--run-steps", type=int, default=None,
+                        help="stop after this many steps in this launch (a time-limited job); the next launch resumes")
+    parser.add_argument("--checkpoint-dir", default="runs/train_gpt", help="checkpoints go here; the newest is resumed")
+    parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--micro-batch", type=int, default=16, help="sequences per rank per micro-batch")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--seq-len", type=int, default=64)
@@ -51,19 +55,21 @@ def setup_distributed() -> torch.device:
 
 
 class CharData:
-    """The corpus as character ids; batches are drawn with a per-rank generator."""
+    """The corpus as character ids. A batch depends only on (seed, rank, step, micro-batch), so
+    a resumed run draws exactly the batches the interrupted one would have."""
 
-    def __init__(self, path: str, seq_len: int, seed: int) -> None:
+    def __init__(self, path: str, seq_len: int, seed: int, rank: int) -> None:
         with open(path, encoding="ascii") as handle:
             text = handle.read()
         self.chars = sorted(set(text))
         self.index = {c: i for i, c in enumerate(self.chars)}
         self.data = torch.tensor([self.index[c] for c in text], dtype=torch.long)
         self.seq_len = seq_len
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed, self.rank = seed, rank
 
-    def batch(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (rows,), generator=self.generator)
+    def batch(self, rows: int, step: int, micro: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(((self.seed * 1009 + self.rank) * 1000003 + step) * 101 + micro)
+        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (rows,), generator=generator)
         window = torch.stack([self.data[s : s + self.seq_len + 1] for s in starts.tolist()])
         return window[:, :-1].to(device), window[:, 1:].to(device)
 
@@ -89,7 +95,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     device = setup_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    data = CharData(CORPUS, args.seq_len, seed=args.seed + rank)
+    data = CharData(CORPUS, args.seq_len, seed=args.seed, rank=rank)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     config = GPTConfig(vocab_size=len(data.chars), seq_len=args.seq_len, layers=args.layers, hidden=args.hidden,
@@ -101,14 +107,23 @@ def main() -> None:
     )
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
 
+    start_step = 0
+    resumed = megatron_fsdp.load_checkpoint(args.checkpoint_dir, model, optimizer)
+    if resumed is not None:
+        start_step, extra = resumed
+        schedule.load_state_dict(extra["schedule"])
+        if rank == 0:
+            logging.info("resumed from %s at step %d", args.checkpoint_dir, start_step)
+    end_step = args.steps if args.run_steps is None else min(args.steps, start_step + args.run_steps)
+
     tokens_per_step = world * args.grad_accum * args.micro_batch * args.seq_len
-    progress = tqdm(range(args.steps), disable=rank != 0, desc="train", unit="step")
+    progress = tqdm(range(start_step, end_step), initial=start_step, total=args.steps, disable=rank != 0, desc="train", unit="step")
     first_loss = last_loss = None
-    for _ in progress:
+    for step in progress:
         started = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
-        for _ in range(args.grad_accum):
-            inputs, targets = data.batch(args.micro_batch, device)
+        for micro in range(args.grad_accum):
+            inputs, targets = data.batch(args.micro_batch, step, micro, device)
             logits = model(inputs)
             loss = F.cross_entropy(logits.float().view(-1, config.vocab_size), targets.reshape(-1))
             (loss / args.grad_accum).backward()
@@ -120,11 +135,19 @@ def main() -> None:
         last_loss = loss_sum.item() / (world * args.grad_accum)
         first_loss = first_loss if first_loss is not None else last_loss
         progress.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_step / (time.perf_counter() - started):,.0f}")
+        if (step + 1) % args.checkpoint_every == 0 or step + 1 == end_step:
+            megatron_fsdp.save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer,
+                                          extra_state={"schedule": schedule.state_dict()}, keep_last=2)
 
+    if end_step < args.steps:
+        if rank == 0:
+            logging.info("stopped at step %d of %d (loss %.3f); launch again to resume", end_step, args.steps, last_loss)
+        dist.destroy_process_group()
+        return
     model.eval()
     sample = generate(model, data, "Shall I compare thee", args.sample_chars, device)
-    if rank == 0:
-        logging.info("loss %.3f -> %.3f over %d steps (%s, %d ranks)", first_loss, last_loss, args.steps,
+    if rank == 0 and last_loss is not None:
+        logging.info("loss %.3f -> %.3f over steps %d..%d (%s, %d ranks)", first_loss, last_loss, start_step, end_step,
                      megatron_fsdp.ShardingStrategy.parse(args.strategy).label, world)
         logging.info("sample:\n%s", sample)
     dist.destroy_process_group()

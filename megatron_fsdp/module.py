@@ -216,12 +216,7 @@ class MegatronFSDP(nn.Module):
         full = {}
         for unit in self.units:
             for bucket in unit.buckets:
-                if bucket.requires_grad:
-                    source = bucket.main_params
-                elif bucket.weight_shard is not None:
-                    source = bucket.weight_shard
-                else:
-                    source = bucket.full_weight
+                source = bucket.checkpoint_source()[0]
                 full.update(zip(bucket.names, bucket.split_full(bucket.gather_full(source))))
         return full
 
