@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
-from megatron_fsdp.mesh import resolve_dp_shard_group
+from megatron_fsdp.mesh import resolve_dp_shard_group, resolve_outer_group
 from megatron_fsdp.module import MegatronFSDP
 from megatron_fsdp.optimizer import distribute_optimizer
 from megatron_fsdp.units import resolve_unit_classes
@@ -21,9 +21,6 @@ from megatron_fsdp.units import resolve_unit_classes
 # Arguments of features not built yet: each must keep its default until its feature lands,
 # so a setting is never silently ignored.
 _NOT_YET_SUPPORTED = {
-    "dp_outer_dim": (None, "hybrid sharding (HSDP)"),
-    "hybrid_fsdp_group": (None, "hybrid sharding (HSDP)"),
-    "outer_dp_sharding_strategy": (0, "hybrid sharding (HSDP/HFSDP)"),
     "tp_dim": (None, "tensor-parallel meshes"),
     "expt_device_mesh": (None, "expert-parallel meshes"),
     "init_model_with_meta_device": (False, "meta-device initialisation"),
@@ -34,11 +31,7 @@ _NOT_YET_SUPPORTED = {
 def _reject_unsupported(arguments: dict[str, Any]) -> None:
     for name, (default, feature) in _NOT_YET_SUPPORTED.items():
         value = arguments[name]
-        if name == "outer_dp_sharding_strategy":
-            is_default = ShardingStrategy.parse(value, name) is ShardingStrategy.NO_SHARD
-        else:
-            is_default = value is default or value == default
-        if not is_default:
+        if not (value is default or value == default):
             raise NotImplementedError(
                 f"{name}={value!r} needs {feature}, which megatron_fsdp does not support yet; leave {name} at {default!r}"
             )
@@ -112,6 +105,11 @@ def fully_shard_model(
       3/``optim_grads_params`` (default).
     - ``device_mesh`` + ``dp_shard_dim``: the mesh dim to shard over; without a mesh, the
       default process group.
+    - ``dp_outer_dim`` (HSDP): a mesh dim that replicates the shards; gradients are reduced
+      over dp_shard each micro-batch and averaged over dp_outer when synced.
+      ``outer_dp_sharding_strategy``: ``no_shard`` (default) or ``optim`` (HFSDP: the optimizer
+      state is sharded across dp_outer too; needs ``optim_grads_params``).
+      ``hybrid_fsdp_group``: optional, the flattened (dp_outer, dp_shard) group, checked for size.
     - ``sync_model_each_microbatch`` (default True): finish every gradient reduction at the end
       of each backward; False leaves that to ``finish_grad_sync()`` / the optimizer step.
     - ``mixed_precision_policy``: see :class:`MixedPrecisionPolicy`; ``grad_reduce_in_fp32`` and
@@ -128,9 +126,13 @@ def fully_shard_model(
             f"zero_dp_strategy={strategy.label!r} needs fsdp_unit_modules: pass the classes of the blocks to "
             "shard as units, e.g. fsdp_unit_modules=[MyTransformerBlock]"
         )
+    outer_strategy = _check_outer_strategy(outer_dp_sharding_strategy, strategy, dp_outer_dim)
     if isinstance(module, MegatronFSDP):
         raise ValueError("this model is already sharded by megatron_fsdp")
     dp = resolve_dp_shard_group(device_mesh, dp_shard_dim)
+    if dp_outer_dim is not None:
+        shards_optimizer = outer_strategy is ShardingStrategy.OPTIM
+        dp = resolve_outer_group(dp, device_mesh, dp_outer_dim, hybrid_fsdp_group, shards_optimizer)
     if device is not None:
         module.to(device)
     _module_device(module)
@@ -147,6 +149,23 @@ def fully_shard_model(
         fsdp_double_buffer=fsdp_double_buffer,
     )
     return MegatronFSDP(module, dp, settings, unit_classes)
+
+
+def _check_outer_strategy(value: int | str, strategy: ShardingStrategy, dp_outer_dim: str | None) -> ShardingStrategy:
+    outer = ShardingStrategy.parse(value, "outer_dp_sharding_strategy")
+    if outer not in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM):
+        raise ValueError(
+            f"outer_dp_sharding_strategy={outer.label!r} is not supported: use no_shard (replicate across "
+            "dp_outer, HSDP) or optim (also shard the optimizer state across it, HFSDP)"
+        )
+    if outer is ShardingStrategy.OPTIM:
+        if dp_outer_dim is None:
+            raise ValueError("outer_dp_sharding_strategy='optim' needs dp_outer_dim (and a device_mesh holding it)")
+        if strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
+            raise ValueError(
+                f"outer_dp_sharding_strategy='optim' requires zero_dp_strategy='optim_grads_params', got {strategy.label!r}"
+            )
+    return outer
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP | None = None) -> torch.optim.Optimizer:

@@ -57,7 +57,11 @@ class Bucket:
         self.requires_grad = params[0].requires_grad
         self.shapes = [p.shape for p in params]
         alignment = alignment_in_elements(settings.alignment_bytes, params[0].element_size())
-        self.layout: BucketLayout = build_bucket_layout([p.numel() for p in params], dp.size, alignment)
+        self.outer = dp.outer
+        # HFSDP: the optimizer steps 1/outer of this rank's shard; the outer group gathers the rest.
+        self.splits_shard = self.outer is not None and dp.outer_shards_optimizer
+        split = self.outer.size if self.splits_shard else 1
+        self.layout: BucketLayout = build_bucket_layout([p.numel() for p in params], dp.size, alignment, split)
         self.offsets = [slot.offset for slot in self.layout.slots]
         self.shard_start, self.shard_end = self.layout.shard_range(dp.rank)
 
@@ -102,16 +106,30 @@ class Bucket:
         return lo, max(min(slot.end, end), lo)
 
     def _init_main_state(self) -> None:
-        # Strategy 0 steps the whole bucket on every rank; the others step this rank's shard.
+        # Strategy 0 steps the whole bucket on every rank; the others step this rank's shard,
+        # and under HFSDP only this outer rank's 1/outer of it.
         if self.strategy is ShardingStrategy.NO_SHARD:
-            self.main_start, self.main_end = 0, self.layout.padded_numel
+            self.grad_start, self.grad_end = 0, self.layout.padded_numel
         else:
-            self.main_start, self.main_end = self.shard_start, self.shard_end
+            self.grad_start, self.grad_end = self.shard_start, self.shard_end
+        self.main_start, self.main_end = self.grad_start, self.grad_end
+        if self.splits_shard:
+            piece = self.layout.shard_numel // self.outer.size
+            self.main_start = self.shard_start + self.outer.rank * piece
+            self.main_end = self.main_start + piece
         weights = self._main_weight_target()
         # Main params in the compute dtype are the weights themselves: nothing to copy.
         self.main_params_alias_weights = self.dtypes.main_params == self.dtype
         self.main_params = weights if self.main_params_alias_weights else weights.to(self.dtypes.main_params)
-        self.main_grad = torch.zeros(self.main_end - self.main_start, dtype=self.dtypes.main_grads, device=self.device)
+        # Gradients reduced over the shard group accumulate here; with an outer group, they are
+        # averaged over it when synced: in place (HSDP) or reduce-scattered into outer_grad (HFSDP).
+        self.main_grad = torch.zeros(self.grad_end - self.grad_start, dtype=self.dtypes.main_grads, device=self.device)
+        self.outer_grad = (
+            torch.zeros(self.main_end - self.main_start, dtype=self.dtypes.main_grads, device=self.device)
+            if self.splits_shard
+            else None
+        )
+        self.outer_sync_due = False
         self.optim_params: list[nn.Parameter] = []
         self.optim_ranges: list[tuple[int, int]] = []
         for index in range(len(self.params)):
@@ -122,7 +140,7 @@ class Bucket:
     def _main_weight_target(self) -> torch.Tensor:
         """The compute weights the main params are installed into after a step."""
         if self.weight_shard is not None:
-            return self.weight_shard
+            return self.weight_shard[self.main_start - self.shard_start : self.main_end - self.shard_start]
         return self.full_weight[self.main_start : self.main_end]
 
     # -- weights ------------------------------------------------------------------------------
@@ -225,9 +243,28 @@ class Bucket:
         if pending.work is not None:
             pending.work.wait()
         pending.finish()
+        self.outer_sync_due = self.outer is not None
+
+    def sync_outer(self) -> None:
+        """HSDP: average the shard-group-reduced gradients over the outer group. Averaging
+        again later is harmless: the part already averaged is equal on every outer rank."""
+        if not self.outer_sync_due:
+            return
+        if self.splits_shard:
+            reduce_scatter_sum(self.outer_grad, self.main_grad, self.outer.group)
+        else:
+            all_reduce_sum(self.main_grad, self.outer.group)
+        self.optimizer_grad_source().div_(self.outer.size)
+        self.outer_sync_due = False
+
+    def optimizer_grad_source(self) -> torch.Tensor:
+        """The fully reduced gradients of the range the optimizer steps."""
+        return self.outer_grad if self.splits_shard else self.main_grad
 
     def zero_main_grad(self) -> None:
         self.main_grad.zero_()
+        if self.outer_grad is not None:
+            self.outer_grad.zero_()
         for optim_param in self.optim_params:
             optim_param.grad = None
 
@@ -235,7 +272,8 @@ class Bucket:
 
     def attach_optimizer_grads(self) -> None:
         main_dtype = self.main_params.dtype
-        grads = self.main_grad if self.main_grad.dtype == main_dtype else self.main_grad.to(main_dtype)
+        source = self.optimizer_grad_source()
+        grads = source if source.dtype == main_dtype else source.to(main_dtype)
         for optim_param, (lo, hi) in zip(self.optim_params, self.optim_ranges):
             optim_param.grad = grads[lo:hi]
 
@@ -244,6 +282,9 @@ class Bucket:
         full weights but stepped only its shard (strategies 1 and 2), gathers the others'."""
         if not self.main_params_alias_weights:
             self._main_weight_target().copy_(self.main_params)
+        if self.splits_shard:
+            # A copy: not every backend (gloo) accepts an input that aliases the output.
+            all_gather_shards(self.weight_shard, self._main_weight_target().clone(), self.outer.group)
         if self.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
             # A copy: not every backend (gloo) accepts an input that aliases the output.
             own_shard = self.full_weight[self.shard_start : self.shard_end].clone()
@@ -279,9 +320,14 @@ class Bucket:
     # -- inspection ---------------------------------------------------------------------------
 
     def gather_full(self, source: torch.Tensor) -> torch.Tensor:
-        """A copy of the whole bucket of a per-rank tensor that is either full or this rank's shard."""
+        """A copy of the whole bucket of a per-rank tensor that is full, this rank's shard, or
+        (HFSDP) this outer rank's piece of the shard."""
         if source.numel() == self.layout.padded_numel:
             return source.clone()
+        if self.splits_shard and source.numel() == self.main_end - self.main_start:
+            shard = torch.empty(self.layout.shard_numel, dtype=source.dtype, device=source.device)
+            all_gather_shards(shard, source.contiguous(), self.outer.group)
+            source = shard
         full = torch.empty(self.layout.padded_numel, dtype=source.dtype, device=source.device)
         all_gather_shards(full, source.contiguous(), self.dp.group)
         return full

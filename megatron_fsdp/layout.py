@@ -54,8 +54,10 @@ class BucketLayout:
         return start, end
 
 
-def build_bucket_layout(numels: Sequence[int], world_size: int, alignment: int) -> BucketLayout:
-    """Lays parameters of the given sizes out back to back at aligned offsets."""
+def build_bucket_layout(numels: Sequence[int], world_size: int, alignment: int, shard_split: int = 1) -> BucketLayout:
+    """Lays parameters of the given sizes out back to back at aligned offsets. ``shard_split``
+    pads further so every shard splits into that many aligned pieces (HFSDP splits each shard
+    across the outer group)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if alignment < 1:
@@ -66,7 +68,7 @@ def build_bucket_layout(numels: Sequence[int], world_size: int, alignment: int) 
             raise ValueError(f"a parameter cannot have {numel} elements")
         slots.append(ParamSlot(offset=cursor, numel=numel))
         cursor = _round_up(cursor + numel, alignment)
-    padded = _round_up(max(cursor, 1), world_size * alignment)
+    padded = _round_up(max(cursor, 1), world_size * alignment * shard_split)
     return BucketLayout(slots=tuple(slots), padded_numel=padded, world_size=world_size)
 
 

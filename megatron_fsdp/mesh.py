@@ -15,6 +15,10 @@ class DataParallelGroup:
     size: int
     # The 1-D mesh of this group when the user gave one; else made from the group on demand.
     mesh: DeviceMesh | None = None
+    # HSDP: the group replicating this one's shards ("dp_outer"), and whether the optimizer
+    # state is sharded across it too (outer strategy ``optim``, i.e. HFSDP).
+    outer: DataParallelGroup | None = None
+    outer_shards_optimizer: bool = False
 
     def device_mesh(self, device_type: str) -> DeviceMesh:
         """A 1-D DeviceMesh over this group (what state-dict DTensors are placed on)."""
@@ -47,12 +51,33 @@ def resolve_dp_shard_group(device_mesh: DeviceMesh | None, dp_shard_dim: str | N
     return DataParallelGroup(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group), mesh=mesh)
 
 
-def _submesh(device_mesh: DeviceMesh, name: str) -> DeviceMesh:
+def resolve_outer_group(
+    inner: DataParallelGroup,
+    device_mesh: DeviceMesh | None,
+    dp_outer_dim: str,
+    hybrid_fsdp_group: dist.ProcessGroup | None,
+    shards_optimizer: bool,
+) -> DataParallelGroup:
+    """``inner`` with its HSDP outer group ``device_mesh[dp_outer_dim]`` attached."""
+    if device_mesh is None:
+        raise ValueError(f"dp_outer_dim={dp_outer_dim!r} needs a device_mesh holding that dim")
+    mesh = _submesh(device_mesh, dp_outer_dim, "dp_outer_dim")
+    group = mesh.get_group()
+    outer = DataParallelGroup(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group), mesh=mesh)
+    if hybrid_fsdp_group is not None and dist.get_world_size(hybrid_fsdp_group) != inner.size * outer.size:
+        raise ValueError(
+            f"hybrid_fsdp_group has {dist.get_world_size(hybrid_fsdp_group)} ranks but dp_outer x dp_shard is "
+            f"{outer.size} x {inner.size}: pass the flattened (dp_outer, dp_shard) group"
+        )
+    return DataParallelGroup(inner.group, inner.rank, inner.size, inner.mesh, outer, shards_optimizer)
+
+
+def _submesh(device_mesh: DeviceMesh, name: str, argument: str = "dp_shard_dim") -> DeviceMesh:
     """``device_mesh[name]``, where name may also be a dim made with ``_flatten``."""
     try:
         return device_mesh[name]
     except (KeyError, RuntimeError, ValueError) as error:
         raise ValueError(
             f"device_mesh has no dim named {name!r} (its dims: {device_mesh.mesh_dim_names}); pass one of "
-            "those as dp_shard_dim, or flatten the dims you want with device_mesh[(...)]._flatten(name)"
+            f"those as {argument}, or flatten the dims you want with device_mesh[(...)]._flatten(name)"
         ) from error

@@ -226,5 +226,5 @@ class MegatronFSDP(nn.Module):
         ``finish_grad_sync()``."""
         full = {}
         for bucket in self._trainable_buckets():
-            full.update(zip(bucket.names, bucket.split_full(bucket.gather_full(bucket.main_grad))))
+            full.update(zip(bucket.names, bucket.split_full(bucket.gather_full(bucket.optimizer_grad_source()))))
         return full

@@ -142,10 +142,13 @@ class StepScheduler:
                     self._start_reduction(bucket)
         while self._pending:
             self._finish_oldest()
+        for unit in self.units:
+            for bucket in unit.trainable_buckets:
+                bucket.sync_outer()
 
     def check_reduced_grads_finite(self, step: int) -> None:
         """Raises on every rank when any rank's reduced gradient shard holds NaN/Inf."""
-        grads = [b.main_grad for unit in self.units for b in unit.trainable_buckets]
+        grads = [b.optimizer_grad_source() for unit in self.units for b in unit.trainable_buckets]
         if not grads:
             return
         found = _ops.find_non_finite(grads).any().to(torch.int32).reshape(1)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import megatron_fsdp
 from models import Block, make_batch, make_model
@@ -30,6 +31,8 @@ class Setup:
     no_sync_until_last: bool = False
     sync_each_microbatch: bool = True
     policy: megatron_fsdp.MixedPrecisionPolicy | None = None
+    hsdp: tuple[int, int] | None = None  # (dp_outer, dp_shard) sizes of a 2-D mesh
+    outer_strategy: str = "no_shard"
 
     def build_model(self):
         return make_model(seed=0, dtype=self.dtype, **dict(self.model_options))
@@ -93,9 +96,16 @@ def reference_run(setup: Setup, world: int, compute_dtype: torch.dtype | None = 
 def sharded_run(rank: int, world: int, setup: Setup, device: str = "cpu") -> Result:
     model = setup.build_model().to(device)
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], setup.optimizer)
+    mesh_arguments = {}
+    if setup.hsdp is not None:
+        mesh = init_device_mesh(torch.device(device).type, setup.hsdp, mesh_dim_names=("dp_outer", "dp_shard"))
+        mesh_arguments = dict(
+            device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", outer_dp_sharding_strategy=setup.outer_strategy
+        )
     model, optimizer = megatron_fsdp.fully_shard(
         model,
         optimizer,
+        **mesh_arguments,
         fsdp_unit_modules=[Block],
         zero_dp_strategy=setup.strategy,
         sync_model_each_microbatch=setup.sync_each_microbatch,

@@ -68,11 +68,10 @@ def test_optimizer_holding_foreign_or_frozen_params_is_rejected(single_rank_grou
 @pytest.mark.parametrize(
     "argument, value, feature",
     [
-        ("dp_outer_dim", "dp_outer", "hybrid sharding"),
         ("tp_dim", "tp", "tensor-parallel"),
         ("init_model_with_meta_device", True, "meta-device"),
         ("nccl_ub", True, "NCCL user-buffer"),
-        ("outer_dp_sharding_strategy", "optim", "HFSDP"),
+        ("expt_device_mesh", object(), "expert-parallel"),
     ],
 )
 def test_features_not_built_yet_raise_instead_of_being_ignored(argument, value, feature) -> None:
