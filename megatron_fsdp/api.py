@@ -23,7 +23,6 @@ from megatron_fsdp.units import resolve_unit_classes
 _NOT_YET_SUPPORTED = {
     "tp_dim": (None, "tensor-parallel meshes"),
     "expt_device_mesh": (None, "expert-parallel meshes"),
-    "init_model_with_meta_device": (False, "meta-device initialisation"),
     "nccl_ub": (False, "NCCL user-buffer registration (GPU performance)"),
 }
 
@@ -37,13 +36,15 @@ def _reject_unsupported(arguments: dict[str, Any]) -> None:
             )
 
 
-def _module_device(module: nn.Module) -> torch.device:
+def _module_device(module: nn.Module, meta_init: bool) -> torch.device:
     devices = {p.device for p in module.parameters()}
-    if any(d.type == "meta" for d in devices):
-        raise NotImplementedError(
-            "the model has parameters on the meta device; meta-device initialisation is not supported yet: "
-            "build the model on a real device"
-        )
+    on_meta = any(d.type == "meta" for d in devices)
+    if on_meta and not meta_init:
+        raise ValueError("the model has parameters on the meta device: pass init_model_with_meta_device=True")
+    if meta_init:
+        if devices - {torch.device("meta")}:
+            raise ValueError("init_model_with_meta_device=True needs every parameter on the meta device")
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are spread over {sorted(map(str, devices))}; move it to one device first")
     return next(iter(devices), torch.device("cpu"))
@@ -112,6 +113,9 @@ def fully_shard_model(
       ``hybrid_fsdp_group``: optional, the flattened (dp_outer, dp_shard) group, checked for size.
     - ``sync_model_each_microbatch`` (default True): finish every gradient reduction at the end
       of each backward; False leaves that to ``finish_grad_sync()`` / the optimizer step.
+    - ``init_model_with_meta_device``: the model was built under ``torch.device("meta")``; each
+      module is materialised on the current CUDA device (else the CPU) and initialised with its
+      ``reset_parameters()``, and each unit is sharded as soon as it is initialised.
     - ``mixed_precision_policy``: see :class:`MixedPrecisionPolicy`; ``grad_reduce_in_fp32`` and
       ``preserve_fp32_weights`` are its deprecated predecessors.
     - ``check_for_nan_in_grad``: raise, naming the step, when reduced gradients hold NaN/Inf.
@@ -133,9 +137,9 @@ def fully_shard_model(
     if dp_outer_dim is not None:
         shards_optimizer = outer_strategy is ShardingStrategy.OPTIM
         dp = resolve_outer_group(dp, device_mesh, dp_outer_dim, hybrid_fsdp_group, shards_optimizer)
-    if device is not None:
+    if device is not None and not init_model_with_meta_device:
         module.to(device)
-    _module_device(module)
+    compute_device = _module_device(module, init_model_with_meta_device)
     policy = _resolve_policy(mixed_precision_policy, grad_reduce_in_fp32, preserve_fp32_weights)
     settings = FSDPSettings(
         strategy=strategy,
@@ -148,7 +152,7 @@ def fully_shard_model(
         overlap_param_gather=overlap_param_gather,
         fsdp_double_buffer=fsdp_double_buffer,
     )
-    return MegatronFSDP(module, dp, settings, unit_classes)
+    return MegatronFSDP(module, dp, settings, unit_classes, compute_device if init_model_with_meta_device else None)
 
 
 def _check_outer_strategy(value: int | str, strategy: ShardingStrategy, dp_outer_dim: str | None) -> ShardingStrategy:

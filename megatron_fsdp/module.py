@@ -15,6 +15,7 @@ from torch import nn
 from megatron_fsdp import _ops, checkpoint
 from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy
 from megatron_fsdp.mesh import DataParallelGroup
+from megatron_fsdp.meta_init import materialize_unit_by_unit
 from megatron_fsdp.schedule import StepScheduler, StepState
 from megatron_fsdp.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_to_units, find_unit_modules
 
@@ -54,6 +55,7 @@ class MegatronFSDP(nn.Module):
         dp: DataParallelGroup,
         settings: FSDPSettings,
         unit_classes: tuple[type, ...],
+        meta_init_device: torch.device | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -62,13 +64,21 @@ class MegatronFSDP(nn.Module):
         self.pool = _ops.new_bucket_pool(settings.fsdp_double_buffer)
         unit_modules = find_unit_modules(module, unit_classes)
         assignment = assign_params_to_units(module, [m for _, m in unit_modules])
-        named = dict(module.named_parameters())
         module_names = {m: name for name, m in unit_modules}
 
-        self.units: list[FSDPUnit] = []
-        for owner, names in assignment.items():
+        def build_unit(owner: nn.Module | None) -> FSDPUnit:
             name = ROOT_UNIT_NAME if owner is None else module_names[owner]
-            self.units.append(FSDPUnit(name, [(n, named[n]) for n in names], dp, settings, self.pool))
+            # Looked up now: meta-device init replaces parameter objects as it materialises them.
+            named = dict(module.named_parameters())
+            return FSDPUnit(name, [(n, named[n]) for n in assignment[owner]], dp, settings, self.pool)
+
+        # Peak bytes of initialised, not yet sharded parameters during meta-device init.
+        self.meta_init_peak_bytes: int | None = None
+        if meta_init_device is not None:
+            built, self.meta_init_peak_bytes = materialize_unit_by_unit(module, assignment, build_unit, meta_init_device)
+        else:
+            built = {owner: build_unit(owner) for owner in assignment}
+        self.units: list[FSDPUnit] = [built[owner] for owner in assignment]
         self.root_unit = self.units[0]
         for param in module.parameters():
             # Lets fully_shard_optimizer(optimizer) find this wrapper from the optimizer's params.

@@ -69,7 +69,6 @@ def test_optimizer_holding_foreign_or_frozen_params_is_rejected(single_rank_grou
     "argument, value, feature",
     [
         ("tp_dim", "tp", "tensor-parallel"),
-        ("init_model_with_meta_device", True, "meta-device"),
         ("nccl_ub", True, "NCCL user-buffer"),
         ("expt_device_mesh", object(), "expert-parallel"),
     ],

@@ -1,0 +1,64 @@
+"""init_model_with_meta_device: a meta-built model is materialised and sharded unit by unit,
+with the weights a normally built model gets from the same seed, and without ever holding more
+than the root and one unit unsharded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import megatron_fsdp
+from _dist import run_distributed
+from models import VOCAB, Block
+
+
+def _stack(layers: int) -> nn.Sequential:
+    """Every parameter belongs to a module with reset_parameters(), built in registration order."""
+    return nn.Sequential(nn.Embedding(VOCAB, 20), *[Block() for _ in range(layers)], nn.LayerNorm(20), nn.Linear(20, VOCAB))
+
+
+def _meta_init(rank: int, world: int, layers: int, strategy: str) -> dict:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = _stack(layers)
+    model = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, init_model_with_meta_device=True)
+    return {"params": model.full_parameters(), "peak": model.meta_init_peak_bytes}
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_meta_init_gives_the_weights_of_a_normal_build_with_the_same_seed(strategy: str) -> None:
+    torch.manual_seed(0)
+    expected = dict(_stack(3).named_parameters())
+    for result in run_distributed(_meta_init, 2, 3, strategy):
+        assert result["params"].keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(result["params"][name], value.detach()), name
+
+
+def test_meta_init_peak_is_the_root_and_one_unit_whatever_the_depth() -> None:
+    shallow = run_distributed(_meta_init, 2, 2, "optim_grads_params")[0]["peak"]
+    deep = run_distributed(_meta_init, 2, 8, "optim_grads_params")[0]["peak"]
+    block_bytes = sum(p.numel() * 4 for p in Block().parameters())
+    root_bytes = sum(p.numel() * 4 for m in (nn.Embedding(VOCAB, 20), nn.LayerNorm(20), nn.Linear(20, VOCAB)) for p in m.parameters())
+    assert deep == shallow, f"peak grew with depth: {shallow} -> {deep} bytes"
+    assert deep <= root_bytes + block_bytes, f"peak {deep} B is more than the root ({root_bytes} B) and one block ({block_bytes} B)"
+    total = root_bytes + 8 * block_bytes
+    assert deep < total / 3, "the 8-block model was never whole"
+
+
+class _RawParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+
+def test_meta_init_refuses_modules_it_cannot_initialise(single_rank_group) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(Block(), _RawParameter())
+    with pytest.raises(ValueError, match=r"module 1 \(_RawParameter\) holds meta tensors but has no reset_parameters"):
+        megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[Block], init_model_with_meta_device=True)
+    with torch.device("meta"):
+        model = nn.Sequential(Block())
+    with pytest.raises(ValueError, match="pass init_model_with_meta_device=True"):
+        megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[Block])
