@@ -40,6 +40,10 @@ class StepScheduler:
         self.state = StepState.IDLE
         self.sync_grads = True
         self._pending: deque[PendingReduction] = deque()
+        # Unit forward calls of this step and of the last one: the order to prefetch in.
+        self._forward_calls: list[FSDPUnit] = []
+        self._last_forward_calls: list[FSDPUnit] = []
+        self._backward_cursor = 0
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -48,8 +52,18 @@ class StepScheduler:
             raise RuntimeError(
                 f"unit {unit.name} ran forward while a backward pass is in progress; finish backward() first"
             )
+        if self.state is StepState.IDLE:
+            self._forward_calls = []
         self.state = StepState.FORWARD
         unit.unshard()
+        if not unit.is_root:
+            self._forward_calls.append(unit)
+            self._prefetch(self._last_forward_calls, len(self._forward_calls))
+
+    def _prefetch(self, order: list[FSDPUnit], position: int) -> None:
+        """Starts gathering the unit at ``position`` of ``order`` while the current one computes."""
+        if self.settings.overlap_param_gather and 0 <= position < len(order):
+            order[position].start_unshard()
 
     def after_unit_forward(self, unit: FSDPUnit) -> None:
         if not unit.is_root:
@@ -59,6 +73,7 @@ class StepScheduler:
         """Inference (no_grad, or nothing to differentiate): nothing stays gathered."""
         for unit in self.units:
             unit.reshard()
+        self._last_forward_calls = self._forward_calls
         self.state = StepState.IDLE
 
     # -- backward -----------------------------------------------------------------------------
@@ -66,10 +81,15 @@ class StepScheduler:
     def before_unit_backward(self, unit: FSDPUnit | None) -> None:
         if self.state is not StepState.BACKWARD:
             self.state = StepState.BACKWARD
+            self._last_forward_calls = self._forward_calls
+            self._backward_cursor = len(self._forward_calls)
             # Runs once the autograd engine has finished this backward pass.
             Variable._execution_engine.queue_callback(self._end_backward)
         if unit is not None:
             unit.unshard()
+            # Backward meets the units in reverse forward order: gather the one before next.
+            self._backward_cursor -= 1
+            self._prefetch(self._forward_calls, self._backward_cursor - 1)
 
     def on_grad(self, unit: FSDPUnit, bucket: Bucket, index: int, param: torch.nn.Parameter) -> None:
         bucket_complete = bucket.add_grad(index, param.grad)

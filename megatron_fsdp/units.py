@@ -18,6 +18,7 @@ ROOT_UNIT_NAME = "<root>"
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"
+    UNSHARDING = "unsharding"  # all-gathers launched (a prefetch), not yet waited for
     UNSHARDED = "unsharded"
 
 
@@ -110,24 +111,35 @@ class FSDPUnit:
         shards = settings.strategy.shards_weights and bool(self.buckets)
         self.state = UnitState.SHARDED if shards else UnitState.UNSHARDED
         self._reduced_buckets: set[int] = set()
+        self._gathers: list = []
 
     @property
     def is_root(self) -> bool:
         return self.name == ROOT_UNIT_NAME
 
-    def unshard(self) -> None:
-        if self.state is UnitState.UNSHARDED:
+    def start_unshard(self) -> None:
+        """Launches the all-gathers (asynchronous: on CUDA they overlap with compute)."""
+        if self.state is not UnitState.SHARDED:
             return
-        works = [bucket.start_unshard(async_op=True) for bucket in self.buckets]
-        for bucket, work in zip(self.buckets, works):
+        self._gathers = [bucket.start_unshard(async_op=True) for bucket in self.buckets]
+        self.state = UnitState.UNSHARDING
+
+    def unshard(self) -> None:
+        """Gathers the weights (or waits for a prefetch) and points the parameters at them."""
+        self.start_unshard()
+        if self.state is not UnitState.UNSHARDING:
+            return
+        for bucket, work in zip(self.buckets, self._gathers):
             if work is not None:
                 work.wait()
             bucket.point_params_at_full_weight()
+        self._gathers = []
         self.state = UnitState.UNSHARDED
 
     def reshard(self) -> None:
         if self.state is UnitState.SHARDED or not self.settings.strategy.shards_weights:
             return
+        self.unshard()  # a prefetch still in flight must land before its memory goes back
         for bucket in self.buckets:
             bucket.reshard()
         self.state = UnitState.SHARDED

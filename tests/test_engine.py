@@ -189,3 +189,26 @@ def test_no_shard_keeps_its_weight_buffer_and_replicas_in_sync() -> None:
     assert {k: v.shape for k, v in results[0]["state_dict"].items()} == expected_shapes
     for key, value in results[0]["state_dict"].items():
         assert torch.equal(value, results[1]["state_dict"][key]), f"ranks disagree on {key}"
+
+
+def _states_seen_by_block_one(rank: int, world: int, overlap: bool) -> list:
+    model = make_model(layers=3)
+    model, optimizer = megatron_fsdp.fully_shard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), fsdp_unit_modules=[Block], overlap_param_gather=overlap
+    )
+    seen = []
+    units = {u.name: u for u in model.units}
+    model.module.blocks[1].register_forward_pre_hook(lambda m, a: seen.append(units["blocks.2"].state))
+    for step in range(2):
+        model(*make_batch(step, 2)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return seen
+
+
+def test_the_next_unit_is_prefetched_in_recorded_forward_order() -> None:
+    with_prefetch = run_distributed(_states_seen_by_block_one, 2, True)[0]
+    without = run_distributed(_states_seen_by_block_one, 2, False)[0]
+    # Step 1 records the order; in step 2 block 2's gather is already launched while block 1 runs.
+    assert with_prefetch[0] is UnitState.SHARDED and with_prefetch[1] is not UnitState.SHARDED, with_prefetch
+    assert without == [UnitState.SHARDED, UnitState.SHARDED]
