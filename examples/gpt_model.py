@@ -63,8 +63,11 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.norm(x))
 
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 per weight (forward + backward) plus attention."""
-        weights = sum(p.numel() for name, p in self.named_parameters() if "embed" not in name and "pos" not in name)
-        attention = 12 * self.config.layers * self.config.hidden * self.config.seq_len // 2  # causal half
-        return 6 * weights + attention
+
+def training_flops_per_token(config: GPTConfig, seq_len: int) -> int:
+    """Model FLOPs of one training token (forward + backward): 6 per matmul weight plus the
+    causal attention scores and weighted sums."""
+    per_layer = 4 * config.hidden * config.hidden + 3 * config.hidden * config.ffn
+    weights = config.layers * per_layer + config.hidden * config.vocab_size
+    attention = 12 * config.layers * config.hidden * seq_len // 2
+    return 6 * weights + attention
