@@ -1,0 +1,49 @@
+"""After warm-up a training step allocates no new device memory: the bucket pool reuses its
+blocks and the caching allocator needs no new segments (NCCL, 2 GPUs)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megatron_fsdp
+from _dist import run_distributed
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"
+)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+from gpt_model import GPT, GPTConfig, TransformerBlock  # noqa: E402
+
+
+def _memory_over_steps(rank: int, world: int, comm: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=1024, seq_len=256, layers=6, hidden=512, heads=8, ffn=1408)
+    model = GPT(config).cuda().to(torch.bfloat16)
+    policy = megatron_fsdp.MixedPrecisionPolicy(main_grads_dtype=torch.float32, grad_comm_dtype=comm)
+    model, optimizer = megatron_fsdp.fully_shard(
+        model, torch.optim.AdamW(model.parameters(), fused=True), fsdp_unit_modules=[TransformerBlock], mixed_precision_policy=policy
+    )
+    snapshots = []
+    for step in range(10):
+        tokens = torch.randint(0, config.vocab_size, (2, config.seq_len + 1), device="cuda")
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.float().view(-1, config.vocab_size), tokens[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.cuda.synchronize()
+        stats = torch.cuda.memory_stats()
+        snapshots.append((stats["segment.all.allocated"], stats["reserved_bytes.all.current"], model.pool.bytes_reserved()))
+    return {"snapshots": snapshots, "pool_high_water": model.pool.high_water_mark(), "peak": torch.cuda.max_memory_allocated()}
+
+
+@pytest.mark.parametrize("comm", [torch.float32, torch.bfloat16])
+def test_steady_state_steps_allocate_nothing_new(comm: torch.dtype) -> None:
+    for result in run_distributed(_memory_over_steps, 2, comm, backend="nccl"):
+        warm = result["snapshots"][3:]
+        assert len(set(warm)) == 1, f"(cudaMalloc segments, reserved bytes, pool bytes) changed after warm-up: {warm}"
+        print(comm, "pool high water", result["pool_high_water"], "peak allocated", result["peak"], "pool", warm[-1])
