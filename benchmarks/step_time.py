@@ -89,6 +89,9 @@ IMPLEMENTATIONS: dict[str, Callable] = {
 
 
 def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.device) -> dict:
+    # The previous implementation's model and optimizer sit in reference cycles (hooks): collect
+    # them before measuring this one's memory.
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model, optimizer, autocast = make(config, device)
@@ -123,9 +126,8 @@ def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.devic
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "final_loss": final_loss.item() / dist.get_world_size(),
     }
-    del model, optimizer, losses
-    gc.collect()
-    torch.cuda.empty_cache()
+    # The last loss's graph reaches the parameters (and through their hooks, the whole model).
+    del model, optimizer, losses, loss, logits
     return row
 
 
