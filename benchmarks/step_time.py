@@ -93,6 +93,7 @@ def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.devic
     # them before measuring this one's memory.
     gc.collect()
     torch.cuda.empty_cache()
+    leftover = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     model, optimizer, autocast = make(config, device)
     rank = dist.get_rank()
@@ -125,6 +126,8 @@ def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.devic
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "final_loss": final_loss.item() / dist.get_world_size(),
+        # Memory still allocated by earlier implementations when this one started (should be ~0).
+        "leftover_gib": leftover / 2**30,
     }
     # The last loss's graph reaches the parameters (and through their hooks, the whole model).
     del model, optimizer, losses, loss, logits

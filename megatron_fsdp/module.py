@@ -41,6 +41,13 @@ def _tensors_requiring_grad(output: Any) -> list[torch.Tensor]:
     return found
 
 
+def _deliver_grad(scheduler: weakref.ref, unit_index: int, bucket_index: int, index: int, param: nn.Parameter) -> None:
+    live = scheduler()
+    if live is not None:
+        unit = live.units[unit_index]
+        live.on_grad(unit, unit.trainable_buckets[bucket_index], index, param)
+
+
 class MegatronFSDP(nn.Module):
     """Wraps ``module`` so every FSDP unit's parameters live in flat, sharded buffers.
 
@@ -101,11 +108,14 @@ class MegatronFSDP(nn.Module):
             unit = units_by_name[name]
             module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             module.register_forward_hook(functools.partial(self._post_forward, unit))
-        for unit in self.units:
-            for bucket in unit.trainable_buckets:
+        # Gradient hooks live in C++ on the parameters, where Python's garbage collector cannot
+        # see them: they hold the scheduler weakly, so a model nobody uses is freed.
+        scheduler = weakref.ref(self.scheduler)
+        for unit_index, unit in enumerate(self.units):
+            for bucket_index, bucket in enumerate(unit.trainable_buckets):
                 for index, param in enumerate(bucket.params):
                     param.register_post_accumulate_grad_hook(
-                        functools.partial(self.scheduler.on_grad, unit, bucket, index)
+                        functools.partial(_deliver_grad, scheduler, unit_index, bucket_index, index)
                     )
 
     def _pre_forward(self, unit: FSDPUnit, module: nn.Module, args: Any) -> None:

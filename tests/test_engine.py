@@ -212,3 +212,23 @@ def test_the_next_unit_is_prefetched_in_recorded_forward_order() -> None:
     # Step 1 records the order; in step 2 block 2's gather is already launched while block 1 runs.
     assert with_prefetch[0] is UnitState.SHARDED and with_prefetch[1] is not UnitState.SHARDED, with_prefetch
     assert without == [UnitState.SHARDED, UnitState.SHARDED]
+
+
+def _collected_after_use(rank: int, world: int) -> bool:
+    import gc
+    import weakref
+
+    model = megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block])
+    optimizer = megatron_fsdp.fully_shard_optimizer(torch.optim.Adam(model.parameters()), model)
+    model(*make_batch(0, 2)).backward()
+    optimizer.step()
+    alive = weakref.ref(model)
+    del model, optimizer
+    gc.collect()
+    return alive() is None
+
+
+def test_a_sharded_model_is_freed_once_unused() -> None:
+    """Parameter hooks live in C++, out of the garbage collector's sight: they must not keep
+    the model (and all its buffers) alive."""
+    assert run_distributed(_collected_after_use, 2) == [True, True]
