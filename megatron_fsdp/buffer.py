@@ -67,11 +67,21 @@ class Bucket:
 
         self.weight_shard: torch.Tensor | None = None
         self.views: list[torch.Tensor] | None = None
+        # Under optim_grads_params with main params of another dtype, the compute-weight shard
+        # would only copy the main shard: each gather casts the main shard instead (as FSDP2
+        # casts its shard), saving a shard of compute weights. HFSDP keeps the shard, which
+        # its outer all-gather fills.
+        self.gathers_from_main = (
+            self.strategy.shards_weights
+            and self.requires_grad
+            and self.dtypes.main_params != self.dtype
+            and not self.splits_shard
+        )
+        self._gather_input: torch.Tensor | None = None
         if self.strategy.shards_weights:
-            self.weight_shard = self._local_pieces(self.shard_start, self.shard_end, self.dtype)
+            if not self.gathers_from_main:
+                self.weight_shard = self._local_pieces(self.shard_start, self.shard_end, self.dtype)
             self.full_weight = pool.placeholder(self.layout.padded_numel, self.dtype, self.device)
-            for param in params:
-                param.data = _released_placeholder(self.dtype, self.device)
         else:
             self.full_weight = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
             _ops.flatten_copy([p.detach() for p in params], self.offsets, self.full_weight)
@@ -87,6 +97,10 @@ class Bucket:
         )
         if self.requires_grad:
             self._init_main_state()
+        if self.strategy.shards_weights:
+            # Everything needed was copied out of the full parameters: let them go.
+            for param in params:
+                param.data = _released_placeholder(self.dtype, self.device)
 
     # -- construction -------------------------------------------------------------------------
 
@@ -117,10 +131,14 @@ class Bucket:
             piece = self.layout.shard_numel // self.outer.size
             self.main_start = self.shard_start + self.outer.rank * piece
             self.main_end = self.main_start + piece
-        weights = self._main_weight_target()
         # Main params in the compute dtype are the weights themselves: nothing to copy.
         self.main_params_alias_weights = self.dtypes.main_params == self.dtype
-        self.main_params = weights if self.main_params_alias_weights else weights.to(self.dtypes.main_params)
+        if self.gathers_from_main:
+            self.main_params = self._local_pieces(self.main_start, self.main_end, self.dtypes.main_params)
+        elif self.main_params_alias_weights:
+            self.main_params = self._main_weight_target()
+        else:
+            self.main_params = self._main_weight_target().to(self.dtypes.main_params)
         # Gradients reduced over the shard group accumulate here; with an outer group, they are
         # averaged over it when synced: in place (HSDP) or reduce-scattered into outer_grad (HFSDP).
         self.main_grad = torch.zeros(self.grad_end - self.grad_start, dtype=self.dtypes.main_grads, device=self.device)
@@ -148,9 +166,17 @@ class Bucket:
     def start_unshard(self, async_op: bool) -> dist.Work | None:
         """Fills the pooled bucket and launches the all-gather of the weight shards into it."""
         self.pool.fill(self.full_weight, "weights")
-        return all_gather_shards(self.full_weight, self.weight_shard, self.dp.group, async_op=async_op)
+        shard = self.weight_shard
+        if self.gathers_from_main:
+            shard = self._gather_input = self.pool.fetch(self.layout.shard_numel, self.dtype, self.device, "gather_input")
+            shard.copy_(self.main_params)
+        return all_gather_shards(self.full_weight, shard, self.dp.group, async_op=async_op)
 
     def point_params_at_full_weight(self) -> None:
+        """After the gather finished: parameters become views of the gathered bucket."""
+        if self._gather_input is not None:
+            self.pool.release(self._gather_input)
+            self._gather_input = None
         if self.views is None:
             self.views = _ops.param_views(self.full_weight, self.offsets, self.shapes)
         for param, view in zip(self.params, self.views):
@@ -280,6 +306,8 @@ class Bucket:
     def install_main_params(self) -> None:
         """Writes the stepped main params into the compute weights and, where every rank holds
         full weights but stepped only its shard (strategies 1 and 2), gathers the others'."""
+        if self.gathers_from_main:
+            return  # the next gather casts the new main params
         if not self.main_params_alias_weights:
             self._main_weight_target().copy_(self.main_params)
         if self.splits_shard:
