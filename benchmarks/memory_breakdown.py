@@ -46,7 +46,7 @@ def main() -> None:
         model, optimizer, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=args.strategy, mixed_precision_policy=policy
     )
     phases = {}
-    for step in range(3):
+    for _ in range(3):
         torch.cuda.reset_peak_memory_stats()
         tokens = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len + 1), device=device)
         logits = model(tokens[:, :-1])

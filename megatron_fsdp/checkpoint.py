@@ -84,25 +84,25 @@ def _param_names(model: MegatronFSDP) -> dict[nn.Parameter, list[str]]:
     return names
 
 
-def _bucket_params(model: MegatronFSDP) -> Iterator[tuple[Bucket, int, nn.Parameter]]:
+def _bucket_params(model: MegatronFSDP) -> Iterator[tuple[Bucket, int, nn.Parameter, tuple[torch.Tensor, int]]]:
+    """(bucket, index in bucket, parameter, (its checkpoint piece, where the piece starts))."""
     for unit in model.units:
         for bucket in unit.buckets:
-            for index, param in enumerate(bucket.params):
-                yield bucket, index, param
+            for index, (param, piece) in enumerate(zip(bucket.params, bucket.checkpoint_pieces())):
+                yield bucket, index, param, piece
 
 
 def model_state_dict(model: MegatronFSDP) -> dict[str, Any]:
     """FQN -> DTensor for every parameter (tied ones under each name), plus persistent buffers."""
     mesh = model.dp.device_mesh(_device_type(model))
-    pieces: dict[nn.Parameter, DTensor] = {}
-    for bucket, index, param in _bucket_params(model):
-        piece, start = bucket.checkpoint_pieces()[index]
-        pieces[param] = piece_dtensor(piece, bucket.shapes[index], start, mesh)
-    names = _param_names(model)
-    state: dict[str, Any] = {}
-    for key, value in model.module.state_dict(keep_vars=True).items():
-        state[key] = pieces[value] if isinstance(value, nn.Parameter) and value in names else value
-    return state
+    pieces = {
+        param: piece_dtensor(piece, bucket.shapes[index], start, mesh)
+        for bucket, index, param, (piece, start) in _bucket_params(model)
+    }
+    return {
+        key: pieces[value] if isinstance(value, nn.Parameter) else value
+        for key, value in model.module.state_dict(keep_vars=True).items()
+    }
 
 
 def _device_type(model: MegatronFSDP) -> str:
@@ -114,18 +114,16 @@ def load_model_state_dict(model: MegatronFSDP, state_dict: dict[str, Any], stric
     """Loads a state dict from :func:`model_state_dict` (after ``dcp.load`` filled it in place)
     or any dict of full tensors (a plain model's ``state_dict()``), then re-installs weights."""
     expected = model.module.state_dict(keep_vars=True)
-    pieces = {param: (bucket, index) for bucket, index, param in _bucket_params(model)}
+    pieces = {param: (bucket.shapes[index], piece) for bucket, index, param, piece in _bucket_params(model)}
     names = _param_names(model)
-    shapes = {key: (pieces[v][0].shapes[pieces[v][1]] if v in pieces else v.shape) for key, v in expected.items()}
+    shapes = {key: (pieces[v][0] if v in pieces else v.shape) for key, v in expected.items()}
     given = {k: (v.shape if isinstance(v, torch.Tensor) else None) for k, v in state_dict.items()}
     check_keys(shapes, given, strict, "model state dict")
     with torch.no_grad():
-        for param, (bucket, index) in pieces.items():
+        for param, (_, (piece, start)) in pieces.items():
             key = next((n for n in names[param] if n in state_dict), None)
-            if key is None:
-                continue
-            piece, start = bucket.checkpoint_pieces()[index]
-            _copy_into_piece(piece, start, state_dict[key])
+            if key is not None:
+                _copy_into_piece(piece, start, state_dict[key])
         for key, value in expected.items():
             if not isinstance(value, nn.Parameter) and key in state_dict and state_dict[key] is not value:
                 value.copy_(state_dict[key])
@@ -166,12 +164,13 @@ def check_keys(expected: dict[str, torch.Size], given: dict[str, torch.Size | No
         raise RuntimeError(f"the {what} does not fit this model; " + "; ".join(problems))
 
 
-def _optimizer_param_names(optimizer: torch.optim.Optimizer, model: MegatronFSDP) -> dict[int, tuple[str, Bucket, int]]:
-    """id(main-parameter piece) -> (parameter FQN, bucket, index in bucket)."""
+def _optimizer_param_names(model: MegatronFSDP) -> dict[int, tuple[str, Bucket, int, int]]:
+    """id(main-parameter piece) -> (parameter FQN, bucket, index in bucket, where its piece
+    starts in the flattened parameter)."""
     names = _param_names(model)
     return {
-        id(bucket.optim_params[index]): (names[param][0], bucket, index)
-        for bucket, index, param in _bucket_params(model)
+        id(bucket.optim_params[index]): (names[param][0], bucket, index, start)
+        for bucket, index, param, (_, start) in _bucket_params(model)
         if bucket.requires_grad
     }
 
@@ -201,12 +200,11 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: MegatronFSDP, 
     every per-element state tensor as a DTensor piece like the parameter's."""
     _init_optimizer_state(optimizer, unwrapped_step)
     mesh = model.dp.device_mesh(_device_type(model))
-    owners = _optimizer_param_names(optimizer, model)
+    owners = _optimizer_param_names(model)
     state: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         for piece in group["params"]:
-            fqn, bucket, index = owners[id(piece)]
-            start = bucket.checkpoint_pieces()[index][1]  # the optimizer steps exactly this piece
+            fqn, bucket, index, start = owners[id(piece)]  # the optimizer steps exactly this piece
             entries = {}
             for name, value in optimizer.state.get(piece, {}).items():
                 per_element = isinstance(value, torch.Tensor) and value.shape == piece.shape
@@ -224,7 +222,7 @@ def load_optimizer_state_dict(
 ) -> None:
     """Loads a state dict of :func:`optimizer_state_dict` form (after ``dcp.load`` filled it in
     place) through the optimizer's own ``load_state_dict``."""
-    owners = _optimizer_param_names(optimizer, model)
+    owners = _optimizer_param_names(model)
     pieces = [piece for group in optimizer.param_groups for piece in group["params"]]
     fqns = [owners[id(piece)][0] for piece in pieces]
     saved = state_dict["state"]
@@ -237,7 +235,8 @@ def load_optimizer_state_dict(
         )
     torch_state = {}
     for position, (piece, fqn) in enumerate(zip(pieces, fqns)):
-        torch_state[position] = {name: _local_piece(value, piece, owners[id(piece)]) for name, value in saved[fqn].items()}
+        start = owners[id(piece)][3]
+        torch_state[position] = {name: _local_piece(value, piece, start) for name, value in saved[fqn].items()}
     groups, position = [], 0
     for group, saved_group in zip(optimizer.param_groups, state_dict["param_groups"]):
         count = len(group["params"])
@@ -246,7 +245,7 @@ def load_optimizer_state_dict(
     unwrapped_load({"state": torch_state, "param_groups": groups})
 
 
-def _local_piece(value: Any, piece: torch.Tensor, owner: tuple[str, Bucket, int]) -> Any:
+def _local_piece(value: Any, piece: torch.Tensor, start: int) -> Any:
     """This rank's piece of a per-element state entry (our DTensor after dcp.load, or a full
     tensor from elsewhere); other entries (a step count) as they are."""
     if isinstance(value, DTensor):
@@ -256,7 +255,5 @@ def _local_piece(value: Any, piece: torch.Tensor, owner: tuple[str, Bucket, int]
             return local.reshape(piece.shape)
         value = value.full_tensor()
     if isinstance(value, torch.Tensor) and value.dim() > 0:
-        _, bucket, index = owner
-        start = bucket.checkpoint_pieces()[index][1]
         return value.reshape(-1)[start : start + piece.numel()]
     return value

@@ -9,7 +9,6 @@ oldest-first, at most ``max_reductions_in_flight`` at a time, so un-reduced buff
 from __future__ import annotations
 
 import enum
-import logging
 from collections import deque
 
 import torch
@@ -22,8 +21,6 @@ from megatron_fsdp.collectives import all_gather_shards
 from megatron_fsdp.config import FSDPSettings
 from megatron_fsdp.mesh import DataParallelGroup
 from megatron_fsdp.units import FSDPUnit
-
-logger = logging.getLogger(__name__)
 
 
 class StepState(enum.Enum):

@@ -29,7 +29,7 @@ def _memory_over_steps(rank: int, world: int, comm: torch.dtype) -> dict:
         model, torch.optim.AdamW(model.parameters(), fused=True), fsdp_unit_modules=[TransformerBlock], mixed_precision_policy=policy
     )
     snapshots = []
-    for step in range(10):
+    for _ in range(10):
         tokens = torch.randint(0, config.vocab_size, (2, config.seq_len + 1), device="cuda")
         logits = model(tokens[:, :-1])
         F.cross_entropy(logits.float().view(-1, config.vocab_size), tokens[:, 1:].reshape(-1)).backward()
