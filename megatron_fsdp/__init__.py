@@ -9,10 +9,14 @@ from megatron_fsdp.checkpoint_io import (
     save_checkpoint,
 )
 from megatron_fsdp.config import MixedPrecisionPolicy, ShardingStrategy
+from megatron_fsdp.megatron_config import DistributedDataParallelConfig, add_megatron_fsdp_args, ddp_config_from_args
 from megatron_fsdp.module import MegatronFSDP
 
 __all__ = [
+    "DistributedDataParallelConfig",
     "MegatronFSDP",
+    "add_megatron_fsdp_args",
+    "ddp_config_from_args",
     "export_safetensors",
     "full_state_dict",
     "MixedPrecisionPolicy",
