@@ -4,6 +4,10 @@
 
 Runs on CPU with gloo, or on CUDA with NCCL when GPUs are present (one per process). The corpus
 is examples/data/corpus.txt (public-domain text shipped with the repo); nothing is downloaded.
+Checkpoints go to --checkpoint-dir and a new launch resumes from the newest; a finished run
+writes the loss curve there (loss_curve.png) and logs a sample of generated text. Other options:
+--strategy, --dp-outer / --outer-strategy (HSDP, HFSDP), --bf16 / --main-grads-dtype /
+--grad-comm-dtype (mixed precision), --grad-accum (micro-batches per step).
 """
 
 from __future__ import annotations
@@ -16,17 +20,23 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 import megatron_fsdp
 from gpt_model import GPT, GPTConfig, TransformerBlock
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "auto": None}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", default="optim_grads_params", help="zero_dp_strategy: 0..3 or its name")
+    parser.add_argument("--dp-outer", type=int, default=1,
+                        help="HSDP: ranks form a (dp_outer, world / dp_outer) mesh; shards are replicated dp_outer times")
+    parser.add_argument("--outer-strategy", default="no_shard", choices=("no_shard", "optim"),
+                        help="with --dp-outer > 1: replicate (HSDP) or also shard the optimizer state (HFSDP)")
     parser.add_argument("--steps", type=int, default=300, help="total optimizer steps of the training run")
     parser.add_argument("--run-steps", type=int, default=None,
                         help="stop after this many steps in this launch (a time-limited job); the next launch resumes")
@@ -40,6 +50,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--bf16", action="store_true", help="compute in bf16 (fp32 main weights stay in the optimizer)")
+    parser.add_argument("--main-grads-dtype", choices=tuple(DTYPES), default="auto",
+                        help="dtype gradients accumulate in; auto = the compute dtype")
+    parser.add_argument("--grad-comm-dtype", choices=tuple(DTYPES), default="auto",
+                        help="dtype gradients travel in; auto = the main-gradient dtype")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-chars", type=int, default=200, help="characters of text to generate at the end")
     return parser.parse_args()
@@ -52,6 +66,38 @@ def setup_distributed() -> torch.device:
         return torch.device("cuda")
     dist.init_process_group("gloo")
     return torch.device("cpu")
+
+
+def apply_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
+               device: torch.device) -> tuple[megatron_fsdp.MegatronFSDP, torch.optim.Optimizer]:
+    """Every TransformerBlock is a unit; with --dp-outer > 1 the ranks form a 2-D mesh (HSDP)."""
+    mesh_arguments = {}
+    if args.dp_outer > 1:
+        mesh = init_device_mesh(device.type, (args.dp_outer, dist.get_world_size() // args.dp_outer),
+                                mesh_dim_names=("dp_outer", "dp_shard"))
+        mesh_arguments = dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                              outer_dp_sharding_strategy=args.outer_strategy)
+    policy = megatron_fsdp.MixedPrecisionPolicy(
+        main_params_dtype=torch.float32, main_grads_dtype=DTYPES[args.main_grads_dtype], grad_comm_dtype=DTYPES[args.grad_comm_dtype]
+    )
+    return megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=args.strategy,
+                                     mixed_precision_policy=policy, **mesh_arguments)
+
+
+def plot_losses(losses: list[float], path: str) -> None:
+    """The loss of every step as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    axes.plot(range(1, len(losses) + 1), losses, linewidth=1)
+    axes.set(xlabel="step", ylabel="training loss", title="train_gpt.py")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 class CharData:
@@ -102,16 +148,15 @@ def main() -> None:
                        heads=args.heads, ffn=int(args.hidden * 8 / 3) // 16 * 16)
     model = GPT(config).to(device, torch.bfloat16 if args.bf16 else torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    model, optimizer = megatron_fsdp.fully_shard(
-        model, optimizer, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=args.strategy
-    )
+    model, optimizer = apply_fsdp(model, optimizer, args, device)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
 
-    start_step = 0
+    start_step, losses = 0, []
     resumed = megatron_fsdp.load_checkpoint(args.checkpoint_dir, model, optimizer)
     if resumed is not None:
         start_step, extra = resumed
         schedule.load_state_dict(extra["schedule"])
+        losses = extra["losses"]
         if rank == 0:
             logging.info("resumed from %s at step %d", args.checkpoint_dir, start_step)
     end_step = args.steps if args.run_steps is None else min(args.steps, start_step + args.run_steps)
@@ -134,10 +179,11 @@ def main() -> None:
         dist.all_reduce(loss_sum)
         last_loss = loss_sum.item() / (world * args.grad_accum)
         first_loss = first_loss if first_loss is not None else last_loss
+        losses.append(last_loss)
         progress.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_step / (time.perf_counter() - started):,.0f}")
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == end_step:
             megatron_fsdp.save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer,
-                                          extra_state={"schedule": schedule.state_dict()}, keep_last=2)
+                                          extra_state={"schedule": schedule.state_dict(), "losses": losses}, keep_last=2)
 
     if end_step < args.steps:
         if rank == 0:
@@ -150,6 +196,9 @@ def main() -> None:
         logging.info("loss %.3f -> %.3f over steps %d..%d (%s, %d ranks)", first_loss, last_loss, start_step, end_step,
                      megatron_fsdp.ShardingStrategy.parse(args.strategy).label, world)
         logging.info("sample:\n%s", sample)
+        plot_path = os.path.join(args.checkpoint_dir, "loss_curve.png")
+        plot_losses(losses, plot_path)
+        logging.info("loss curve of steps 1..%d: %s", len(losses), plot_path)
     dist.destroy_process_group()
 
 
