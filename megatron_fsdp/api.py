@@ -13,7 +13,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
-from megatron_fsdp.mesh import resolve_dp_shard_group, resolve_outer_group
+from megatron_fsdp.dtensor_params import check_parallel_params
+from megatron_fsdp.mesh import resolve_dp_shard_group, resolve_expert_group, resolve_outer_group, submesh
 from megatron_fsdp.module import MegatronFSDP
 from megatron_fsdp.optimizer import distribute_optimizer
 from megatron_fsdp.units import resolve_unit_classes
@@ -21,8 +22,6 @@ from megatron_fsdp.units import resolve_unit_classes
 # Arguments of features not built yet: each must keep its default until its feature lands,
 # so a setting is never silently ignored.
 _NOT_YET_SUPPORTED = {
-    "tp_dim": (None, "tensor-parallel meshes"),
-    "expt_device_mesh": (None, "expert-parallel meshes"),
     "nccl_ub": (False, "NCCL user-buffer registration (GPU performance)"),
 }
 
@@ -137,6 +136,9 @@ def fully_shard_model(
     if dp_outer_dim is not None:
         shards_optimizer = outer_strategy is ShardingStrategy.OPTIM
         dp = resolve_outer_group(dp, device_mesh, dp_outer_dim, hybrid_fsdp_group, shards_optimizer)
+    if expt_device_mesh is not None:
+        dp = resolve_expert_group(dp, expt_device_mesh, dp_shard_dim)
+    _check_tensor_parallel(module, device_mesh, tp_dim, expt_device_mesh, init_model_with_meta_device)
     if device is not None and not init_model_with_meta_device:
         module.to(device)
     compute_device = _module_device(module, init_model_with_meta_device)
@@ -153,6 +155,26 @@ def fully_shard_model(
         fsdp_double_buffer=fsdp_double_buffer,
     )
     return MegatronFSDP(module, dp, settings, unit_classes, compute_device if init_model_with_meta_device else None)
+
+
+def _check_tensor_parallel(
+    module: nn.Module,
+    device_mesh: DeviceMesh | None,
+    tp_dim: str | None,
+    expt_device_mesh: DeviceMesh | None,
+    meta_init: bool,
+) -> None:
+    tp_mesh = None
+    if tp_dim is not None:
+        if device_mesh is None:
+            raise ValueError(f"tp_dim={tp_dim!r} needs a device_mesh holding that dim")
+        tp_mesh = submesh(device_mesh, tp_dim, "tp_dim")
+    if meta_init and (tp_mesh is not None or expt_device_mesh is not None):
+        raise ValueError(
+            "init_model_with_meta_device=True cannot be combined with tensor- or expert-parallel DTensor "
+            "parameters yet: materialise the model before tensor-parallelising it"
+        )
+    check_parallel_params(module, tp_mesh, expt_device_mesh is not None)
 
 
 def _check_outer_strategy(value: int | str, strategy: ShardingStrategy, dp_outer_dim: str | None) -> ShardingStrategy:

@@ -19,6 +19,7 @@ from torch import nn
 from megatron_fsdp import _ops
 from megatron_fsdp.collectives import all_gather_shards, all_reduce_sum, all_to_all, reduce_scatter_sum
 from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
+from megatron_fsdp.dtensor_params import local_tensor, param_extent
 from megatron_fsdp.layout import BucketLayout, alignment_in_elements, build_bucket_layout
 from megatron_fsdp.mesh import DataParallelGroup
 
@@ -45,23 +46,31 @@ class Bucket:
         dp: DataParallelGroup,
         settings: FSDPSettings,
         pool: torch.ScriptObject,
+        grad_divisor: int | None = None,
     ) -> None:
         self.names = names
         self.params = params
+        # What the buffers hold of each parameter: the parameter itself, or a DTensor's local
+        # tensor, whose global place ``extents`` record (for checkpoints).
+        self.locals = [local_tensor(p) for p in params]
+        self.extents = [param_extent(n, p) for n, p in zip(names, params)]
         self.dp = dp
+        # Reduced gradients are divided by this: the data-parallel size, or for expert buckets
+        # (reduced over the smaller expert-data-parallel group) the dense one.
+        self.grad_divisor = grad_divisor or dp.size
         self.strategy = settings.strategy
         self.pool = pool
-        self.dtype = params[0].dtype
+        self.dtype = self.locals[0].dtype
         self.dtypes = settings.mixed_precision.resolve(self.dtype)
-        self.device = params[0].device
+        self.device = self.locals[0].device
         self.requires_grad = params[0].requires_grad
-        self.shapes = [p.shape for p in params]
-        alignment = alignment_in_elements(settings.alignment_bytes, params[0].element_size())
+        self.shapes = [t.shape for t in self.locals]
+        alignment = alignment_in_elements(settings.alignment_bytes, self.locals[0].element_size())
         self.outer = dp.outer
         # HFSDP: the optimizer steps 1/outer of this rank's shard; the outer group gathers the rest.
         self.splits_shard = self.outer is not None and dp.outer_shards_optimizer
         split = self.outer.size if self.splits_shard else 1
-        self.layout: BucketLayout = build_bucket_layout([p.numel() for p in params], dp.size, alignment, split)
+        self.layout: BucketLayout = build_bucket_layout([t.numel() for t in self.locals], dp.size, alignment, split)
         self.offsets = [slot.offset for slot in self.layout.slots]
         self.shard_start, self.shard_end = self.layout.shard_range(dp.rank)
 
@@ -84,10 +93,10 @@ class Bucket:
             self.full_weight = pool.placeholder(self.layout.padded_numel, self.dtype, self.device)
         else:
             self.full_weight = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-            _ops.flatten_copy([p.detach() for p in params], self.offsets, self.full_weight)
+            _ops.flatten_copy([t.detach() for t in self.locals], self.offsets, self.full_weight)
             self.views = _ops.param_views(self.full_weight, self.offsets, self.shapes)
-            for param, view in zip(params, self.views):
-                param.data = view
+            for local, view in zip(self.locals, self.views):
+                local.data = view
 
         self.unreduced_grad: torch.Tensor | None = None
         self.grads_received = [False] * len(params)
@@ -99,19 +108,19 @@ class Bucket:
             self._init_main_state()
         if self.strategy.shards_weights:
             # Everything needed was copied out of the full parameters: let them go.
-            for param in params:
-                param.data = _released_placeholder(self.dtype, self.device)
+            for local in self.locals:
+                local.data = _released_placeholder(self.dtype, self.device)
 
     # -- construction -------------------------------------------------------------------------
 
     def _local_pieces(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """Bucket elements ``[start, end)`` built from the parameters' current values."""
         out = torch.zeros(end - start, dtype=dtype, device=self.device)
-        for index, param in enumerate(self.params):
+        for index, local in enumerate(self.locals):
             lo, hi = self._piece(index, start, end)
             if hi > lo:
                 slot = self.layout.slots[index]
-                out[lo - start : hi - start].copy_(param.detach().reshape(-1)[lo - slot.offset : hi - slot.offset])
+                out[lo - start : hi - start].copy_(local.detach().reshape(-1)[lo - slot.offset : hi - slot.offset])
         return out
 
     def _piece(self, index: int, start: int, end: int) -> tuple[int, int]:
@@ -179,12 +188,12 @@ class Bucket:
             self._gather_input = None
         if self.views is None:
             self.views = _ops.param_views(self.full_weight, self.offsets, self.shapes)
-        for param, view in zip(self.params, self.views):
-            param.data = view
+        for local, view in zip(self.locals, self.views):
+            local.data = view
 
     def reshard(self) -> None:
-        for param in self.params:
-            param.data = _released_placeholder(self.dtype, self.device)
+        for local in self.locals:
+            local.data = _released_placeholder(self.dtype, self.device)
         self.pool.release(self.full_weight)
 
     # -- gradients ----------------------------------------------------------------------------
@@ -246,8 +255,8 @@ class Bucket:
         return comm
 
     def _add_to_main_grad(self, reduced: torch.Tensor, *pooled: torch.Tensor) -> None:
-        # Gradients are averaged over the group: each rank's loss is a mean over its own batch.
-        self.main_grad.add_(reduced, alpha=1.0 / self.dp.size)
+        # Gradients are averaged over data-parallel ranks: each rank's loss is a mean over its own batch.
+        self.main_grad.add_(reduced, alpha=1.0 / self.grad_divisor)
         for buffer in pooled:
             self.pool.release(buffer)
 
@@ -256,12 +265,12 @@ class Bucket:
         if self.strategy is ShardingStrategy.NO_SHARD:
             # This rank sums its shard in high precision, then every rank gathers every shard.
             shard = self.pool.fetch(self.layout.shard_numel, self.dtypes.main_grads, self.device, "reduced_grads")
-            _ops.promoting_reduce(chunks, shard, scale=1.0 / self.dp.size)
+            _ops.promoting_reduce(chunks, shard, scale=1.0 / self.grad_divisor)
             all_gather_shards(comm, shard.to(comm.dtype), self.dp.group)
             self.main_grad.add_(comm)
             self.pool.release(shard)
         else:
-            _ops.promoting_reduce(chunks, self.main_grad, scale=1.0 / self.dp.size, accumulate=True)
+            _ops.promoting_reduce(chunks, self.main_grad, scale=1.0 / self.grad_divisor, accumulate=True)
         self.pool.release(received)
         self.pool.release(comm)
 

@@ -23,28 +23,27 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron_fsdp.buffer import Bucket
+from megatron_fsdp.dtensor_params import ParamExtent, contiguous_strides, is_expert_param
 from megatron_fsdp.layout import flat_offset, rectangular_chunks
 
 if TYPE_CHECKING:
     from megatron_fsdp.module import MegatronFSDP
 
 
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, running = [], 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= size
-    return tuple(reversed(strides))
-
-
-def piece_dtensor(piece: torch.Tensor, shape: torch.Size, flat_start: int, mesh: DeviceMesh) -> DTensor:
-    """A DTensor of global ``shape`` holding the flat elements ``[flat_start, flat_start +
-    piece.numel())`` of it, in ``piece`` (no copy: loading writes into ``piece``)."""
+def piece_dtensor(piece: torch.Tensor, extent: ParamExtent, flat_start: int, mesh: DeviceMesh) -> DTensor:
+    """A DTensor of the parameter's global shape holding the flat elements ``[flat_start,
+    flat_start + piece.numel())`` of this rank's local tensor (the whole parameter unless it is
+    tensor-/expert-parallel), in ``piece`` (no copy: loading writes into ``piece``)."""
+    local_shape, shape = extent.local_shape, extent.global_shape
     chunks = [
-        (torch.Size(offsets), torch.Size(sizes), flat_offset(shape, offsets) - flat_start)
-        for offsets, sizes in rectangular_chunks(shape, flat_start, flat_start + piece.numel())
+        (
+            torch.Size(o + base for o, base in zip(offsets, extent.offset)),
+            torch.Size(sizes),
+            flat_offset(local_shape, offsets) - flat_start,
+        )
+        for offsets, sizes in rectangular_chunks(local_shape, flat_start, flat_start + piece.numel())
     ]
-    dtensor = DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous_strides(shape))
+    dtensor = DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=shape, stride=contiguous_strides(shape))
     with torch.no_grad():
         local = dtensor.to_local()
 
@@ -92,11 +91,21 @@ def _bucket_params(model: MegatronFSDP) -> Iterator[tuple[Bucket, int, nn.Parame
                 yield bucket, index, param, piece
 
 
+def _checkpointable_extent(bucket: Bucket, index: int) -> ParamExtent:
+    if is_expert_param(bucket.params[index]) and not bucket.extents[index].is_distributed:
+        raise RuntimeError(
+            f"expert parameter {bucket.names[index]} is a plain tensor, so where its experts sit among all "
+            "experts is unknown and ranks would overwrite each other's: make it a DTensor sharded over the "
+            "expert-parallel mesh (e.g. Shard(0) over the expert dim)"
+        )
+    return bucket.extents[index]
+
+
 def model_state_dict(model: MegatronFSDP) -> dict[str, Any]:
     """FQN -> DTensor for every parameter (tied ones under each name), plus persistent buffers."""
     mesh = model.dp.device_mesh(_device_type(model))
     pieces = {
-        param: piece_dtensor(piece, bucket.shapes[index], start, mesh)
+        param: piece_dtensor(piece, _checkpointable_extent(bucket, index), start, mesh)
         for bucket, index, param, (piece, start) in _bucket_params(model)
     }
     return {
@@ -114,16 +123,16 @@ def load_model_state_dict(model: MegatronFSDP, state_dict: dict[str, Any], stric
     """Loads a state dict from :func:`model_state_dict` (after ``dcp.load`` filled it in place)
     or any dict of full tensors (a plain model's ``state_dict()``), then re-installs weights."""
     expected = model.module.state_dict(keep_vars=True)
-    pieces = {param: (bucket.shapes[index], piece) for bucket, index, param, piece in _bucket_params(model)}
+    pieces = {param: (bucket.extents[index], piece) for bucket, index, param, piece in _bucket_params(model)}
     names = _param_names(model)
-    shapes = {key: (pieces[v][0] if v in pieces else v.shape) for key, v in expected.items()}
+    shapes = {key: (pieces[v][0].global_shape if v in pieces else v.shape) for key, v in expected.items()}
     given = {k: (v.shape if isinstance(v, torch.Tensor) else None) for k, v in state_dict.items()}
     check_keys(shapes, given, strict, "model state dict")
     with torch.no_grad():
-        for param, (_, (piece, start)) in pieces.items():
+        for param, (extent, (piece, start)) in pieces.items():
             key = next((n for n in names[param] if n in state_dict), None)
             if key is not None:
-                _copy_into_piece(piece, start, state_dict[key])
+                _copy_into_piece(piece, start, extent, state_dict[key])
         for key, value in expected.items():
             if not isinstance(value, nn.Parameter) and key in state_dict and state_dict[key] is not value:
                 value.copy_(state_dict[key])
@@ -132,15 +141,16 @@ def load_model_state_dict(model: MegatronFSDP, state_dict: dict[str, Any], stric
                 bucket.sync_after_load()
 
 
-def _copy_into_piece(piece: torch.Tensor, start: int, value: torch.Tensor) -> None:
-    """Copies this rank's flat piece out of ``value`` unless ``value`` already holds it."""
+def _copy_into_piece(piece: torch.Tensor, start: int, extent: ParamExtent, value: torch.Tensor) -> None:
+    """Copies this rank's flat piece out of ``value`` (of the global shape) unless ``value``
+    already holds it."""
     if isinstance(value, DTensor):
         with torch.no_grad():
             local = value.to_local()
         if local.data_ptr() == piece.data_ptr() and local.numel() == piece.numel():
             return  # dcp.load wrote straight into the piece
         value = value.full_tensor()
-    piece.copy_(value.reshape(-1)[start : start + piece.numel()])
+    piece.copy_(extent.local_region(value).reshape(-1)[start : start + piece.numel()])
 
 
 def check_keys(expected: dict[str, torch.Size], given: dict[str, torch.Size | None], strict: bool, what: str) -> None:
@@ -208,7 +218,7 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: MegatronFSDP, 
             entries = {}
             for name, value in optimizer.state.get(piece, {}).items():
                 per_element = isinstance(value, torch.Tensor) and value.shape == piece.shape
-                entries[name] = piece_dtensor(value, bucket.shapes[index], start, mesh) if per_element else value
+                entries[name] = piece_dtensor(value, bucket.extents[index], start, mesh) if per_element else value
             state[fqn] = entries
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": [owners[id(p)][0] for p in group["params"]]}
@@ -235,8 +245,9 @@ def load_optimizer_state_dict(
         )
     torch_state = {}
     for position, (piece, fqn) in enumerate(zip(pieces, fqns)):
-        start = owners[id(piece)][3]
-        torch_state[position] = {name: _local_piece(value, piece, start) for name, value in saved[fqn].items()}
+        _, bucket, index, start = owners[id(piece)]
+        extent = bucket.extents[index]
+        torch_state[position] = {name: _local_piece(value, piece, start, extent) for name, value in saved[fqn].items()}
     groups, position = [], 0
     for group, saved_group in zip(optimizer.param_groups, state_dict["param_groups"]):
         count = len(group["params"])
@@ -245,9 +256,9 @@ def load_optimizer_state_dict(
     unwrapped_load({"state": torch_state, "param_groups": groups})
 
 
-def _local_piece(value: Any, piece: torch.Tensor, start: int) -> Any:
+def _local_piece(value: Any, piece: torch.Tensor, start: int, extent: ParamExtent) -> Any:
     """This rank's piece of a per-element state entry (our DTensor after dcp.load, or a full
-    tensor from elsewhere); other entries (a step count) as they are."""
+    tensor of the global shape from elsewhere); other entries (a step count) as they are."""
     if isinstance(value, DTensor):
         with torch.no_grad():
             local = value.to_local()
@@ -255,5 +266,5 @@ def _local_piece(value: Any, piece: torch.Tensor, start: int) -> Any:
             return local.reshape(piece.shape)
         value = value.full_tensor()
     if isinstance(value, torch.Tensor) and value.dim() > 0:
-        return value.reshape(-1)[start : start + piece.numel()]
+        return extent.local_region(value).reshape(-1)[start : start + piece.numel()]
     return value

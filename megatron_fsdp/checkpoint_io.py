@@ -151,8 +151,9 @@ def full_state_dict(
     for unit in model.units:
         for bucket in unit.buckets:
             full = bucket.gather_full(bucket.checkpoint_source()[0])
-            if keep:
-                for param, value in zip(bucket.params, bucket.split_full(full)):
+            for param, extent, value in zip(bucket.params, bucket.extents, bucket.split_full(full)):
+                value = extent.to_global(value)  # tensor-/expert-parallel: a collective
+                if keep:
                     value = value.to(dtype) if dtype is not None else value
                     value = value.cpu() if cpu_offload else value.clone()
                     for alias_index, name in enumerate(names[param]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -19,6 +20,14 @@ class DataParallelGroup:
     # state is sharded across it too (outer strategy ``optim``, i.e. HFSDP).
     outer: DataParallelGroup | None = None
     outer_shards_optimizer: bool = False
+    # Expert parallelism: the group that holds the same experts ("expert data parallel"), which
+    # expert parameters are sharded over instead of this one.
+    expert: DataParallelGroup | None = None
+
+    @property
+    def dense_size(self) -> int:
+        """Ranks that see different data: this group times the outer one."""
+        return self.size * (self.outer.size if self.outer is not None else 1)
 
     def device_mesh(self, device_type: str) -> DeviceMesh:
         """A 1-D DeviceMesh over this group (what state-dict DTensors are placed on)."""
@@ -46,7 +55,7 @@ def resolve_dp_shard_group(device_mesh: DeviceMesh | None, dp_shard_dim: str | N
                 )
             mesh = device_mesh
         else:
-            mesh = _submesh(device_mesh, dp_shard_dim)
+            mesh = submesh(device_mesh, dp_shard_dim)
         group = mesh.get_group()
     return DataParallelGroup(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group), mesh=mesh)
 
@@ -61,7 +70,7 @@ def resolve_outer_group(
     """``inner`` with its HSDP outer group ``device_mesh[dp_outer_dim]`` attached."""
     if device_mesh is None:
         raise ValueError(f"dp_outer_dim={dp_outer_dim!r} needs a device_mesh holding that dim")
-    mesh = _submesh(device_mesh, dp_outer_dim, "dp_outer_dim")
+    mesh = submesh(device_mesh, dp_outer_dim, "dp_outer_dim")
     group = mesh.get_group()
     outer = DataParallelGroup(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group), mesh=mesh)
     if hybrid_fsdp_group is not None and dist.get_world_size(hybrid_fsdp_group) != inner.size * outer.size:
@@ -69,10 +78,34 @@ def resolve_outer_group(
             f"hybrid_fsdp_group has {dist.get_world_size(hybrid_fsdp_group)} ranks but dp_outer x dp_shard is "
             f"{outer.size} x {inner.size}: pass the flattened (dp_outer, dp_shard) group"
         )
-    return DataParallelGroup(inner.group, inner.rank, inner.size, inner.mesh, outer, shards_optimizer)
+    return dataclasses.replace(inner, outer=outer, outer_shards_optimizer=shards_optimizer)
 
 
-def _submesh(device_mesh: DeviceMesh, name: str, argument: str = "dp_shard_dim") -> DeviceMesh:
+def resolve_expert_group(dense: DataParallelGroup, expt_device_mesh: DeviceMesh, dp_shard_dim: str | None) -> DataParallelGroup:
+    """``dense`` with its expert-data-parallel group ``expt_device_mesh[dp_shard_dim]`` (the
+    mesh itself when 1-D) attached."""
+    names = expt_device_mesh.mesh_dim_names
+    if dp_shard_dim is None:
+        if expt_device_mesh.ndim != 1:
+            raise ValueError(
+                f"expt_device_mesh has {expt_device_mesh.ndim} dims {names}; name its expert-data-parallel dim "
+                "with dp_shard_dim (the same name as in device_mesh)"
+            )
+        mesh = expt_device_mesh
+    else:
+        mesh = submesh(expt_device_mesh, dp_shard_dim, "dp_shard_dim (in expt_device_mesh)")
+    group = mesh.get_group()
+    expert = DataParallelGroup(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group), mesh=mesh)
+    if dense.dense_size % expert.size:
+        raise ValueError(
+            f"expt_device_mesh's {dp_shard_dim or 'only'} dim has {expert.size} ranks, which does not divide the "
+            f"{dense.dense_size} data-parallel ranks; expert-data-parallel size x expert-parallel size must equal "
+            "the data-parallel size"
+        )
+    return dataclasses.replace(dense, expert=expert)
+
+
+def submesh(device_mesh: DeviceMesh, name: str, argument: str = "dp_shard_dim") -> DeviceMesh:
     """``device_mesh[name]``, where name may also be a dim made with ``_flatten``."""
     try:
         return device_mesh[name]

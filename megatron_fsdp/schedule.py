@@ -19,6 +19,7 @@ from megatron_fsdp import _ops
 from megatron_fsdp.buffer import Bucket, PendingReduction
 from megatron_fsdp.collectives import all_gather_shards
 from megatron_fsdp.config import FSDPSettings
+from megatron_fsdp.dtensor_params import local_grad
 from megatron_fsdp.mesh import DataParallelGroup
 from megatron_fsdp.units import FSDPUnit
 
@@ -89,7 +90,7 @@ class StepScheduler:
             self._prefetch(self._forward_calls, self._backward_cursor - 1)
 
     def on_grad(self, unit: FSDPUnit, bucket: Bucket, index: int, param: torch.nn.Parameter) -> None:
-        bucket_complete = bucket.add_grad(index, param.grad)
+        bucket_complete = bucket.add_grad(index, local_grad(param))
         param.grad = None
         if not bucket_complete or not self._reduces_now():
             return

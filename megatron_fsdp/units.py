@@ -11,6 +11,7 @@ from torch import nn
 
 from megatron_fsdp.buffer import Bucket
 from megatron_fsdp.config import FSDPSettings
+from megatron_fsdp.dtensor_params import is_expert_param
 from megatron_fsdp.mesh import DataParallelGroup
 
 ROOT_UNIT_NAME = "<root>"
@@ -97,12 +98,12 @@ class FSDPUnit:
     ) -> None:
         self.name = name
         self.settings = settings
-        groups: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
+        groups: dict[tuple[torch.dtype, bool, bool], list[tuple[str, nn.Parameter]]] = {}
         for param_name, param in named_params:
-            groups.setdefault((param.dtype, param.requires_grad), []).append((param_name, param))
+            key = (param.dtype, param.requires_grad, is_expert_param(param))
+            groups.setdefault(key, []).append((param_name, param))
         self.buckets = [
-            Bucket([n for n, _ in members], [p for _, p in members], dp, settings, pool)
-            for members in groups.values()
+            self._bucket(members, dp, settings, pool, expert) for (_, _, expert), members in groups.items()
         ]
         self.trainable_buckets = [b for b in self.buckets if b.requires_grad]
         # Frozen weights are still read in backward, but no gradient says when they are done:
@@ -112,6 +113,21 @@ class FSDPUnit:
         self.state = UnitState.SHARDED if shards else UnitState.UNSHARDED
         self._reduced_buckets: set[int] = set()
         self._gathers: list = []
+
+    @staticmethod
+    def _bucket(
+        members: list[tuple[str, nn.Parameter]],
+        dp: DataParallelGroup,
+        settings: FSDPSettings,
+        pool: torch.ScriptObject,
+        expert: bool,
+    ) -> Bucket:
+        names, params = [n for n, _ in members], [p for _, p in members]
+        if not expert:
+            return Bucket(names, params, dp, settings, pool)
+        # Expert gradients hold the contributions of every rank whose tokens reached the expert:
+        # summed over the expert-data-parallel group, they average over the dense one.
+        return Bucket(names, params, dp.expert, settings, pool, grad_divisor=dp.dense_size)
 
     @property
     def is_root(self) -> bool:

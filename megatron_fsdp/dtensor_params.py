@@ -1,0 +1,154 @@
+"""Parameters that are DTensors (tensor parallelism, expert parallelism): the local tensor FSDP
+flattens into its buckets, and where that local tensor sits in the parameter's global tensor.
+
+FSDP shards a DTensor parameter's *local* tensor over the data-parallel group, on top of the
+tensor-/expert-parallel placement. The parameter object stays the user's DTensor (optimizer and
+hooks keep their identity); its local tensor object stays too, and only that tensor's ``.data``
+is pointed at bucket memory, exactly as a plain parameter's ``.data`` is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The tensor whose ``.data`` holds this rank's values of ``param``.
+
+    For a DTensor that is its ``_local_tensor``: DTensor has no public way to re-point a
+    parameter's local data in place (``to_local()`` returns a fresh alias on newer torch), and
+    replacing the Parameter object would break the optimizer's and the hooks' references.
+    tests/test_tensor_parallel.py checks that re-pointing it moves the DTensor's values.
+    """
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def local_grad(param: torch.Tensor) -> torch.Tensor:
+    """The gradient of this rank's local values, in the parameter's own placement."""
+    grad = param.grad
+    if not isinstance(grad, DTensor):
+        return grad
+    if tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad.to_local()
+
+
+def is_expert_param(param: nn.Parameter) -> bool:
+    """Megatron-Core's mark for an expert-parallel parameter: ``param.allreduce = False``."""
+    return getattr(param, "allreduce", True) is False
+
+
+@dataclass(frozen=True)
+class ParamExtent:
+    """Where this rank's local tensor lies in the parameter's global tensor: a rectangle at
+    ``offset`` of ``local_shape`` (the whole tensor for a plain parameter)."""
+
+    global_shape: torch.Size
+    local_shape: torch.Size
+    offset: tuple[int, ...]
+    mesh: DeviceMesh | None = None
+    placements: tuple[Placement, ...] = ()
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.mesh is not None
+
+    def local_region(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rectangle of a tensor of the global shape."""
+        return full[tuple(slice(o, o + s) for o, s in zip(self.offset, self.local_shape))]
+
+    def to_global(self, local: torch.Tensor) -> torch.Tensor:
+        """The global tensor from every rank's local tensor (a collective over the mesh)."""
+        if not self.is_distributed:
+            return local
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.global_shape, stride=contiguous_strides(self.global_shape)
+        ).full_tensor()
+
+
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= size
+    return tuple(reversed(strides))
+
+
+def param_extent(name: str, param: torch.Tensor) -> ParamExtent:
+    """The extent of ``param`` on this rank. DTensor placements must be Shard/Replicate, each
+    tensor dim sharded over at most one mesh dim (what Colwise/Rowwise plans and expert
+    sharding make)."""
+    if not isinstance(param, DTensor):
+        return ParamExtent(param.shape, param.shape, (0,) * param.dim())
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    offset = [0] * param.dim()
+    sharded_dims = set()
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, Shard) or placement.dim in sharded_dims:
+            raise ValueError(
+                f"parameter {name} has placements {placements}; megatron_fsdp supports DTensor parameters "
+                "whose placements are Shard(d) or Replicate(), each tensor dim sharded over one mesh dim"
+            )
+        dim = placement.dim % param.dim()
+        sharded_dims.add(dim)
+        # DTensor shards like torch.chunk: ceil-sized pieces, the last ones short or empty.
+        chunk = -(-param.shape[dim] // mesh.size(mesh_dim))
+        offset[dim] = min(chunk * mesh.get_local_rank(mesh_dim), param.shape[dim])
+    extent = ParamExtent(param.shape, local_tensor(param).shape, tuple(offset), mesh, placements)
+    expected = tuple(min(size, g - o) for size, g, o in zip(_chunk_sizes(param, placements), param.shape, offset))
+    if tuple(extent.local_shape) != expected:
+        raise ValueError(
+            f"parameter {name}: local shape {tuple(extent.local_shape)} is not the even torch.chunk split "
+            f"{expected} of {tuple(param.shape)} over {placements}; megatron_fsdp cannot place it in checkpoints"
+        )
+    return extent
+
+
+def _chunk_sizes(param: DTensor, placements: tuple[Placement, ...]) -> list[int]:
+    sizes = list(param.shape)
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            dim = placement.dim % param.dim()
+            sizes[dim] = -(-param.shape[dim] // param.device_mesh.size(mesh_dim))
+    return sizes
+
+
+def check_parallel_params(module: nn.Module, tp_mesh: DeviceMesh | None, expert_mesh_given: bool) -> None:
+    """Raises, before any collective, when the model's DTensor or expert parameters do not fit
+    the meshes given: dense DTensor parameters must live on ``device_mesh[tp_dim]``, and
+    expert parameters need ``expt_device_mesh`` (and it needs them)."""
+    experts = []
+    for name, param in module.named_parameters():
+        if is_expert_param(param):
+            experts.append(name)
+        elif isinstance(param, DTensor):
+            if tp_mesh is None:
+                raise ValueError(
+                    f"parameter {name} is a DTensor on mesh dims {param.device_mesh.mesh_dim_names}: pass tp_dim "
+                    "naming that tensor-parallel dim of device_mesh"
+                )
+            if param.device_mesh != tp_mesh:
+                raise ValueError(
+                    f"parameter {name} is a DTensor on mesh {param.device_mesh}, not on device_mesh[tp_dim] "
+                    f"{tp_mesh}: tensor-parallelise the model on device_mesh[tp_dim]"
+                )
+        if isinstance(param, DTensor):
+            param_extent(name, param)
+    if experts and not expert_mesh_given:
+        raise ValueError(
+            f"parameters {', '.join(experts[:3])}{' ...' if len(experts) > 3 else ''} are marked as expert-parallel "
+            "(allreduce=False) but no expt_device_mesh was given: pass the expert mesh"
+        )
+    if expert_mesh_given and not experts:
+        raise ValueError(
+            "expt_device_mesh was given but no parameter is marked as an expert parameter: set "
+            "param.allreduce = False on the expert weights (Megatron-Core's convention)"
+        )

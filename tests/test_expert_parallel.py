@@ -1,0 +1,195 @@
+"""FSDP with expert parallelism on 4 gloo ranks: dense parameters are sharded over all 4 ranks,
+the experts of a mixture-of-experts layer over an expert mesh (expert-data-parallel 2 x
+expert-parallel 2), against a single-process run holding every expert on the same global batch.
+
+Both runs route the same tokens to the same experts; they differ in summation order only (fp32
+rounding), so the tolerances of test_parity.py (1e-5 relative) apply; measured: 5e-7. The
+optimizer is SGD with momentum: Adam divides by the root of the second moment, which for expert
+elements that few tokens reach turns rounding noise into full-size updates (3.5e-5 measured after
+4 steps, with gradients equal to 1e-5). Expert gradients reduce
+over the expert-data-parallel group and are divided by the dense data-parallel size, which the
+gradient comparison checks: any other divisor is off by a factor of 2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.device_mesh import init_device_mesh
+
+import megatron_fsdp
+from _dist import run_distributed
+from models import make_batch
+from moe_model import EXPERTS, MoEBlock, make_moe
+from parity import Result, build_optimizer, compare
+
+WORLD, EP = 4, 2
+STEPS, MICRO_ROWS = 4, 2
+SETUPS = [(0, 1), (1, 1), (2, 1), (3, 1), (3, 2)]
+EXPERT_NAMES = ("moe.w_in", "moe.w_out")
+OPTIMIZER = "sgd"
+
+
+def _dense_mesh():
+    return init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",))
+
+
+def _expert_mesh():
+    return init_device_mesh("cpu", (WORLD // EP, EP), mesh_dim_names=("dp_shard", "ep"))
+
+
+def _reference(accum: int) -> Result:
+    model = make_moe()
+    optimizer = build_optimizer(model.parameters(), OPTIMIZER)
+    result = Result()
+    for step in range(STEPS):
+        tokens, targets = make_batch(step, WORLD * accum * MICRO_ROWS)
+        loss = model(tokens, targets)
+        loss.backward()
+        result.losses.append(loss.item())
+        if step == STEPS - 1:
+            result.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    result.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return result
+
+
+def _expert_slice(result: Result, ep_rank: int) -> Result:
+    """The reference with expert tensors cut to the experts one expert-parallel rank holds."""
+    per_rank = EXPERTS // EP
+
+    def cut(values: dict) -> dict:
+        return {
+            n: v[ep_rank * per_rank : (ep_rank + 1) * per_rank] if n.endswith(EXPERT_NAMES) else v
+            for n, v in values.items()
+        }
+
+    return Result(result.losses, cut(result.grads), cut(result.params))
+
+
+def _sharded(expert_mesh, strategy: int, accum: int):
+    model = make_moe(expert_mesh["ep"])
+    model, optimizer = megatron_fsdp.fully_shard(
+        model, build_optimizer(model.parameters(), OPTIMIZER), device_mesh=_dense_mesh(), dp_shard_dim="dp_shard",
+        expt_device_mesh=expert_mesh,
+        fsdp_unit_modules=[MoEBlock], zero_dp_strategy=strategy,
+    )
+    rank = dist.get_rank()
+    result = Result()
+    for step in range(STEPS):
+        tokens, targets = make_batch(step, WORLD * accum * MICRO_ROWS)
+        total = torch.zeros((), dtype=torch.float64)
+        for micro in range(accum):
+            start = (micro * WORLD + rank) * MICRO_ROWS
+            loss = model(tokens[start : start + MICRO_ROWS], targets[start : start + MICRO_ROWS])
+            (loss / accum).backward()
+            total += loss.detach().double()
+        dist.all_reduce(total)
+        result.losses.append(total.item() / (WORLD * accum))
+        model.finish_grad_sync()
+        if step == STEPS - 1:
+            result.grads = model.full_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+    result.params = model.full_parameters()
+    return result, model, optimizer
+
+
+def _parity_runs(rank: int, world: int) -> dict:
+    mesh = _expert_mesh()
+    results = {setup: _sharded(mesh, *setup)[0] for setup in SETUPS}
+    return {"ep_rank": mesh["ep"].get_local_rank(), "results": results}
+
+
+@functools.cache
+def _parity_results() -> list[dict]:
+    return run_distributed(_parity_runs, WORLD, timeout=600)
+
+
+@pytest.mark.parametrize("strategy, accum", SETUPS)
+def test_expert_parallel_fsdp_matches_single_process(strategy: int, accum: int) -> None:
+    reference = _reference(accum)
+    for rank, ranked in enumerate(_parity_results()):
+        expected = _expert_slice(reference, ranked["ep_rank"])
+        label = f"s{strategy} accum {accum} rank {rank}"
+        compare(ranked["results"][(strategy, accum)], expected, 1e-5, 1e-5, 1e-5, label)
+
+
+def _expert_shard_sizes(rank: int, world: int) -> dict:
+    model = megatron_fsdp.fully_shard_model(
+        make_moe(_expert_mesh()["ep"]), device_mesh=_dense_mesh(), dp_shard_dim="dp_shard",
+        expt_device_mesh=_expert_mesh(), fsdp_unit_modules=[MoEBlock],
+    )
+    sizes = {"dense": 0, "expert": 0}
+    for bucket in (b for unit in model.units for b in unit.buckets):
+        kind = "expert" if bucket.names[0].endswith(EXPERT_NAMES) else "dense"
+        assert all(n.endswith(EXPERT_NAMES) == (kind == "expert") for n in bucket.names), "mixed bucket"
+        sizes[kind] += sum(p.numel() for p in bucket.optim_params)
+    return sizes
+
+
+def test_experts_get_their_own_buckets_sharded_over_the_expert_data_parallel_group() -> None:
+    per_rank = run_distributed(_expert_shard_sizes, WORLD)
+    reference = make_moe()
+    dense = sum(p.numel() for n, p in reference.named_parameters() if not n.endswith(EXPERT_NAMES))
+    expert = sum(p.numel() for n, p in reference.named_parameters() if n.endswith(EXPERT_NAMES))
+    # Every dense element is stepped once over 4 ranks, every expert element once over its 2
+    # expert-data-parallel ranks, and each expert lives on one of 2 expert-parallel ranks.
+    assert sum(s["dense"] for s in per_rank) == dense
+    assert sum(s["expert"] for s in per_rank) == expert
+
+
+def _checkpoint(rank: int, world: int, path: str) -> dict:
+    _, model, optimizer = _sharded(_expert_mesh(), 3, 1)
+    dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
+    # The same model without expert parallelism (every expert on every rank, plain FSDP).
+    plain = megatron_fsdp.fully_shard_model(make_moe(seed=1), fsdp_unit_modules=[MoEBlock])
+    state = {"model": plain.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    plain.load_state_dict(state["model"])
+    return {"plain": plain.full_parameters(), "full_state": megatron_fsdp.full_state_dict(model)}
+
+
+def test_expert_checkpoint_holds_every_expert_and_loads_without_expert_parallelism(tmp_path) -> None:
+    path = str(tmp_path / "ep")
+    results = run_distributed(_checkpoint, WORLD, path)
+    dcp_to_torch_save(path, str(tmp_path / "full.pt"))
+    saved = torch.load(tmp_path / "full.pt")["model"]
+    reference = _reference(1).params
+    for name, value in reference.items():
+        assert saved[name].shape == value.shape, name
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=1e-5 * value.abs().max().item())
+        torch.testing.assert_close(results[0]["full_state"][name], saved[name], rtol=0, atol=0)
+        for rank in range(WORLD):
+            torch.testing.assert_close(results[rank]["plain"][name], saved[name], rtol=0, atol=0)
+
+
+def _expert_mistakes(rank: int, world: int) -> dict:
+    errors = {}
+    for label, build in {
+        "experts without a mesh": lambda: megatron_fsdp.fully_shard_model(
+            make_moe(_expert_mesh()["ep"]), fsdp_unit_modules=[MoEBlock]
+        ),
+        "a mesh without experts": lambda: megatron_fsdp.fully_shard_model(
+            make_moe(), device_mesh=_dense_mesh(), dp_shard_dim="dp_shard", expt_device_mesh=_expert_mesh(),
+            fsdp_unit_modules=[MoEBlock],
+        ),
+    }.items():
+        try:
+            build()
+            errors[label] = None
+        except ValueError as error:
+            errors[label] = str(error)
+    return errors
+
+
+def test_expert_mesh_mistakes_raise_clear_errors() -> None:
+    errors = run_distributed(_expert_mistakes, WORLD)[0]
+    assert "no expt_device_mesh was given" in errors["experts without a mesh"]
+    assert "no parameter is marked as an expert parameter" in errors["a mesh without experts"]

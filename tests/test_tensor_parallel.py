@@ -1,0 +1,186 @@
+"""FSDP on top of tensor parallelism: a model whose MLPs are tensor-parallel DTensors
+(``parallelize_module`` with Colwise/Rowwise plans) on a 2 x 2 mesh (dp x tp) of 4 gloo ranks,
+against the same model with tensor parallelism alone on the same global batch.
+
+The two runs differ only in where the data-parallel mean is taken (two half-batch gradients
+averaged vs one full-batch gradient): fp32 rounding, so the tolerances of test_parity.py
+(1e-5 relative) apply. Checkpoints saved under TP + FSDP hold global tensors: they equal the
+TP run's full tensors and load into plain FSDP without tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import megatron_fsdp
+from _dist import run_distributed
+from models import FFN, HIDDEN, Block, make_batch, make_model
+from parity import Result, build_optimizer, compare
+
+WORLD, DP, TP = 4, 2, 2
+STEPS, MICRO_ROWS = 4, 2
+SETUPS = [(strategy, accum) for strategy in range(4) for accum in (1, 2)]
+
+
+def _tp_model(tp_mesh) -> torch.nn.Module:
+    model = make_model()
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _tp_alone(tp_mesh, accum: int) -> tuple[Result, torch.nn.Module]:
+    model = _tp_model(tp_mesh)
+    optimizer = build_optimizer(model.parameters(), "adam")
+    result = Result()
+    for step in range(STEPS):
+        tokens, targets = make_batch(step, DP * accum * MICRO_ROWS)
+        loss = model(tokens, targets)
+        loss.backward()
+        result.losses.append(loss.item())
+        if step == STEPS - 1:
+            result.grads = {n: _local(p.grad).clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    result.params = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
+    return result, model
+
+
+def _tp_fsdp(mesh, strategy: int, accum: int) -> tuple[Result, megatron_fsdp.MegatronFSDP, torch.optim.Optimizer]:
+    model = _tp_model(mesh["tp"])
+    model, optimizer = megatron_fsdp.fully_shard(
+        model, build_optimizer(model.parameters(), "adam"), device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
+        fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
+    )
+    up = model.module.blocks[0].up.weight
+    assert isinstance(up, DTensor) and tuple(up.placements) == (Shard(0),), "the plan did not make DTensors"
+    dp_rank = mesh["dp"].get_local_rank()
+    result = Result()
+    for step in range(STEPS):
+        tokens, targets = make_batch(step, DP * accum * MICRO_ROWS)
+        total = torch.zeros((), dtype=torch.float64)
+        for micro in range(accum):
+            start = (micro * DP + dp_rank) * MICRO_ROWS
+            loss = model(tokens[start : start + MICRO_ROWS], targets[start : start + MICRO_ROWS])
+            (loss / accum).backward()
+            total += loss.detach().double()
+        dist.all_reduce(total, group=mesh["dp"].get_group())
+        result.losses.append(total.item() / (DP * accum))
+        model.finish_grad_sync()
+        if step == STEPS - 1:
+            result.grads = model.full_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+    result.params = model.full_parameters()
+    return result, model, optimizer
+
+
+def _parity_runs(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    return {
+        (strategy, accum): (_tp_fsdp(mesh, strategy, accum)[0], _tp_alone(mesh["tp"], accum)[0])
+        for strategy, accum in SETUPS
+    }
+
+
+@functools.cache
+def _parity_results() -> list[dict]:
+    return run_distributed(_parity_runs, WORLD, timeout=600)
+
+
+@pytest.mark.parametrize("strategy, accum", SETUPS)
+def test_tp_with_fsdp_matches_tp_alone(strategy: int, accum: int) -> None:
+    for rank, results in enumerate(_parity_results()):
+        got, expected = results[(strategy, accum)]
+        compare(got, expected, 1e-5, 1e-5, 1e-5, f"s{strategy} accum {accum} rank {rank}")
+
+
+def test_tp_params_are_sharded_on_their_local_tensors() -> None:
+    # Each rank's pieces of an MLP weight cover its TP-local half: FFN x HIDDEN / TP elements
+    # over the DP group, not the global FFN x HIDDEN.
+    for results in _parity_results():
+        got, _ = results[(3, 1)]
+        assert got.params["blocks.0.up.weight"].shape == (FFN // TP, HIDDEN)
+        assert got.params["blocks.0.down.weight"].shape == (HIDDEN, FFN // TP)
+
+
+def _checkpoint_round_trip(rank: int, world: int, path: str) -> dict:
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    _, model, optimizer = _tp_fsdp(mesh, 3, 1)
+    _, reference = _tp_alone(mesh["tp"], 1)
+    full_reference = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in reference.named_parameters()}
+    dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
+
+    # The same TP + FSDP layout, fresh: loading restores every piece.
+    _, fresh, fresh_optimizer = _tp_fsdp(mesh, 1, 1)
+    state = {"model": fresh.state_dict(), "optimizer": fresh_optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state["model"])
+    fresh_optimizer.load_state_dict(state["optimizer"])
+    restored = fresh.full_parameters()
+    exact_restore = all(torch.equal(restored[n], p) for n, p in model.full_parameters().items())
+
+    # Plain FSDP over all 4 ranks, no tensor parallelism: global tensors go where they belong.
+    plain = megatron_fsdp.fully_shard_model(make_model(seed=1), fsdp_unit_modules=[Block])
+    plain_state = {"model": plain.state_dict()}
+    dcp.load(plain_state, checkpoint_id=path)
+    plain.load_state_dict(plain_state["model"])
+    full_state = megatron_fsdp.full_state_dict(model)
+    return {
+        "reference": full_reference,
+        "exact_restore": exact_restore,
+        "plain": plain.full_parameters(),
+        "full_state": full_state,
+    }
+
+
+def test_tp_checkpoint_holds_global_tensors_and_reshards_to_plain_fsdp(tmp_path) -> None:
+    path = str(tmp_path / "tp_fsdp")
+    results = run_distributed(_checkpoint_round_trip, WORLD, path)
+    reference = results[0]["reference"]
+    assert all(r["exact_restore"] for r in results), "a TP + FSDP checkpoint did not restore exactly"
+    dcp_to_torch_save(path, str(tmp_path / "full.pt"))
+    saved = torch.load(tmp_path / "full.pt")["model"]
+    assert saved["blocks.0.up.weight"].shape == (FFN, HIDDEN)
+    for name, value in reference.items():
+        # The same weights the TP run trained to, within the TP vs TP + FSDP parity bound.
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=1e-5 * value.abs().max().item())
+        torch.testing.assert_close(results[0]["full_state"][name], saved[name], rtol=0, atol=0)
+        for rank in range(WORLD):
+            torch.testing.assert_close(results[rank]["plain"][name], saved[name], rtol=0, atol=0)
+
+
+def _bad_tp_arguments(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    errors = {}
+    for label, kwargs in {
+        "no tp_dim": dict(device_mesh=mesh, dp_shard_dim="dp"),
+        "wrong dim": dict(device_mesh=mesh, dp_shard_dim="tp", tp_dim="dp"),
+        "absent dim": dict(device_mesh=mesh, dp_shard_dim="dp", tp_dim="cp"),
+    }.items():
+        try:
+            megatron_fsdp.fully_shard_model(_tp_model(mesh["tp"]), fsdp_unit_modules=[Block], **kwargs)
+            errors[label] = None
+        except ValueError as error:
+            errors[label] = str(error)
+    return errors
+
+
+def test_tp_mesh_mistakes_raise_clear_errors() -> None:
+    errors = run_distributed(_bad_tp_arguments, WORLD)[0]
+    assert "pass tp_dim" in errors["no tp_dim"]
+    assert "not on device_mesh[tp_dim]" in errors["wrong dim"]
+    assert "no dim named 'cp'" in errors["absent dim"]
