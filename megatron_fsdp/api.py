@@ -110,6 +110,11 @@ def fully_shard_model(
       ``outer_dp_sharding_strategy``: ``no_shard`` (default) or ``optim`` (HFSDP: the optimizer
       state is sharded across dp_outer too; needs ``optim_grads_params``).
       ``hybrid_fsdp_group``: optional, the flattened (dp_outer, dp_shard) group, checked for size.
+    - ``tp_dim``: the mesh dim a tensor-parallel model was parallelised on; its DTensor
+      parameters' local tensors are sharded over dp_shard (docs/parallelism.md).
+    - ``expt_device_mesh``: expert parameters (``param.allreduce = False``) get their own buckets,
+      sharded over ``expt_device_mesh[dp_shard_dim]``; their gradients are divided by the dense
+      data-parallel size.
     - ``sync_model_each_microbatch`` (default True): finish every gradient reduction at the end
       of each backward; False leaves that to ``finish_grad_sync()`` / the optimizer step.
     - ``init_model_with_meta_device``: the model was built under ``torch.device("meta")``; each
