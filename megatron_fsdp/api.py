@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
+from megatron_fsdp.consistency import check_same_configuration_on_all_ranks, describe_configuration
 from megatron_fsdp.dtensor_params import check_parallel_params
 from megatron_fsdp.mesh import resolve_dp_shard_group, resolve_expert_group, resolve_outer_group, submesh
 from megatron_fsdp.module import MegatronFSDP
@@ -95,6 +96,7 @@ def fully_shard_model(
     fsdp_double_buffer: bool = False,
     nccl_ub: bool = False,
     mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    collective_timeout: float | None = None,
 ) -> MegatronFSDP:
     """Shards ``module`` over the data-parallel group and returns the :class:`MegatronFSDP`
     wrapper. See docs/api.md for every argument; the essentials:
@@ -125,8 +127,16 @@ def fully_shard_model(
     - ``check_for_nan_in_grad``: raise, naming the step, when reduced gradients hold NaN/Inf.
     - ``report_nan_in_param_grad``: raise at the end of backward, naming every parameter whose
       local gradient holds NaN/Inf and the ranks where it does (one device check per gradient).
+    - ``collective_timeout``: seconds (> 0) a wait for a unit's all-gather or a bucket's
+      reduction may take before it raises naming the unit and bucket; None (default): the
+      process group's timeout (``init_process_group(timeout=...)``) does, and its error is
+      re-raised with the same names. On CUDA a timed wait blocks the CPU: a debugging aid.
+
+    Before any collective, the ranks check that they shard the same model the same way and
+    all raise the same ``ValueError`` if not (megatron_fsdp/consistency.py).
     """
     _reject_unsupported(locals())
+    _check_timeout(collective_timeout)
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     unit_classes = resolve_unit_classes(fsdp_unit_modules)
     if strategy is not ShardingStrategy.NO_SHARD and not unit_classes:
@@ -158,8 +168,19 @@ def fully_shard_model(
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
         fsdp_double_buffer=fsdp_double_buffer,
+        collective_timeout=None if collective_timeout is None else float(collective_timeout),
     )
+    description = describe_configuration(module, settings, unit_classes, dp)
+    check_same_configuration_on_all_ranks(description, dp, settings.collective_timeout)
     return MegatronFSDP(module, dp, settings, unit_classes, compute_device if init_model_with_meta_device else None)
+
+
+def _check_timeout(collective_timeout: float | None) -> None:
+    if collective_timeout is None:
+        return
+    is_number = isinstance(collective_timeout, (int, float)) and not isinstance(collective_timeout, bool)
+    if not is_number or not 0 < collective_timeout < float("inf"):
+        raise ValueError(f"collective_timeout must be None or a number of seconds > 0, got {collective_timeout!r}")
 
 
 def _check_tensor_parallel(

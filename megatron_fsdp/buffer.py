@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fsdp import _ops
-from megatron_fsdp.collectives import all_gather_shards, all_reduce_sum, all_to_all, reduce_scatter_sum
+from megatron_fsdp.collectives import all_gather_shards, all_reduce_sum, all_to_all, reduce_scatter_sum, wait_for
 from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
 from megatron_fsdp.dtensor_params import local_tensor, param_extent
 from megatron_fsdp.layout import BucketLayout, alignment_in_elements, build_bucket_layout
@@ -59,6 +59,7 @@ class Bucket:
         # (reduced over the smaller expert-data-parallel group) the dense one.
         self.grad_divisor = grad_divisor or dp.size
         self.strategy = settings.strategy
+        self.collective_timeout = settings.collective_timeout
         self.pool = pool
         self.dtype = self.locals[0].dtype
         self.dtypes = settings.mixed_precision.resolve(self.dtype)
@@ -276,7 +277,9 @@ class Bucket:
 
     def finish_reduction(self, pending: PendingReduction) -> None:
         if pending.work is not None:
-            pending.work.wait()
+            what = (f"the gradient reduction of the {self.dtype} bucket of {self.names[0]} .. {self.names[-1]} "
+                    f"({len(self.names)} parameters)")
+            wait_for(pending.work, self.collective_timeout, what)
         pending.finish()
         self.outer_sync_due = self.outer is not None
 

@@ -6,6 +6,8 @@ older names, so each is picked once here.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -31,3 +33,40 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: boo
 def all_to_all(received: torch.Tensor, sent: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """Chunk r of ``sent`` goes to rank r; ``received`` holds every rank's chunk for this rank."""
     return dist.all_to_all_single(received, sent, group=group, async_op=async_op)
+
+
+def wait_for(work: dist.Work, timeout: float | None, what: str) -> None:
+    """Waits for an asynchronous collective. A failure (``timeout`` seconds passed, the process
+    group's own timeout, or a peer that died) is re-raised naming ``what``, so a hang says which
+    unit and bucket a rank was missing from. The collective is still pending afterwards and the
+    process group unusable: the job must restart (e.g. torchrun --max-restarts, from the last
+    checkpoint). ``timeout`` bounds CPU (gloo) collectives; a CUDA (NCCL) wait only orders
+    streams, and NCCL's watchdog with the process group's timeout catches a hang there."""
+    try:
+        if timeout is not None and not _finishes_within(work, timeout):
+            raise RuntimeError(f"no result after {timeout:g} s")
+        work.wait()
+    except RuntimeError as error:
+        limit = "the process group's timeout" if timeout is None else f"{timeout:g} s"
+        raise RuntimeError(
+            f"{what} did not finish within {limit} ({error}). A rank is not taking part in this collective: "
+            "every rank must run the same forwards and backwards with the same model and configuration; "
+            "a rank may also have died. Restart the job from its last checkpoint"
+        ) from error
+
+
+def _finishes_within(work: dist.Work, timeout: float) -> bool:
+    """Whether ``work`` completes within ``timeout`` seconds. Not every backend's Work honours
+    ``wait(timeout)`` (gloo's reduce-scatter blocks regardless), so a helper thread waits and
+    this one stops waiting for it; the caller's own ``wait()`` then returns at once or raises."""
+    waiter = threading.Thread(target=_wait_ignoring_errors, args=(work,), name="megatron_fsdp-wait", daemon=True)
+    waiter.start()
+    waiter.join(timeout)
+    return not waiter.is_alive()
+
+
+def _wait_ignoring_errors(work: dist.Work) -> None:
+    try:
+        work.wait()
+    except RuntimeError:
+        pass  # the caller's wait() raises it again, on its own thread

@@ -121,3 +121,6 @@ class FSDPSettings:
     alignment_bytes: int = 128
     # Reductions in flight before the oldest is finished; bounds the memory of un-reduced grads.
     max_reductions_in_flight: int = 2
+    # Seconds a wait for an asynchronous gather or reduction may take before it raises naming the
+    # unit and bucket; None leaves it to the process group's own timeout.
+    collective_timeout: float | None = None

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from megatron_fsdp.buffer import Bucket
+from megatron_fsdp.collectives import wait_for
 from megatron_fsdp.config import FSDPSettings
 from megatron_fsdp.dtensor_params import is_expert_param
 from megatron_fsdp.mesh import DataParallelGroup
@@ -145,9 +146,11 @@ class FSDPUnit:
         self.start_unshard()
         if self.state is not UnitState.UNSHARDING:
             return
-        for bucket, work in zip(self.buckets, self._gathers):
+        for index, (bucket, work) in enumerate(zip(self.buckets, self._gathers)):
             if work is not None:
-                work.wait()
+                what = (f"unit {self.name!r}: the all-gather of its weights (bucket {index}: {bucket.dtype}, "
+                        f"{bucket.names[0]} .. {bucket.names[-1]})")
+                wait_for(work, self.settings.collective_timeout, what)
             bucket.point_params_at_full_weight()
         self._gathers = []
         self.state = UnitState.UNSHARDED
