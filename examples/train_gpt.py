@@ -8,6 +8,10 @@ Checkpoints go to --checkpoint-dir and a new launch resumes from the newest; a f
 writes the loss curve there (loss_curve.png) and logs a sample of generated text. Other options:
 --strategy, --dp-outer / --outer-strategy (HSDP, HFSDP), --bf16 / --main-grads-dtype /
 --grad-comm-dtype (mixed precision), --grad-accum (micro-batches per step).
+
+Launched with ``torchrun --max-restarts N``, a job one of whose ranks dies restarts and resumes
+from its last complete checkpoint, ending with the parameters an uninterrupted run would have
+(batches and randomness depend only on seed, rank and step); --fail-at-step drills this.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import time
 
 import torch
@@ -56,16 +61,27 @@ def parse_args() -> argparse.Namespace:
                         help="dtype gradients travel in; auto = the main-gradient dtype")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-chars", type=int, default=200, help="characters of text to generate at the end")
+    parser.add_argument("--fail-at-step", type=int, default=None,
+                        help="fault drill: on torchrun's first attempt the last rank SIGKILLs itself at this step; "
+                             "with --max-restarts the job resumes from its last checkpoint")
     return parser.parse_args()
 
 
 def setup_distributed() -> torch.device:
-    if torch.cuda.is_available():
+    backend, device = ("nccl", torch.device("cuda")) if torch.cuda.is_available() else ("gloo", torch.device("cpu"))
+    if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl")
-        return torch.device("cuda")
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return device
+    # torchrun's workers share the agent's store across restarts, where the connection addresses
+    # of the previous attempt's ranks linger and a restarted rank would connect to a dead one:
+    # each attempt gets keys of its own.
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{restart}", agent_store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    return device
 
 
 def apply_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
@@ -136,6 +152,15 @@ def generate(model: torch.nn.Module, data: CharData, prompt: str, length: int, d
     return data.decode(ids)
 
 
+def kill_this_rank_once(args: argparse.Namespace, step: int, rank: int, world: int) -> None:
+    """--fail-at-step: a rank dies as a crashed host would, only on the first attempt, so the
+    restarted job (TORCHELASTIC_RESTART_COUNT > 0) runs through."""
+    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    if step == args.fail_at_step and rank == world - 1 and first_attempt:
+        logging.info("rank %d: --fail-at-step %d: killing this process", rank, step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -165,7 +190,11 @@ def main() -> None:
     progress = tqdm(range(start_step, end_step), initial=start_step, total=args.steps, disable=rank != 0, desc="train", unit="step")
     first_loss = last_loss = None
     for step in progress:
+        kill_this_rank_once(args, step, rank, world)
         started = time.perf_counter()
+        # Anything random in a step (dropout, sampling) draws from (seed, rank, step), like the
+        # data: a resumed run repeats it exactly without saving RNG states.
+        torch.manual_seed(((args.seed * 1009 + rank) * 1000003 + step) * 7 + 1)
         loss_sum = torch.zeros((), device=device)
         for micro in range(args.grad_accum):
             inputs, targets = data.batch(args.micro_batch, step, micro, device)

@@ -44,12 +44,11 @@ def wait_for(work: dist.Work, timeout: float | None, what: str) -> None:
     streams, and NCCL's watchdog with the process group's timeout catches a hang there."""
     try:
         if timeout is not None and not _finishes_within(work, timeout):
-            raise RuntimeError(f"no result after {timeout:g} s")
+            raise RuntimeError(f"no result within collective_timeout={timeout:g} s")
         work.wait()
     except RuntimeError as error:
-        limit = "the process group's timeout" if timeout is None else f"{timeout:g} s"
         raise RuntimeError(
-            f"{what} did not finish within {limit} ({error}). A rank is not taking part in this collective: "
+            f"{what} did not complete: {error}. A rank is not taking part in this collective: "
             "every rank must run the same forwards and backwards with the same model and configuration; "
             "a rank may also have died. Restart the job from its last checkpoint"
         ) from error
