@@ -72,7 +72,9 @@ def main() -> None:
             if b.weight_shard is not None or not b.strategy.shards_weights
         ),
         "main params (separate from weights)": sum(b.main_params.nbytes for b in trainable if not b.main_params_alias_weights),
-        "main grads": sum(b.main_grad.nbytes for b in trainable),
+        "main grads (from backward to zero_grad)": sum(
+            (b.grad_end - b.grad_start) * torch.finfo(b.dtypes.main_grads).bits // 8 for b in trainable
+        ),
         "optimizer state": sum(v.nbytes for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
         "bucket pool, reserved": model.pool.bytes_reserved(),
         "bucket pool, high-water in use": model.pool.high_water_mark(),

@@ -151,12 +151,10 @@ class Bucket:
             self.main_params = self._main_weight_target().to(self.dtypes.main_params)
         # Gradients reduced over the shard group accumulate here; with an outer group, they are
         # averaged over it when synced: in place (HSDP) or reduce-scattered into outer_grad (HFSDP).
-        self.main_grad = torch.zeros(self.grad_end - self.grad_start, dtype=self.dtypes.main_grads, device=self.device)
-        self.outer_grad = (
-            torch.zeros(self.main_end - self.main_start, dtype=self.dtypes.main_grads, device=self.device)
-            if self.splits_shard
-            else None
-        )
+        # Both exist only from the first reduction after zero_grad(set_to_none=True) until the
+        # next one, as torch's own .grad: forward, which holds the activations, runs without them.
+        self.main_grad: torch.Tensor | None = None
+        self.outer_grad: torch.Tensor | None = None
         self.outer_sync_due = False
         self.optim_params: list[nn.Parameter] = []
         self.optim_ranges: list[tuple[int, int]] = []
@@ -255,9 +253,15 @@ class Bucket:
         self.pool.release(unreduced)
         return comm
 
+    def _accumulator(self) -> torch.Tensor:
+        """The main gradient, created (zeroed) by the first reduction since it was released."""
+        if self.main_grad is None:
+            self.main_grad = torch.zeros(self.grad_end - self.grad_start, dtype=self.dtypes.main_grads, device=self.device)
+        return self.main_grad
+
     def _add_to_main_grad(self, reduced: torch.Tensor, *pooled: torch.Tensor) -> None:
         # Gradients are averaged over data-parallel ranks: each rank's loss is a mean over its own batch.
-        self.main_grad.add_(reduced, alpha=1.0 / self.grad_divisor)
+        self._accumulator().add_(reduced, alpha=1.0 / self.grad_divisor)
         for buffer in pooled:
             self.pool.release(buffer)
 
@@ -268,10 +272,10 @@ class Bucket:
             shard = self.pool.fetch(self.layout.shard_numel, self.dtypes.main_grads, self.device, "reduced_grads")
             _ops.promoting_reduce(chunks, shard, scale=1.0 / self.grad_divisor)
             all_gather_shards(comm, shard.to(comm.dtype), self.dp.group)
-            self.main_grad.add_(comm)
+            self._accumulator().add_(comm)
             self.pool.release(shard)
         else:
-            _ops.promoting_reduce(chunks, self.main_grad, scale=1.0 / self.grad_divisor, accumulate=True)
+            _ops.promoting_reduce(chunks, self._accumulator(), scale=1.0 / self.grad_divisor, accumulate=True)
         self.pool.release(received)
         self.pool.release(comm)
 
@@ -289,28 +293,41 @@ class Bucket:
         if not self.outer_sync_due:
             return
         if self.splits_shard:
+            if self.outer_grad is None:
+                self.outer_grad = torch.empty(self.main_end - self.main_start, dtype=self.dtypes.main_grads, device=self.device)
             reduce_scatter_sum(self.outer_grad, self.main_grad, self.outer.group)
         else:
             all_reduce_sum(self.main_grad, self.outer.group)
         self.optimizer_grad_source().div_(self.outer.size)
         self.outer_sync_due = False
 
-    def optimizer_grad_source(self) -> torch.Tensor:
-        """The fully reduced gradients of the range the optimizer steps."""
+    def optimizer_grad_source(self) -> torch.Tensor | None:
+        """The fully reduced gradients of the range the optimizer steps; None when no gradient
+        was reduced since they were released."""
         return self.outer_grad if self.splits_shard else self.main_grad
 
-    def zero_main_grad(self) -> None:
-        self.main_grad.zero_()
-        if self.outer_grad is not None:
-            self.outer_grad.zero_()
+    def zero_main_grad(self, set_to_none: bool = True) -> None:
+        """Releases the main gradients (``set_to_none``) or zeroes them in place."""
+        if set_to_none:
+            self.main_grad = self.outer_grad = None
+        else:
+            for grad in (self.main_grad, self.outer_grad):
+                if grad is not None:
+                    grad.zero_()
         for optim_param in self.optim_params:
             optim_param.grad = None
 
     # -- optimizer ----------------------------------------------------------------------------
 
     def attach_optimizer_grads(self) -> None:
+        """Points the optimizer's pieces at their gradients; without any (nothing was reduced
+        since zero_grad), they get None and torch's optimizers skip them, as for any .grad."""
         main_dtype = self.main_params.dtype
         source = self.optimizer_grad_source()
+        if source is None:
+            for optim_param in self.optim_params:
+                optim_param.grad = None
+            return
         grads = source if source.dtype == main_dtype else source.to(main_dtype)
         for optim_param, (lo, hi) in zip(self.optim_params, self.optim_ranges):
             optim_param.grad = grads[lo:hi]

@@ -158,10 +158,12 @@ class MegatronFSDP(nn.Module):
         """Waits for every gradient reduction; the optimizer step calls it for you."""
         self.scheduler.finish_grad_sync()
 
-    def zero_grad_buffer(self) -> None:
-        """Zeroes the main gradients (``optimizer.zero_grad()`` calls it)."""
+    def zero_grad_buffer(self, set_to_none: bool = True) -> None:
+        """Releases the main gradients, or with ``set_to_none=False`` zeroes them in place
+        (``optimizer.zero_grad(set_to_none)`` calls it). Released gradients are re-created by
+        the next reduction, so forward runs without them."""
         for bucket in self._trainable_buckets():
-            bucket.zero_main_grad()
+            bucket.zero_main_grad(set_to_none)
 
     # -- optimizer support --------------------------------------------------------------------
 
@@ -246,5 +248,8 @@ class MegatronFSDP(nn.Module):
         ``finish_grad_sync()``."""
         full = {}
         for bucket in self._trainable_buckets():
-            full.update(zip(bucket.names, bucket.split_full(bucket.gather_full(bucket.optimizer_grad_source()))))
+            source = bucket.optimizer_grad_source()
+            if source is None:  # nothing reduced since zero_grad
+                source = torch.zeros(bucket.main_end - bucket.main_start, dtype=bucket.dtypes.main_grads, device=bucket.device)
+            full.update(zip(bucket.names, bucket.split_full(bucket.gather_full(source))))
         return full

@@ -52,7 +52,7 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) 
 
     @functools.wraps(original_zero_grad)
     def zero_grad(self, set_to_none: bool = True) -> None:
-        model.zero_grad_buffer()
+        model.zero_grad_buffer(set_to_none)
         original_zero_grad(set_to_none)
 
     original_state_dict = optimizer.state_dict

@@ -166,7 +166,9 @@ class StepScheduler:
 
     def check_reduced_grads_finite(self, step: int) -> None:
         """Raises on every rank when any rank's reduced gradient shard holds NaN/Inf."""
-        grads = [b.optimizer_grad_source() for unit in self.units for b in unit.trainable_buckets]
+        sources = (b.optimizer_grad_source() for unit in self.units for b in unit.trainable_buckets)
+        # Buckets without gradients are the same on every rank (nothing reduced since zero_grad).
+        grads = [g for g in sources if g is not None]
         if not grads:
             return
         found = _ops.find_non_finite(grads).any().to(torch.int32).reshape(1)

@@ -99,12 +99,16 @@ class FSDPUnit:
     ) -> None:
         self.name = name
         self.settings = settings
-        groups: dict[tuple[torch.dtype, bool, bool], list[tuple[str, nn.Parameter]]] = {}
+        groups: dict[tuple[str, torch.dtype, bool, bool], list[tuple[str, nn.Parameter]]] = {}
         for param_name, param in named_params:
-            key = (param.dtype, param.requires_grad, is_expert_param(param))
+            # The root unit's parameters (embedding, head, final norm) meet backward far apart:
+            # one bucket per module lets the head's gradients reduce, and their buffer go back to
+            # the pool, long before the embedding's arrive at the very end.
+            owner = param_name.rpartition(".")[0] if name == ROOT_UNIT_NAME else ""
+            key = (owner, param.dtype, param.requires_grad, is_expert_param(param))
             groups.setdefault(key, []).append((param_name, param))
         self.buckets = [
-            self._bucket(members, dp, settings, pool, expert) for (_, _, expert), members in groups.items()
+            self._bucket(members, dp, settings, pool, expert) for (_, _, _, expert), members in groups.items()
         ]
         self.trainable_buckets = [b for b in self.buckets if b.requires_grad]
         # Frozen weights are still read in backward, but no gradient says when they are done:

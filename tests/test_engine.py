@@ -224,3 +224,37 @@ def test_a_sharded_model_is_freed_once_unused() -> None:
     """Parameter hooks live in C++, out of the garbage collector's sight: they must not keep
     the model (and all its buffers) alive."""
     assert run_distributed(_collected_after_use, 2) == [True, True]
+
+
+def test_zero_grad_releases_main_grads_until_the_next_reduction(single_rank_group) -> None:
+    model = make_model()
+    model, optimizer = megatron_fsdp.fully_shard(model, torch.optim.Adam(model.parameters(), lr=0.1), fsdp_unit_modules=[Block])
+    buckets = [b for unit in model.units for b in unit.trainable_buckets]
+    assert all(b.main_grad is None for b in buckets), "main grads exist before any backward"
+    model(*make_batch(0, 2)).backward()
+    grads = model.full_gradients()
+    assert all(b.main_grad is not None for b in buckets)
+    optimizer.zero_grad(set_to_none=False)  # kept, zeroed
+    assert all(b.main_grad is not None and not b.main_grad.any() for b in buckets)
+    model(*make_batch(0, 2)).backward()
+    for name, grad in model.full_gradients().items():
+        torch.testing.assert_close(grad, grads[name], rtol=0, atol=0)
+    optimizer.step()
+    optimizer.zero_grad()  # set_to_none=True: released, as torch's own .grad
+    assert all(b.main_grad is None for b in buckets)
+    # A step without gradients leaves every parameter alone, as torch's optimizers do for
+    # parameters whose .grad is None (zero gradients would still move Adam's state).
+    before = model.full_parameters()
+    optimizer.step()
+    for name, value in model.full_parameters().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+
+
+def test_the_root_unit_has_one_bucket_per_module(single_rank_group) -> None:
+    model = megatron_fsdp.fully_shard_model(make_model(tie=False), fsdp_unit_modules=[Block])
+    # The head's gradients arrive first in backward, the embedding's last: separate buckets let
+    # the head's reduce (and its buffer return to the pool) without waiting for the embedding.
+    assert sorted(tuple(b.names) for b in model.root_unit.buckets) == sorted(
+        [("embed.weight",), ("pos",), ("norm.weight", "norm.bias"), ("head.weight",)]
+    )
+    assert [len(u.buckets) for u in model.units[1:]] == [1, 1], "block units keep one bucket per dtype"
