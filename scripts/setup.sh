@@ -14,6 +14,13 @@ fi
 .venv/bin/pip install -q numpy ninja setuptools wheel pytest pytest-timeout tqdm safetensors matplotlib
 # Transformers for examples/hf_llama.py; pinned, and it does not require torch, so ours stays.
 .venv/bin/pip install -q "transformers==4.57.1"
-# --no-build-isolation: build against the torch above instead of a fresh (CUDA) one.
-.venv/bin/pip install -q --no-build-isolation --no-deps -e .
+# --no-build-isolation: build against the torch above instead of a fresh (CUDA) one. Skipped
+# when the installed extension imports and no C++ source or build file is newer than it.
+root=$(pwd)
+built=$(ls megatron_fsdp/_C*.so 2>/dev/null | head -1 || true)
+# (Imported from / so the check sees the installed package, not this directory.)
+if [ -z "$built" ] || ! (cd / && "$root/.venv/bin/python" -c "import megatron_fsdp._C") 2>/dev/null \
+    || [ -n "$(find csrc setup.py pyproject.toml -newer "$built" -type f | head -1)" ]; then
+  .venv/bin/pip install -q --no-build-isolation --no-deps -e .
+fi
 .venv/bin/python -c "import megatron_fsdp; print('megatron_fsdp', megatron_fsdp.__version__, 'ready')"
