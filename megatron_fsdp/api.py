@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from megatron_fsdp.argument_types import check_argument_types
 from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
 from megatron_fsdp.consistency import check_same_configuration_on_all_ranks, describe_configuration
 from megatron_fsdp.dtensor_params import check_parallel_params
@@ -36,14 +37,18 @@ def _reject_unsupported(arguments: dict[str, Any]) -> None:
             )
 
 
+def _check_meta_params(module: nn.Module, meta_init: bool) -> None:
+    """Before the model is moved anywhere: meta tensors cannot be copied to a device."""
+    devices = {p.device for p in module.parameters()}
+    if any(d.type == "meta" for d in devices) and not meta_init:
+        raise ValueError("the model has parameters on the meta device: pass init_model_with_meta_device=True")
+    if meta_init and devices - {torch.device("meta")}:
+        raise ValueError("init_model_with_meta_device=True needs every parameter on the meta device")
+
+
 def _module_device(module: nn.Module, meta_init: bool) -> torch.device:
     devices = {p.device for p in module.parameters()}
-    on_meta = any(d.type == "meta" for d in devices)
-    if on_meta and not meta_init:
-        raise ValueError("the model has parameters on the meta device: pass init_model_with_meta_device=True")
     if meta_init:
-        if devices - {torch.device("meta")}:
-            raise ValueError("init_model_with_meta_device=True needs every parameter on the meta device")
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are spread over {sorted(map(str, devices))}; move it to one device first")
@@ -130,11 +135,13 @@ def fully_shard_model(
     - ``collective_timeout``: seconds (> 0) a wait for a unit's all-gather or a bucket's
       reduction may take before it raises naming the unit and bucket; None (default): the
       process group's timeout (``init_process_group(timeout=...)``) does, and its error is
-      re-raised with the same names. On CUDA a timed wait blocks the CPU: a debugging aid.
+      re-raised with the same names. Bounds CPU (gloo) waits; on CUDA a wait only orders
+      streams, and NCCL's watchdog with the process group's timeout catches a hang.
 
     Before any collective, the ranks check that they shard the same model the same way and
     all raise the same ``ValueError`` if not (megatron_fsdp/consistency.py).
     """
+    check_argument_types(locals())
     _reject_unsupported(locals())
     _check_timeout(collective_timeout)
     strategy = ShardingStrategy.parse(zero_dp_strategy)
@@ -154,6 +161,7 @@ def fully_shard_model(
     if expt_device_mesh is not None:
         dp = resolve_expert_group(dp, expt_device_mesh, dp_shard_dim)
     _check_tensor_parallel(module, device_mesh, tp_dim, expt_device_mesh, init_model_with_meta_device)
+    _check_meta_params(module, init_model_with_meta_device)
     if device is not None and not init_model_with_meta_device:
         module.to(device)
     compute_device = _module_device(module, init_model_with_meta_device)

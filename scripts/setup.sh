@@ -11,7 +11,7 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q "torch==2.13.0"
 fi
-.venv/bin/pip install -q numpy ninja setuptools wheel pytest pytest-timeout tqdm safetensors matplotlib
+.venv/bin/pip install -q numpy ninja setuptools wheel pytest pytest-timeout hypothesis tqdm safetensors matplotlib
 # Transformers for examples/hf_llama.py; pinned, and it does not require torch, so ours stays.
 .venv/bin/pip install -q "transformers==4.57.1"
 # --no-build-isolation: build against the torch above instead of a fresh (CUDA) one. Skipped

@@ -1,0 +1,67 @@
+"""Type checks of ``fully_shard_model``'s arguments, before anything else looks at them.
+
+A wrong type must fail here with a message naming the argument, not deep inside torch (a
+binding's "incompatible function arguments"), and never be accepted silently (a string "no" is
+truthy, so ``overlap_grad_reduce="no"`` would switch overlap on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from megatron_fsdp.config import MixedPrecisionPolicy
+
+_FLAGS = (
+    "init_model_with_meta_device",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "sync_model_each_microbatch",
+    "preproc_state_dict_for_dcp_ckpt",
+    "check_for_nan_in_grad",
+    "report_nan_in_param_grad",
+    "fsdp_double_buffer",
+)
+_OPTIONAL_FLAGS = ("grad_reduce_in_fp32", "preserve_fp32_weights")
+_OPTIONAL_MESHES = ("device_mesh", "expt_device_mesh")
+_OPTIONAL_NAMES = ("dp_shard_dim", "dp_outer_dim", "tp_dim")
+
+
+def check_argument_types(arguments: dict[str, Any]) -> None:
+    """Raises ``TypeError`` naming the first argument of the wrong type, ``ValueError`` for a
+    device string torch does not know."""
+    for name in _FLAGS:
+        if not isinstance(arguments[name], bool):
+            raise TypeError(f"{name} must be True or False, got {arguments[name]!r}")
+    for name in _OPTIONAL_FLAGS:
+        if arguments[name] is not None and not isinstance(arguments[name], bool):
+            raise TypeError(f"{name} must be None, True or False, got {arguments[name]!r}")
+    for name in _OPTIONAL_MESHES:
+        if arguments[name] is not None and not isinstance(arguments[name], DeviceMesh):
+            raise TypeError(f"{name} must be a torch.distributed.device_mesh.DeviceMesh or None, got {arguments[name]!r}")
+    for name in _OPTIONAL_NAMES:
+        if arguments[name] is not None and not isinstance(arguments[name], str):
+            raise TypeError(f"{name} must be the name of a mesh dim (a str) or None, got {arguments[name]!r}")
+    policy = arguments["mixed_precision_policy"]
+    if policy is not None and not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(f"mixed_precision_policy must be a megatron_fsdp.MixedPrecisionPolicy or None, got {policy!r}")
+    units = arguments["fsdp_unit_modules"]
+    if units is not None and (isinstance(units, (str, type)) or not isinstance(units, Sequence)):
+        raise TypeError(
+            f"fsdp_unit_modules must be a list of classes or import paths, got {units!r}; e.g. fsdp_unit_modules=[Block]"
+        )
+    _check_device(arguments["device"])
+
+
+def _check_device(device: Any) -> None:
+    if device is None or isinstance(device, torch.device):
+        return
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a torch.device, a device string like 'cuda:0', or None, got {device!r}")
+    try:
+        torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device={device!r} is not a device torch knows: {error}") from error

@@ -1,0 +1,137 @@
+"""Every error of docs/troubleshooting.md that no other test raises: each is triggered the way
+the table says and must carry the message the table quotes. The last test checks that the
+table's test column names tests that exist."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import megatron_fsdp
+from megatron_fsdp.megatron_config import args_from_ddp_config
+from models import Block, make_batch, make_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sharded(**kwargs):
+    model = make_model()
+    return megatron_fsdp.fully_shard(model, torch.optim.Adam(model.parameters()), fsdp_unit_modules=[Block], **kwargs)
+
+
+SETUP_ERRORS = {
+    "unit entry of another type": (dict(fsdp_unit_modules=[42]), ValueError, "neither a class nor an import path"),
+    "unit path to a function": (dict(fsdp_unit_modules=["models.make_model"]), ValueError, "'models.make_model' is not a class"),
+    "unit list that is a class": (dict(fsdp_unit_modules=Block), TypeError, "fsdp_unit_modules must be a list"),
+    "meta init of a real model": (dict(init_model_with_meta_device=True), ValueError, "needs every parameter on the meta device"),
+    "dim without a mesh": (dict(dp_shard_dim="dp"), ValueError, "dp_shard_dim='dp' was given without a device_mesh"),
+    "outer dim without a mesh": (dict(dp_outer_dim="dp_outer"), ValueError, "dp_outer_dim='dp_outer' needs a device_mesh"),
+    "flag that is not a bool": (dict(overlap_grad_reduce="no"), TypeError, "overlap_grad_reduce must be True or False"),
+    "deprecated flag that is not a bool": (dict(grad_reduce_in_fp32=1), TypeError, "grad_reduce_in_fp32 must be None, True or False"),
+    "mesh of another type": (dict(device_mesh="cpu"), TypeError, "device_mesh must be a torch.distributed.device_mesh.DeviceMesh"),
+    "dim name of another type": (dict(tp_dim=0), TypeError, "tp_dim must be the name of a mesh dim"),
+    "policy of another type": (dict(mixed_precision_policy="bf16"), TypeError, "mixed_precision_policy must be a megatron_fsdp"),
+    "tp dim without a mesh": (dict(tp_dim="tp"), ValueError, "tp_dim='tp' needs a device_mesh holding that dim"),
+    "unknown device string": (dict(device="gpu0"), ValueError, "device='gpu0' is not a device torch knows"),
+    "device of another type": (dict(device=1.5), TypeError, "device must be a torch.device"),
+}
+
+
+@pytest.mark.parametrize("case", list(SETUP_ERRORS))
+def test_setup_errors(case, single_rank_group) -> None:
+    arguments, error, message = SETUP_ERRORS[case]
+    with pytest.raises(error, match=re.escape(message)):
+        megatron_fsdp.fully_shard_model(make_model(), **{"fsdp_unit_modules": [Block], **arguments})
+
+
+def test_sharding_twice_is_refused(single_rank_group) -> None:
+    model, _ = _sharded()
+    with pytest.raises(ValueError, match="already sharded by megatron_fsdp"):
+        megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[Block])
+
+
+def test_a_multi_dim_mesh_needs_the_dim_named(single_rank_group) -> None:
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_outer", "dp_shard"))
+    with pytest.raises(ValueError, match="name the one to shard over with dp_shard_dim"):
+        megatron_fsdp.fully_shard_model(make_model(), device_mesh=mesh, fsdp_unit_modules=[Block])
+
+
+def test_meta_init_is_refused_with_tensor_parallelism(single_rank_group) -> None:
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    with pytest.raises(ValueError, match="cannot be combined with tensor- or expert-parallel DTensor parameters"):
+        megatron_fsdp.fully_shard_model(make_model(), device_mesh=mesh, tp_dim="tp", fsdp_unit_modules=[Block],
+                                        init_model_with_meta_device=True)
+
+
+def test_optimizer_errors(single_rank_group) -> None:
+    megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block])
+    with pytest.raises(ValueError, match="cannot tell which sharded model this optimizer belongs to"):
+        megatron_fsdp.fully_shard_optimizer(torch.optim.Adam(make_model().parameters()))
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    tokens, targets = make_batch(0, 2)
+    model(tokens, targets).backward()
+    optimizer.step()
+    with pytest.raises(ValueError, match="already holds state"):
+        megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[Block])
+
+
+def _during_backward(action) -> None:
+    """Runs ``action(model, optimizer)`` from a gradient hook, i.e. while backward runs."""
+    model, optimizer = _sharded()
+    model.module.pos.register_hook(lambda grad: action(model, optimizer))
+    tokens, targets = make_batch(0, 2)
+    model(tokens, targets).backward()
+
+
+MID_STEP_ERRORS = {
+    "forward": (lambda m, o: m(*make_batch(0, 2)), "ran forward while a backward pass is in progress"),
+    "optimizer step": (lambda m, o: o.step(), "optimizer.step() was called during forward or backward"),
+    "finish_grad_sync": (lambda m, o: m.finish_grad_sync(), "finish_grad_sync() was called during forward or backward"),
+    "policy change": (
+        lambda m, o: setattr(m, "mixed_precision_policy", megatron_fsdp.MixedPrecisionPolicy()),
+        "change the mixed-precision policy between steps",
+    ),
+    "state dict load": (lambda m, o: m.load_state_dict(m.state_dict()), "load a state dict between steps"),
+}
+
+
+@pytest.mark.parametrize("case", list(MID_STEP_ERRORS))
+def test_mid_step_errors(case, single_rank_group) -> None:
+    action, message = MID_STEP_ERRORS[case]
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        _during_backward(action)
+
+
+def test_state_dict_errors(single_rank_group) -> None:
+    model, optimizer = _sharded()
+    with pytest.raises(ValueError, match="assign=True cannot apply"):
+        model.load_state_dict(model.state_dict(), assign=True)
+    with pytest.raises(RuntimeError, match="the model state dict does not fit this model.*unexpected: bogus"):
+        model.load_state_dict(dict(model.state_dict(), bogus=torch.zeros(1)))
+    state = optimizer.state_dict()
+    state["state"]["bogus"] = {"step": torch.tensor(1.0)}
+    with pytest.raises(RuntimeError, match="the optimizer state dict does not fit this model.*unexpected: bogus"):
+        optimizer.load_state_dict(state)
+
+
+def test_a_dtype_without_a_megatron_flag_is_named() -> None:
+    config = megatron_fsdp.DistributedDataParallelConfig(megatron_fsdp_main_params_dtype=torch.float64)
+    with pytest.raises(ValueError, match="has no Megatron-LM flag spelling"):
+        args_from_ddp_config(config)
+
+
+def test_the_troubleshooting_table_names_tests_that_exist() -> None:
+    with open(os.path.join(REPO, "docs", "troubleshooting.md")) as handle:
+        named = re.findall(r"`(test_\w+\.py)::(test_\w+)(?:\[[^\]]*\])?`", handle.read())
+    assert len(named) > 40, "the table's test column is missing"
+    missing = []
+    for file, test in set(named):
+        path = os.path.join(REPO, "tests", file)
+        if not os.path.exists(path) or not re.search(rf"^def {test}\(", open(path).read(), re.MULTILINE):
+            missing.append(f"{file}::{test}")
+    assert not missing, f"docs/troubleshooting.md names tests that do not exist: {sorted(missing)}"
