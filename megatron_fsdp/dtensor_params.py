@@ -88,11 +88,12 @@ def param_extent(name: str, param: torch.Tensor) -> ParamExtent:
         return ParamExtent(param.shape, param.shape, (0,) * param.dim())
     mesh, placements = param.device_mesh, tuple(param.placements)
     offset = [0] * param.dim()
+    expected = list(param.shape)  # this rank's local shape under torch.chunk splits
     sharded_dims = set()
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Replicate):
             continue
-        if not isinstance(placement, Shard) or placement.dim in sharded_dims:
+        if not isinstance(placement, Shard) or placement.dim % param.dim() in sharded_dims:
             raise ValueError(
                 f"parameter {name} has placements {placements}; megatron_fsdp supports DTensor parameters "
                 "whose placements are Shard(d) or Replicate(), each tensor dim sharded over one mesh dim"
@@ -102,23 +103,14 @@ def param_extent(name: str, param: torch.Tensor) -> ParamExtent:
         # DTensor shards like torch.chunk: ceil-sized pieces, the last ones short or empty.
         chunk = -(-param.shape[dim] // mesh.size(mesh_dim))
         offset[dim] = min(chunk * mesh.get_local_rank(mesh_dim), param.shape[dim])
+        expected[dim] = min(chunk, param.shape[dim] - offset[dim])
     extent = ParamExtent(param.shape, local_tensor(param).shape, tuple(offset), mesh, placements)
-    expected = tuple(min(size, g - o) for size, g, o in zip(_chunk_sizes(param, placements), param.shape, offset))
-    if tuple(extent.local_shape) != expected:
+    if tuple(extent.local_shape) != tuple(expected):
         raise ValueError(
             f"parameter {name}: local shape {tuple(extent.local_shape)} is not the even torch.chunk split "
-            f"{expected} of {tuple(param.shape)} over {placements}; megatron_fsdp cannot place it in checkpoints"
+            f"{tuple(expected)} of {tuple(param.shape)} over {placements}; megatron_fsdp cannot place it in checkpoints"
         )
     return extent
-
-
-def _chunk_sizes(param: DTensor, placements: tuple[Placement, ...]) -> list[int]:
-    sizes = list(param.shape)
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
-            dim = placement.dim % param.dim()
-            sizes[dim] = -(-param.shape[dim] // param.device_mesh.size(mesh_dim))
-    return sizes
 
 
 def check_parallel_params(module: nn.Module, tp_mesh: DeviceMesh | None, expert_mesh_given: bool) -> None:

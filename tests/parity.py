@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import megatron_fsdp
 from models import Block, make_batch, make_model
@@ -226,6 +227,58 @@ def compare_emulated(got: Result, expected: Result, setup: Setup, world: int, la
     for key, value in expected.params.items():
         err = (got.params[key] - value).abs().max().item()
         assert err <= param_atol, f"{label}: parameter {key}: max error {err:.2e} > {param_atol}"
+
+
+def _local_values(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's values on this rank (what megatron_fsdp's full_* methods report), else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def train_whole_batches(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, rows: int) -> Result:
+    """A reference run without FSDP: each step one backward on ``rows`` rows (the global batch)."""
+    result = Result()
+    for step in range(steps):
+        loss = model(*make_batch(step, rows))
+        loss.backward()
+        result.losses.append(loss.item())
+        if step == steps - 1:
+            result.grads = {n: _local_values(p.grad).clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    result.params = {n: _local_values(p).detach().clone() for n, p in model.named_parameters()}
+    return result
+
+
+def train_data_parallel(
+    model: megatron_fsdp.MegatronFSDP,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    accum: int,
+    micro_rows: int,
+    dp_rank: int,
+    dp_size: int,
+    dp_group: dist.ProcessGroup | None = None,
+) -> Result:
+    """The sharded counterpart of :func:`train_whole_batches`: this data-parallel rank's rows of
+    the same global batches, split into ``accum`` micro-batches; losses averaged over ranks."""
+    result = Result()
+    for step in range(steps):
+        tokens, targets = make_batch(step, dp_size * accum * micro_rows)
+        total = torch.zeros((), dtype=torch.float64)
+        for micro in range(accum):
+            start = (micro * dp_size + dp_rank) * micro_rows
+            loss = model(tokens[start : start + micro_rows], targets[start : start + micro_rows])
+            (loss / accum).backward()
+            total += loss.detach().double()
+        dist.all_reduce(total, group=dp_group)
+        result.losses.append(total.item() / (dp_size * accum))
+        model.finish_grad_sync()
+        if step == steps - 1:
+            result.grads = model.full_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+    result.params = model.full_parameters()
+    return result
 
 
 def sharded_runs(rank: int, world: int, setups: list[Setup], device: str = "cpu") -> list[Result]:

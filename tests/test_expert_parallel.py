@@ -24,9 +24,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import megatron_fsdp
 from _dist import run_distributed
-from models import make_batch
 from moe_model import EXPERTS, MoEBlock, make_moe
-from parity import Result, build_optimizer, compare
+from parity import Result, build_optimizer, compare, train_data_parallel, train_whole_batches
 
 WORLD, EP = 4, 2
 STEPS, MICRO_ROWS = 4, 2
@@ -45,19 +44,7 @@ def _expert_mesh():
 
 def _reference(accum: int) -> Result:
     model = make_moe()
-    optimizer = build_optimizer(model.parameters(), OPTIMIZER)
-    result = Result()
-    for step in range(STEPS):
-        tokens, targets = make_batch(step, WORLD * accum * MICRO_ROWS)
-        loss = model(tokens, targets)
-        loss.backward()
-        result.losses.append(loss.item())
-        if step == STEPS - 1:
-            result.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-    result.params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return result
+    return train_whole_batches(model, build_optimizer(model.parameters(), OPTIMIZER), STEPS, WORLD * accum * MICRO_ROWS)
 
 
 def _expert_slice(result: Result, ep_rank: int) -> Result:
@@ -80,24 +67,7 @@ def _sharded(expert_mesh, strategy: int, accum: int):
         expt_device_mesh=expert_mesh,
         fsdp_unit_modules=[MoEBlock], zero_dp_strategy=strategy,
     )
-    rank = dist.get_rank()
-    result = Result()
-    for step in range(STEPS):
-        tokens, targets = make_batch(step, WORLD * accum * MICRO_ROWS)
-        total = torch.zeros((), dtype=torch.float64)
-        for micro in range(accum):
-            start = (micro * WORLD + rank) * MICRO_ROWS
-            loss = model(tokens[start : start + MICRO_ROWS], targets[start : start + MICRO_ROWS])
-            (loss / accum).backward()
-            total += loss.detach().double()
-        dist.all_reduce(total)
-        result.losses.append(total.item() / (WORLD * accum))
-        model.finish_grad_sync()
-        if step == STEPS - 1:
-            result.grads = model.full_gradients()
-        optimizer.step()
-        optimizer.zero_grad()
-    result.params = model.full_parameters()
+    result = train_data_parallel(model, optimizer, STEPS, accum, MICRO_ROWS, dist.get_rank(), WORLD)
     return result, model, optimizer
 
 

@@ -14,7 +14,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import init_device_mesh
@@ -23,8 +22,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import megatron_fsdp
 from _dist import run_distributed
-from models import FFN, HIDDEN, Block, make_batch, make_model
-from parity import Result, build_optimizer, compare
+from models import FFN, HIDDEN, Block, make_model
+from parity import Result, build_optimizer, compare, train_data_parallel, train_whole_batches
 
 WORLD, DP, TP = 4, 2, 2
 STEPS, MICRO_ROWS = 4, 2
@@ -38,24 +37,9 @@ def _tp_model(tp_mesh) -> torch.nn.Module:
     return model
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _tp_alone(tp_mesh, accum: int) -> tuple[Result, torch.nn.Module]:
     model = _tp_model(tp_mesh)
-    optimizer = build_optimizer(model.parameters(), "adam")
-    result = Result()
-    for step in range(STEPS):
-        tokens, targets = make_batch(step, DP * accum * MICRO_ROWS)
-        loss = model(tokens, targets)
-        loss.backward()
-        result.losses.append(loss.item())
-        if step == STEPS - 1:
-            result.grads = {n: _local(p.grad).clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-    result.params = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
+    result = train_whole_batches(model, build_optimizer(model.parameters(), "adam"), STEPS, DP * accum * MICRO_ROWS)
     return result, model
 
 
@@ -67,24 +51,8 @@ def _tp_fsdp(mesh, strategy: int, accum: int) -> tuple[Result, megatron_fsdp.Meg
     )
     up = model.module.blocks[0].up.weight
     assert isinstance(up, DTensor) and tuple(up.placements) == (Shard(0),), "the plan did not make DTensors"
-    dp_rank = mesh["dp"].get_local_rank()
-    result = Result()
-    for step in range(STEPS):
-        tokens, targets = make_batch(step, DP * accum * MICRO_ROWS)
-        total = torch.zeros((), dtype=torch.float64)
-        for micro in range(accum):
-            start = (micro * DP + dp_rank) * MICRO_ROWS
-            loss = model(tokens[start : start + MICRO_ROWS], targets[start : start + MICRO_ROWS])
-            (loss / accum).backward()
-            total += loss.detach().double()
-        dist.all_reduce(total, group=mesh["dp"].get_group())
-        result.losses.append(total.item() / (DP * accum))
-        model.finish_grad_sync()
-        if step == STEPS - 1:
-            result.grads = model.full_gradients()
-        optimizer.step()
-        optimizer.zero_grad()
-    result.params = model.full_parameters()
+    dp = mesh["dp"]
+    result = train_data_parallel(model, optimizer, STEPS, accum, MICRO_ROWS, dp.get_local_rank(), DP, dp.get_group())
     return result, model, optimizer
 
 
