@@ -34,5 +34,6 @@ TORCH_LIBRARY(megatron_fsdp, m) {
       .def("high_water_mark", &megatron_fsdp::BucketPool::high_water_mark)
       .def("reset_high_water_mark", &megatron_fsdp::BucketPool::reset_high_water_mark)
       .def("empty_cache", &megatron_fsdp::BucketPool::empty_cache)
-      .def("double_buffer", &megatron_fsdp::BucketPool::double_buffer);
+      .def("double_buffer", &megatron_fsdp::BucketPool::double_buffer)
+      .def("blocks_per_key", &megatron_fsdp::BucketPool::blocks_per_key);
 }

@@ -46,9 +46,13 @@ class Bucket:
         dp: DataParallelGroup,
         settings: FSDPSettings,
         pool: torch.ScriptObject,
+        pool_role: str,
         grad_divisor: int | None = None,
     ) -> None:
         self.names = names
+        # Pool keys are "<purpose>/<role>": buckets of the same role in different units take
+        # turns on the same persistent blocks under fsdp_double_buffer.
+        self.pool_role = pool_role
         self.params = params
         # What the buffers hold of each parameter: the parameter itself, or a DTensor's local
         # tensor, whose global place ``extents`` record (for checkpoints).
@@ -169,14 +173,19 @@ class Bucket:
             return self.weight_shard[self.main_start - self.shard_start : self.main_end - self.shard_start]
         return self.full_weight[self.main_start : self.main_end]
 
+    def _pool_key(self, purpose: str) -> str:
+        return f"{purpose}/{self.pool_role}"
+
     # -- weights ------------------------------------------------------------------------------
 
     def start_unshard(self, async_op: bool) -> dist.Work | None:
         """Fills the pooled bucket and launches the all-gather of the weight shards into it."""
-        self.pool.fill(self.full_weight, "weights")
+        self.pool.fill(self.full_weight, self._pool_key("weights"))
         shard = self.weight_shard
         if self.gathers_from_main:
-            shard = self._gather_input = self.pool.fetch(self.layout.shard_numel, self.dtype, self.device, "gather_input")
+            shard = self._gather_input = self.pool.fetch(
+                self.layout.shard_numel, self.dtype, self.device, self._pool_key("gather_input")
+            )
             shard.copy_(self.main_params)
         return all_gather_shards(self.full_weight, shard, self.dp.group, async_op=async_op)
 
@@ -213,7 +222,7 @@ class Bucket:
             # Strategies 0/1 accumulate micro-batches locally: in the main-gradient dtype. 2/3
             # hold one micro-batch: straight in the communication dtype.
             dtype = self.dtypes.comm if self.strategy.shards_grads else self.dtypes.main_grads
-            self.unreduced_grad = self.pool.fetch(self.layout.padded_numel, dtype, self.device, "grads")
+            self.unreduced_grad = self.pool.fetch(self.layout.padded_numel, dtype, self.device, self._pool_key("grads"))
             self.unreduced_grad.zero_()
         slot = self.layout.slots[index]
         self.unreduced_grad[slot.offset : slot.end].add_(grad.reshape(-1))
@@ -233,13 +242,13 @@ class Bucket:
         comm = self._in_comm_dtype(unreduced)
         group = self.dp.group
         if self.dtypes.promotes_reduction:
-            received = self.pool.fetch(self.layout.padded_numel, comm.dtype, self.device, "received_grads")
+            received = self.pool.fetch(self.layout.padded_numel, comm.dtype, self.device, self._pool_key("received_grads"))
             work = all_to_all(received, comm, group, async_op=async_op)
             return PendingReduction(self, work, lambda: self._finish_promoted(comm, received))
         if self.strategy is ShardingStrategy.NO_SHARD:
             work = all_reduce_sum(comm, group, async_op=async_op)
             return PendingReduction(self, work, lambda: self._add_to_main_grad(comm, comm))
-        reduced = self.pool.fetch(self.layout.shard_numel, comm.dtype, self.device, "reduced_grads")
+        reduced = self.pool.fetch(self.layout.shard_numel, comm.dtype, self.device, self._pool_key("reduced_grads"))
         work = reduce_scatter_sum(reduced, comm, group, async_op=async_op)
         return PendingReduction(self, work, lambda: self._add_to_main_grad(reduced, comm, reduced))
 
@@ -248,7 +257,7 @@ class Bucket:
         dtypes differ, released right after the reduction."""
         if unreduced.dtype == self.dtypes.comm:
             return unreduced
-        comm = self.pool.fetch(unreduced.numel(), self.dtypes.comm, self.device, "comm_grads")
+        comm = self.pool.fetch(unreduced.numel(), self.dtypes.comm, self.device, self._pool_key("comm_grads"))
         comm.copy_(unreduced)
         self.pool.release(unreduced)
         return comm
@@ -269,7 +278,9 @@ class Bucket:
         chunks = received.view(self.dp.size, self.layout.shard_numel)
         if self.strategy is ShardingStrategy.NO_SHARD:
             # This rank sums its shard in high precision, then every rank gathers every shard.
-            shard = self.pool.fetch(self.layout.shard_numel, self.dtypes.main_grads, self.device, "reduced_grads")
+            shard = self.pool.fetch(
+                self.layout.shard_numel, self.dtypes.main_grads, self.device, self._pool_key("reduced_grads")
+            )
             _ops.promoting_reduce(chunks, shard, scale=1.0 / self.grad_divisor)
             all_gather_shards(comm, shard.to(comm.dtype), self.dp.group)
             self._accumulator().add_(comm)

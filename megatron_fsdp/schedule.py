@@ -102,8 +102,11 @@ class StepScheduler:
         return self.settings.strategy.shards_grads or self.sync_grads
 
     def _start_reduction(self, bucket: Bucket) -> None:
-        self._pending.append(bucket.start_reduction(async_op=self.settings.overlap_grad_reduce))
-        while len(self._pending) > self.settings.max_reductions_in_flight:
+        overlap = self.settings.overlap_grad_reduce
+        self._pending.append(bucket.start_reduction(async_op=overlap))
+        # A synchronous reduction is already done: finishing it now gives its buffers back.
+        in_flight = self.settings.max_reductions_in_flight if overlap else 0
+        while len(self._pending) > in_flight:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:

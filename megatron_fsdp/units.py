@@ -108,7 +108,7 @@ class FSDPUnit:
             key = (owner, param.dtype, param.requires_grad, is_expert_param(param))
             groups.setdefault(key, []).append((param_name, param))
         self.buckets = [
-            self._bucket(members, dp, settings, pool, expert) for (_, _, _, expert), members in groups.items()
+            self._bucket(members, dp, settings, pool, self._pool_role(key), key[3]) for key, members in groups.items()
         ]
         self.trainable_buckets = [b for b in self.buckets if b.requires_grad]
         # Frozen weights are still read in backward, but no gradient says when they are done:
@@ -119,20 +119,29 @@ class FSDPUnit:
         self._reduced_buckets: set[int] = set()
         self._gathers: list = []
 
+    def _pool_role(self, key: tuple[str, torch.dtype, bool, bool]) -> str:
+        """The same role for the matching buckets of every (repetitive) unit, so they alternate
+        on two persistent pool blocks; the root unit's buckets, live all step, get their own."""
+        owner, dtype, requires_grad, expert = key
+        unit = f"root:{owner}" if self.is_root else "unit"
+        trainable = "trainable" if requires_grad else "frozen"
+        return f"{unit}:{str(dtype).removeprefix('torch.')}:{trainable}{':expert' if expert else ''}"
+
     @staticmethod
     def _bucket(
         members: list[tuple[str, nn.Parameter]],
         dp: DataParallelGroup,
         settings: FSDPSettings,
         pool: torch.ScriptObject,
+        pool_role: str,
         expert: bool,
     ) -> Bucket:
         names, params = [n for n, _ in members], [p for _, p in members]
         if not expert:
-            return Bucket(names, params, dp, settings, pool)
+            return Bucket(names, params, dp, settings, pool, pool_role)
         # Expert gradients hold the contributions of every rank whose tokens reached the expert:
         # summed over the expert-data-parallel group, they average over the dense one.
-        return Bucket(names, params, dp.expert, settings, pool, grad_divisor=dp.dense_size)
+        return Bucket(names, params, dp.expert, settings, pool, pool_role, grad_divisor=dp.dense_size)
 
     @property
     def is_root(self) -> bool:

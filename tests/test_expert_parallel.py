@@ -150,6 +150,14 @@ def _expert_mistakes(rank: int, world: int) -> dict:
             make_moe(), device_mesh=_dense_mesh(), dp_shard_dim="dp_shard", expt_device_mesh=_expert_mesh(),
             fsdp_unit_modules=[MoEBlock],
         ),
+        "a 2-D expert mesh without dp_shard_dim": lambda: megatron_fsdp.fully_shard_model(
+            make_moe(_expert_mesh()["ep"]), expt_device_mesh=_expert_mesh(), fsdp_unit_modules=[MoEBlock]
+        ),
+        # Dense data parallelism over 2 ranks (the other dim is unused), experts over 4.
+        "an expert mesh larger than the dense one": lambda: megatron_fsdp.fully_shard_model(
+            make_moe(), device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "other")),
+            dp_shard_dim="dp_shard", expt_device_mesh=_dense_mesh(), fsdp_unit_modules=[MoEBlock],
+        ),
     }.items():
         try:
             build()
@@ -163,3 +171,29 @@ def test_expert_mesh_mistakes_raise_clear_errors() -> None:
     errors = run_distributed(_expert_mistakes, WORLD)[0]
     assert "no expt_device_mesh was given" in errors["experts without a mesh"]
     assert "no parameter is marked as an expert parameter" in errors["a mesh without experts"]
+    assert "expt_device_mesh has 2 dims ('dp_shard', 'ep'); name its expert-data-parallel dim" in (
+        errors["a 2-D expert mesh without dp_shard_dim"]
+    )
+    assert "dim has 4 ranks, which does not divide the 2 data-parallel ranks" in (
+        errors["an expert mesh larger than the dense one"]
+    )
+
+
+def _plain_tensor_experts_state_dict(rank: int, world: int) -> str:
+    model = make_moe()  # every expert on every rank, as plain tensors
+    for block in model.blocks:
+        block.moe.w_in.allreduce = block.moe.w_out.allreduce = False
+    model = megatron_fsdp.fully_shard_model(
+        model, device_mesh=_dense_mesh(), dp_shard_dim="dp_shard", expt_device_mesh=_dense_mesh(),
+        fsdp_unit_modules=[MoEBlock],
+    )
+    try:
+        model.state_dict()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_state_dict_refuses_plain_tensor_experts() -> None:
+    for message in run_distributed(_plain_tensor_experts_state_dict, WORLD):
+        assert "expert parameter blocks.0.moe.w_in is a plain tensor" in message, message

@@ -36,7 +36,7 @@ VALID = {
     "overlap_grad_reduce": [True, False],
     "overlap_param_gather": [True, False],
     "sync_model_each_microbatch": [True, False],
-    "fsdp_double_buffer": [False],  # True is broken: test_fsdp_double_buffer_trains below
+    "fsdp_double_buffer": [True, False],
     "check_for_nan_in_grad": [True, False],
     "nccl_ub": [False],
     "grad_reduce_in_fp32": [None, None, None, None, True, False],  # deprecated; not with a policy
@@ -164,15 +164,3 @@ def test_any_arguments_train_or_raise_our_error_without_side_effects(chosen, sin
         for name, value in sharded.full_parameters().items():
             error = (value - expected[name]).abs().max().item()
             assert error <= 1e-6, f"parameter {name} is {error:.2e} from plain training with {call}"
-
-
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "found by the fuzzer: fsdp_double_buffer=True lends at most two pooled buckets per key, but a step "
-    "holds more (the root unit's weights, the current unit's and a prefetch; or a bucket's gradients "
-    "with max_reductions_in_flight=2 others), so the pool refuses a third; excluded from the fuzzer until fixed"))
-@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
-def test_fsdp_double_buffer_trains(strategy, single_rank_group) -> None:
-    model = megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
-                                            fsdp_double_buffer=True)
-    optimizer = megatron_fsdp.fully_shard_optimizer(torch.optim.Adam(model.module.parameters(), lr=LR), model)
-    assert all(torch.isfinite(torch.tensor(_train(model, optimizer))))

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import megatron_fsdp
@@ -145,6 +145,38 @@ def _bad_tp_arguments(rank: int, world: int) -> dict:
         except ValueError as error:
             errors[label] = str(error)
     return errors
+
+
+def _replace_weight(model: torch.nn.Module, weight: DTensor) -> torch.nn.Module:
+    model.blocks[0].up.weight = torch.nn.Parameter(weight)
+    return model
+
+
+def _unsupported_dtensors(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    uneven_rows = 5 if tp.get_local_rank() == 0 else FFN - 5
+    models = {
+        "partial": _replace_weight(_tp_model(tp), DTensor.from_local(torch.zeros(FFN, HIDDEN), tp, [Partial()])),
+        "uneven": _replace_weight(_tp_model(tp), DTensor.from_local(
+            torch.zeros(uneven_rows, HIDDEN), tp, [Shard(0)], run_check=False, shape=(FFN, HIDDEN), stride=(HIDDEN, 1)
+        )),
+    }
+    errors = {}
+    for label, model in models.items():
+        try:
+            megatron_fsdp.fully_shard_model(model, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp", fsdp_unit_modules=[Block])
+            errors[label] = None
+        except ValueError as error:
+            errors[label] = str(error)
+    return errors
+
+
+def test_unsupported_dtensor_parameters_raise_clear_errors() -> None:
+    for errors in run_distributed(_unsupported_dtensors, WORLD):
+        assert "blocks.0.up.weight has placements (Partial(sum),); megatron_fsdp supports" in errors["partial"]
+        assert "blocks.0.up.weight: local shape" in errors["uneven"]
+        assert "is not the even torch.chunk split" in errors["uneven"]
 
 
 def test_tp_mesh_mistakes_raise_clear_errors() -> None:

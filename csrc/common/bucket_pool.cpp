@@ -3,6 +3,8 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
+
 namespace megatron_fsdp {
 namespace {
 
@@ -60,8 +62,16 @@ std::shared_ptr<PoolBlock> BucketPool::allocate_block(size_t nbytes, at::Device 
               " bytes on ", device, " failed");
   block->nbytes = nbytes;
   block->device = device;
+  if (needs_events(device)) block->allocated_on = current_stream(device);
   bytes_reserved_ += static_cast<int64_t>(nbytes);
   return block;
+}
+
+// The CUDA caching allocator reuses a freed block for later work on the stream it was allocated
+// on, after the work already queued there: safe when the block is released on that stream, which
+// has waited for every collective that used it. Released on another stream, the pool keeps it.
+bool BucketPool::hands_back(const PoolBlock& block) const {
+  return !double_buffer_ && block.device.is_cuda() && block.allocated_on == current_stream(block.device);
 }
 
 std::shared_ptr<PoolBlock> BucketPool::take_block(size_t nbytes, at::Device device,
@@ -74,29 +84,22 @@ std::shared_ptr<PoolBlock> BucketPool::take_block(size_t nbytes, at::Device devi
     return block;
   }
   auto& slots = slots_[SlotKey(key, device.str())];
-  // Prefer the slot released longest ago: alternating keeps one bucket's reuse off the other's.
-  int chosen = -1;
-  for (int i = 0; i < 2; ++i) {
-    if (!slots[i]) {
-      chosen = i;
-      break;
+  // The free block lent longest ago: alternating keeps one bucket's reuse off the other's.
+  auto chosen = std::find_if(slots.begin(), slots.end(), [](const auto& block) { return !block->lent; });
+  std::shared_ptr<PoolBlock> block;
+  if (chosen == slots.end()) {
+    block = allocate_block(nbytes, device);
+  } else {
+    block = *chosen;
+    slots.erase(chosen);
+    if (block->nbytes < nbytes) {
+      wait_for_last_use(*block, /*on_host=*/true);
+      bytes_reserved_ -= static_cast<int64_t>(block->nbytes);
+      block = allocate_block(nbytes, device);
     }
-    if (!slots[i]->lent && chosen < 0) chosen = i;
   }
-  TORCH_CHECK(chosen >= 0, "BucketPool: the double buffer for key '", key, "' on ", device,
-              " already lends two buckets; release one before filling a third, or build the pool "
-              "with double_buffer=False");
-  auto& slot = slots[chosen];
-  if (!slot || slot->nbytes < nbytes) {
-    if (slot) {
-      wait_for_last_use(*slot, /*on_host=*/true);
-      bytes_reserved_ -= static_cast<int64_t>(slot->nbytes);
-    }
-    slot = allocate_block(nbytes, device);
-  }
-  // Move the chosen slot to the back so the other one is preferred next time.
-  if (chosen == 0) std::swap(slots[0], slots[1]);
-  return slots[1];
+  slots.push_back(block);
+  return block;
 }
 
 void BucketPool::fill(const at::Tensor& bucket, const std::string& key) {
@@ -132,12 +135,16 @@ void BucketPool::release(const at::Tensor& bucket) {
   lent_.erase(found);
   storage->set_data_ptr_noswap(at::DataPtr(nullptr, bucket.device()));
   storage->set_nbytes(0);
+  bytes_in_use_ -= static_cast<int64_t>(block->nbytes);
+  if (hands_back(*block)) {
+    bytes_reserved_ -= static_cast<int64_t>(block->nbytes);
+    return;  // the last reference: the memory goes back to the caching allocator
+  }
   if (needs_events(block->device)) {
     block->released.emplace(block->device.type());
     block->released->record(current_stream(block->device));
   }
   block->lent = false;
-  bytes_in_use_ -= static_cast<int64_t>(block->nbytes);
   if (!double_buffer_) {
     free_by_size_[SizeKey(block->device.str(), block->nbytes)].push_back(block);
   }
@@ -187,10 +194,23 @@ void BucketPool::empty_cache() {
   }
   free_by_size_.clear();
   for (auto& entry : slots_) {
-    for (auto& block : entry.second) {
-      if (block && !block->lent) drop(block);
+    auto& blocks = entry.second;
+    for (auto& block : blocks) {
+      if (!block->lent) drop(block);
     }
+    blocks.erase(std::remove(blocks.begin(), blocks.end(), nullptr), blocks.end());
   }
+}
+
+c10::Dict<std::string, int64_t> BucketPool::blocks_per_key() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  c10::Dict<std::string, int64_t> counts;
+  for (const auto& entry : slots_) {
+    const auto& key = std::get<0>(entry.first);
+    const int64_t previous = counts.contains(key) ? counts.at(key) : 0;
+    counts.insert_or_assign(key, previous + static_cast<int64_t>(entry.second.size()));
+  }
+  return counts;
 }
 
 void BucketPool::note_usage() { high_water_mark_ = std::max(high_water_mark_, bytes_in_use_); }

@@ -6,10 +6,10 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/Dict.h>
 #include <c10/core/Event.h>
 #include <torch/custom_class.h>
 
-#include <array>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -25,13 +25,17 @@ struct PoolBlock {
   size_t nbytes = 0;
   at::Device device = at::kCPU;
   std::optional<c10::Event> released;  // recorded on the releasing stream (non-CPU devices)
+  std::optional<c10::Stream> allocated_on;  // the stream current when the memory was allocated
   bool lent = false;
 };
 
 class BucketPool : public torch::CustomClassHolder {
  public:
-  // double_buffer: each key owns two persistent blocks (grown to the largest request) and at
-  // most two of its buckets are live at once; otherwise free blocks are cached by size.
+  // double_buffer: each key owns persistent blocks, lent in turn and grown to the largest
+  // request: two for a key whose buckets alternate (the units of a repetitive model), one more
+  // for each bucket lent beyond that at once. Addresses stay fixed after the first step.
+  // Otherwise a released block goes back to the device's caching allocator (CUDA), so buckets
+  // and activations share one cache, or is cached here by size (CPU, which has no such cache).
   explicit BucketPool(bool double_buffer);
   ~BucketPool() override;
 
@@ -53,6 +57,8 @@ class BucketPool : public torch::CustomClassHolder {
   // Frees every cached block that is not lent (waiting for its last use first).
   void empty_cache();
   bool double_buffer() const { return double_buffer_; }
+  // double_buffer: how many persistent blocks each key owns.
+  c10::Dict<std::string, int64_t> blocks_per_key();
 
  private:
   using SizeKey = std::tuple<std::string, size_t>;          // (device, nbytes)
@@ -60,12 +66,14 @@ class BucketPool : public torch::CustomClassHolder {
 
   std::shared_ptr<PoolBlock> take_block(size_t nbytes, at::Device device, const std::string& key);
   std::shared_ptr<PoolBlock> allocate_block(size_t nbytes, at::Device device);
+  bool hands_back(const PoolBlock& block) const;
   void note_usage();
 
   const bool double_buffer_;
   std::mutex mutex_;
   std::map<SizeKey, std::vector<std::shared_ptr<PoolBlock>>> free_by_size_;
-  std::map<SlotKey, std::array<std::shared_ptr<PoolBlock>, 2>> slots_;
+  // Per key, its blocks from the least recently lent to the most.
+  std::map<SlotKey, std::vector<std::shared_ptr<PoolBlock>>> slots_;
   // Holding the storage keeps a forgotten bucket visible in bytes_in_use() instead of dangling.
   std::map<c10::StorageImpl*, std::pair<c10::Storage, std::shared_ptr<PoolBlock>>> lent_;
   int64_t bytes_in_use_ = 0;
