@@ -90,6 +90,22 @@ IMPLEMENTATIONS: dict[str, Callable] = {
 }
 
 
+def batch(config: GPTConfig, args, step: int, rank: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator(device=device).manual_seed(step * 1000 + rank)
+    return torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len + 1), device=device, generator=generator)
+
+
+def train_step(model, optimizer, autocast: bool, config: GPTConfig, tokens: torch.Tensor) -> torch.Tensor:
+    """One step: forward, backward, optimizer step; returns the loss (not synchronised)."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.float().view(-1, config.vocab_size), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.device) -> dict:
     # The previous implementation's model and optimizer sit in reference cycles (hooks): collect
     # them before measuring this one's memory.
@@ -101,20 +117,14 @@ def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.devic
     rank = dist.get_rank()
     times, losses = [], []
     for step in range(args.warmup + args.steps):
-        generator = torch.Generator(device=device).manual_seed(step * 1000 + rank)
-        tokens = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len + 1), device=device, generator=generator)
+        tokens = batch(config, args, step, rank, device)
         torch.cuda.synchronize()
         started = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().view(-1, config.vocab_size), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = train_step(model, optimizer, autocast, config, tokens)
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - started)
-        losses.append(loss.detach())
+        losses.append(loss)
     final_loss = torch.stack(losses[-5:]).float().mean()
     dist.all_reduce(final_loss)
     median = statistics.median(times)
@@ -132,7 +142,7 @@ def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.devic
         "leftover_gib": leftover / 2**30,
     }
     # The last loss's graph reaches the parameters (and through their hooks, the whole model).
-    del model, optimizer, losses, loss, logits
+    del model, optimizer, losses, loss
     return row
 
 

@@ -1,0 +1,132 @@
+"""Where a training step's time goes, per implementation: GPU kernel time by kind, the time the
+GPU sits idle (host overhead or waits), and the CUDA runtime calls that block the host or touch
+the driver's allocator. Same model, data and implementations as step_time.py.
+
+    torchrun --standalone --nproc_per_node 1 benchmarks/profile_step.py --config 1.3B --micro-batch 4 --seq-len 2048
+
+The GPU is busy when any kernel, copy or memset runs on any stream; idle time is the rest of the
+step's wall time. Communication that overlaps compute adds kernel time but no wall time, so
+"exposed" communication shows as wall time beyond compute, not in the communication column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_time import CONFIGS, IMPLEMENTATIONS, GPTConfig, batch, train_step  # noqa: E402
+
+# First match wins; names as CUDA kernels of torch 2.11 / cuBLAS / NCCL are spelled.
+KINDS = [
+    ("communication", re.compile(r"nccl", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|nvjet|sm\d+_xmma|matmul", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("megatron_fsdp ops", re.compile(r"megatron_fsdp|flatten|promoting_reduce|non_finite", re.I)),
+    ("copies and casts", re.compile(r"copy|cast|convert|cat_|CatArray|memcpy|memset|fill", re.I)),
+]
+BLOCKING_CALLS = re.compile(r"^cuda(StreamSynchronize|EventSynchronize|DeviceSynchronize|Malloc|Free|MallocAsync|FreeAsync)$")
+
+
+def _kind(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if pattern.search(name)), "other kernels")
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
+def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
+    gc.collect()
+    torch.cuda.empty_cache()
+    model, optimizer, autocast = IMPLEMENTATIONS[name](config, device)
+    rank = dist.get_rank()
+    for step in range(args.warmup):
+        train_step(model, optimizer, autocast, config, batch(config, args, step, rank, device))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        for step in range(args.warmup, args.warmup + args.steps):
+            train_step(model, optimizer, autocast, config, batch(config, args, step, rank, device))
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - started) * 1e6
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as file:
+            events = [e for e in json.load(file)["traceEvents"] if e.get("ph") == "X"]
+    per_kind: dict[str, float] = {}
+    intervals = []
+    calls: dict[str, int] = {}
+    for event in events:
+        category = event.get("cat", "")
+        if category in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kind = _kind(event["name"]) if category == "kernel" else "copies and casts"
+            per_kind[kind] = per_kind.get(kind, 0.0) + event["dur"]
+            intervals.append((event["ts"], event["ts"] + event["dur"]))
+        elif category == "cuda_runtime" and BLOCKING_CALLS.match(event["name"]):
+            calls[event["name"]] = calls.get(event["name"], 0) + 1
+    del model, optimizer
+    steps = args.steps
+    busy = _union_us(intervals)
+    return {
+        "implementation": name,
+        "step_ms": wall_us / steps / 1e3,
+        "gpu_busy_ms": busy / steps / 1e3,
+        "gpu_idle_ms": (wall_us - busy) / steps / 1e3,
+        "kernel_ms": {kind: value / steps / 1e3 for kind, value in sorted(per_kind.items())},
+        "runtime_calls_per_step": {call: count / steps for call, count in sorted(calls.items())},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="1.3B")
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=5, help="profiled steps")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--impls", default="optim_grads_params fp32-comm,FSDP2", help="comma-separated substrings")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    config = GPTConfig(**{**CONFIGS[args.config].__dict__, "seq_len": args.seq_len})
+    wanted = [n for n in IMPLEMENTATIONS if any(w in n for w in args.impls.split(","))]
+    rows = [_profile(name, config, args, device) for name in wanted]
+    if dist.get_rank() == 0:
+        kinds = sorted({kind for row in rows for kind in row["kernel_ms"]})
+        print(f"{torch.cuda.get_device_name()} x{dist.get_world_size()}, torch {torch.__version__}; {args.config}, "
+              f"micro-batch {args.micro_batch}, seq {args.seq_len}; ms per step, mean of {args.steps} profiled steps")
+        print("| implementation | step | GPU busy | GPU idle | " + " | ".join(kinds) + " | blocking runtime calls per step |")
+        print("| --- " * (4 + len(kinds)) + "| --- |")
+        for row in rows:
+            cells = " | ".join(f"{row['kernel_ms'].get(kind, 0.0):.1f}" for kind in kinds)
+            calls = ", ".join(f"{call} {count:g}" for call, count in row["runtime_calls_per_step"].items()) or "none"
+            print(f"| {row['implementation']} | {row['step_ms']:.1f} | {row['gpu_busy_ms']:.1f} | {row['gpu_idle_ms']:.1f} | "
+                  f"{cells} | {calls} |")
+        if args.out:
+            with open(args.out, "w") as file:
+                json.dump(rows, file, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
