@@ -1,6 +1,6 @@
 """Where a training step's time goes, per implementation: GPU kernel time by kind, the time the
-GPU sits idle (host overhead or waits), and the CUDA runtime calls that block the host or touch
-the driver's allocator. Same model, data and implementations as step_time.py.
+GPU sits idle (host overhead or waits), the kernels launched, and the host time spent in CUDA
+runtime calls. Same model, data and implementations as step_time.py.
 
     torchrun --standalone --nproc_per_node 1 benchmarks/profile_step.py --config 1.3B --micro-batch 4 --seq-len 2048
 
@@ -35,8 +35,8 @@ KINDS = [
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
     ("megatron_fsdp ops", re.compile(r"megatron_fsdp|flatten|promoting_reduce|non_finite", re.I)),
     ("copies and casts", re.compile(r"copy|cast|convert|cat_|CatArray|memcpy|memset|fill", re.I)),
+    ("other elementwise", re.compile(r"elementwise|reduce_kernel|unrolled", re.I)),
 ]
-BLOCKING_CALLS = re.compile(r"^cuda(StreamSynchronize|EventSynchronize|DeviceSynchronize|Malloc|Free|MallocAsync|FreeAsync)$")
 
 
 def _kind(name: str) -> str:
@@ -73,15 +73,19 @@ def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
             events = [e for e in json.load(file)["traceEvents"] if e.get("ph") == "X"]
     per_kind: dict[str, float] = {}
     intervals = []
-    calls: dict[str, int] = {}
+    kernels = 0
+    calls: dict[str, list[float]] = {}  # runtime call: [count, host microseconds]
     for event in events:
         category = event.get("cat", "")
         if category in ("kernel", "gpu_memcpy", "gpu_memset"):
             kind = _kind(event["name"]) if category == "kernel" else "copies and casts"
             per_kind[kind] = per_kind.get(kind, 0.0) + event["dur"]
             intervals.append((event["ts"], event["ts"] + event["dur"]))
-        elif category == "cuda_runtime" and BLOCKING_CALLS.match(event["name"]):
-            calls[event["name"]] = calls.get(event["name"], 0) + 1
+            kernels += category == "kernel"
+        elif category == "cuda_runtime":
+            count_and_time = calls.setdefault(event["name"], [0, 0.0])
+            count_and_time[0] += 1
+            count_and_time[1] += event["dur"]
     del model, optimizer
     steps = args.steps
     busy = _union_us(intervals)
@@ -91,7 +95,12 @@ def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
         "gpu_busy_ms": busy / steps / 1e3,
         "gpu_idle_ms": (wall_us - busy) / steps / 1e3,
         "kernel_ms": {kind: value / steps / 1e3 for kind, value in sorted(per_kind.items())},
-        "runtime_calls_per_step": {call: count / steps for call, count in sorted(calls.items())},
+        "kernels_per_step": kernels / steps,
+        # Per runtime call: (calls, host ms) per step, the most expensive first.
+        "runtime_calls_per_step": {
+            call: (count / steps, total / steps / 1e3)
+            for call, (count, total) in sorted(calls.items(), key=lambda item: -item[1][1])
+        },
     }
 
 
@@ -115,13 +124,15 @@ def main() -> None:
         kinds = sorted({kind for row in rows for kind in row["kernel_ms"]})
         print(f"{torch.cuda.get_device_name()} x{dist.get_world_size()}, torch {torch.__version__}; {args.config}, "
               f"micro-batch {args.micro_batch}, seq {args.seq_len}; ms per step, mean of {args.steps} profiled steps")
-        print("| implementation | step | GPU busy | GPU idle | " + " | ".join(kinds) + " | blocking runtime calls per step |")
-        print("| --- " * (4 + len(kinds)) + "| --- |")
+        print("| implementation | step | GPU busy | GPU idle | " + " | ".join(kinds)
+              + " | kernels per step | costliest runtime calls per step (calls, host ms) |")
+        print("| --- " * (5 + len(kinds)) + "| --- |")
         for row in rows:
             cells = " | ".join(f"{row['kernel_ms'].get(kind, 0.0):.1f}" for kind in kinds)
-            calls = ", ".join(f"{call} {count:g}" for call, count in row["runtime_calls_per_step"].items()) or "none"
+            top = list(row["runtime_calls_per_step"].items())[:4]
+            calls = ", ".join(f"{call} ({count:g}, {ms:.1f})" for call, (count, ms) in top) or "none"
             print(f"| {row['implementation']} | {row['step_ms']:.1f} | {row['gpu_busy_ms']:.1f} | {row['gpu_idle_ms']:.1f} | "
-                  f"{cells} | {calls} |")
+                  f"{cells} | {row['kernels_per_step']:.0f} | {calls} |")
         if args.out:
             with open(args.out, "w") as file:
                 json.dump(rows, file, indent=1)

@@ -104,6 +104,14 @@ class Bucket:
                 local.data = view
 
         self.unreduced_grad: torch.Tensor | None = None
+        # Parameters whose gradient the un-reduced buffer holds: a parameter's first gradient is
+        # copied in, later ones (micro-batches accumulated locally) added, so a fresh buffer
+        # needs no zeroing pass; only its padding is zeroed, by one indexed fill.
+        self.grads_written = [False] * len(params)
+        gaps = self.layout.padding_ranges()
+        self.padding_index = (
+            torch.cat([torch.arange(lo, hi, device=self.device) for lo, hi in gaps]) if gaps else None
+        )
         self.grads_received = [False] * len(params)
         # One flag per parameter, set on the device when a local gradient holds NaN/Inf.
         self.nonfinite_flags = (
@@ -223,9 +231,16 @@ class Bucket:
             # hold one micro-batch: straight in the communication dtype.
             dtype = self.dtypes.comm if self.strategy.shards_grads else self.dtypes.main_grads
             self.unreduced_grad = self.pool.fetch(self.layout.padded_numel, dtype, self.device, self._pool_key("grads"))
-            self.unreduced_grad.zero_()
+            if self.padding_index is not None:
+                self.unreduced_grad.index_fill_(0, self.padding_index, 0)
+            self.grads_written = [False] * len(self.params)
         slot = self.layout.slots[index]
-        self.unreduced_grad[slot.offset : slot.end].add_(grad.reshape(-1))
+        target = self.unreduced_grad[slot.offset : slot.end]
+        if self.grads_written[index]:
+            target.add_(grad.reshape(-1))
+        else:
+            target.copy_(grad.reshape(-1))
+            self.grads_written[index] = True
         if self.nonfinite_flags is not None:
             self.nonfinite_flags[index : index + 1].logical_or_(_ops.find_non_finite([grad]))
         self.grads_received[index] = True
@@ -239,6 +254,10 @@ class Bucket:
         all-reduce (no_shard) or reduce-scatter. Lower-precision communication: an all-to-all
         of the chunks, summed in the main-gradient dtype by ``promoting_reduce``."""
         unreduced, self.unreduced_grad = self.unreduced_grad, None
+        for index, written in enumerate(self.grads_written):
+            if not written:  # no gradient this backward: it contributes zeros
+                slot = self.layout.slots[index]
+                unreduced[slot.offset : slot.end].zero_()
         comm = self._in_comm_dtype(unreduced)
         group = self.dp.group
         if self.dtypes.promotes_reduction:
@@ -262,15 +281,24 @@ class Bucket:
         self.pool.release(unreduced)
         return comm
 
-    def _accumulator(self) -> torch.Tensor:
-        """The main gradient, created (zeroed) by the first reduction since it was released."""
+    def _main_grad_to_write(self) -> tuple[torch.Tensor, bool]:
+        """The main gradient, and whether it is fresh: created (uninitialised) by the first
+        reduction since it was released, which writes it instead of adding to zeros."""
         if self.main_grad is None:
-            self.main_grad = torch.zeros(self.grad_end - self.grad_start, dtype=self.dtypes.main_grads, device=self.device)
-        return self.main_grad
+            self.main_grad = torch.empty(self.grad_end - self.grad_start, dtype=self.dtypes.main_grads, device=self.device)
+            return self.main_grad, True
+        return self.main_grad, False
+
+    def _accumulate(self, reduced: torch.Tensor, scale: float) -> None:
+        main_grad, fresh = self._main_grad_to_write()
+        if fresh:
+            torch.mul(reduced, scale, out=main_grad)
+        else:
+            main_grad.add_(reduced, alpha=scale)
 
     def _add_to_main_grad(self, reduced: torch.Tensor, *pooled: torch.Tensor) -> None:
         # Gradients are averaged over data-parallel ranks: each rank's loss is a mean over its own batch.
-        self._accumulator().add_(reduced, alpha=1.0 / self.grad_divisor)
+        self._accumulate(reduced, 1.0 / self.grad_divisor)
         for buffer in pooled:
             self.pool.release(buffer)
 
@@ -283,10 +311,11 @@ class Bucket:
             )
             _ops.promoting_reduce(chunks, shard, scale=1.0 / self.grad_divisor)
             all_gather_shards(comm, shard.to(comm.dtype), self.dp.group)
-            self._accumulator().add_(comm)
+            self._accumulate(comm, 1.0)
             self.pool.release(shard)
         else:
-            _ops.promoting_reduce(chunks, self._accumulator(), scale=1.0 / self.grad_divisor, accumulate=True)
+            main_grad, fresh = self._main_grad_to_write()
+            _ops.promoting_reduce(chunks, main_grad, scale=1.0 / self.grad_divisor, accumulate=not fresh)
         self.pool.release(received)
         self.pool.release(comm)
 

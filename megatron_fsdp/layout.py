@@ -44,6 +44,17 @@ class BucketLayout:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
+    def padding_ranges(self) -> list[tuple[int, int]]:
+        """The bucket ranges ``[start, end)`` no parameter occupies (alignment gaps and the tail)."""
+        gaps, cursor = [], 0
+        for slot in sorted(self.slots, key=lambda s: s.offset):
+            if slot.offset > cursor:
+                gaps.append((cursor, slot.offset))
+            cursor = max(cursor, slot.end)
+        if self.padded_numel > cursor:
+            gaps.append((cursor, self.padded_numel))
+        return gaps
+
     def local_range(self, index: int, rank: int) -> tuple[int, int]:
         """The part of parameter ``index`` inside rank ``rank``'s shard, as bucket offsets
         ``[start, end)``; empty (start == end) when the shard holds none of it."""

@@ -27,6 +27,11 @@ def test_shards_partition_the_bucket_and_every_param_is_covered_once(world_size:
         assert ranges[0][0] == 0 and ranges[-1][1] == layout.padded_numel
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), "shards are contiguous and back to back"
         assert len({end - start for start, end in ranges}) == 1, "every shard has the same size"
+        covered_by = [0] * layout.padded_numel
+        for start, end in [(slot.offset, slot.end) for slot in layout.slots] + layout.padding_ranges():
+            for element in range(start, end):
+                covered_by[element] += 1
+        assert covered_by == [1] * layout.padded_numel, "parameters and padding tile the bucket exactly once"
         for index, slot in enumerate(layout.slots):
             pieces = [layout.local_range(index, rank) for rank in range(world_size)]
             covered = sum(end - start for start, end in pieces)
@@ -49,6 +54,7 @@ def test_offsets_follow_alignment_and_padding_rounds_to_world_times_alignment() 
     layout = build_bucket_layout([5, 7, 1], world_size=3, alignment=4)
     assert [s.offset for s in layout.slots] == [0, 8, 16]
     assert layout.padded_numel == 24  # 20 rounded up to a multiple of 3 * 4
+    assert layout.padding_ranges() == [(5, 8), (15, 16), (17, 24)]
     assert alignment_in_elements(128, 4) == 32 and alignment_in_elements(128, 2) == 64
     assert alignment_in_elements(2, 8) == 1
 

@@ -62,8 +62,8 @@ def _reduce_once(rank: int, world: int, comm_dtype: torch.dtype, promote: bool) 
     bucket = model.units[1].buckets[0]
     generator = torch.Generator().manual_seed(rank)
     local = torch.randn(bucket.layout.padded_numel, generator=generator).to(torch.bfloat16)
-    bucket.unreduced_grad = model.pool.fetch(local.numel(), bucket.dtypes.comm if bucket.strategy.shards_grads else bucket.dtypes.main_grads, local.device, "grads")
-    bucket.unreduced_grad.copy_(local)
+    assert bucket.layout.padded_numel == bucket.shapes[0].numel(), "the test needs a bucket without padding"
+    bucket.add_grad(0, local.view(bucket.shapes[0]))
     bucket.finish_reduction(bucket.start_reduction(async_op=False))
     return bucket.main_grad.float().clone()
 
@@ -87,13 +87,14 @@ def test_bf16_communication_with_fp32_reduction_is_closer_to_fp32_than_a_bf16_re
 
 
 class _RecordingPool:
-    """Delegates to the real pool and records the key of every bucket fetched."""
+    """Delegates to the real pool and records the purpose (the key before the bucket's role)
+    and dtype of every bucket fetched."""
 
     def __init__(self, pool) -> None:
         self.pool, self.keys = pool, []
 
     def fetch(self, numel, dtype, device, key):
-        self.keys.append((key, dtype))
+        self.keys.append((key.partition("/")[0], dtype))
         return self.pool.fetch(numel, dtype, device, key)
 
     def __getattr__(self, name):
