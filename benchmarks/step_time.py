@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -167,8 +168,12 @@ def main() -> None:
     for name in wanted:
         try:
             rows.append(_run(name, IMPLEMENTATIONS[name], config, args, device))
-        except torch.OutOfMemoryError:
-            rows.append({"implementation": name, "error": "out of memory"})
+        except torch.OutOfMemoryError as error:
+            # Where it ran out (the innermost frame of ours or the benchmark's) and how much was held.
+            frames = [f for f in traceback.extract_tb(error.__traceback__) if "torch/" not in f.filename]
+            where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"
+            rows.append({"implementation": name, "error": "out of memory", "where": where,
+                         "message": str(error).split("See documentation")[0].strip()})
             gc.collect()
             torch.cuda.empty_cache()
         if dist.get_rank() == 0:
