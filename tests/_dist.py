@@ -43,6 +43,12 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
             dist.destroy_process_group()
 
 
+def nccl_world(most: int = 2) -> int:
+    """How many GPUs the NCCL tests run on: up to ``most``; on a one-GPU machine one, which
+    still runs every CUDA code path (pool events, streams, NCCL calls) against the reference."""
+    return min(most, torch.cuda.device_count())
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout: float = 300.0) -> list[Any]:
     """``[fn(rank, world_size, *args) for every rank]``, each in its own process."""
     context = mp.get_context("spawn")

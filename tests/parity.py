@@ -34,6 +34,7 @@ class Setup:
     policy: megatron_fsdp.MixedPrecisionPolicy | None = None
     hsdp: tuple[int, int] | None = None  # (dp_outer, dp_shard) sizes of a 2-D mesh
     outer_strategy: str = "no_shard"
+    double_buffer: bool = False
 
     def build_model(self):
         return make_model(seed=0, dtype=self.dtype, **dict(self.model_options))
@@ -111,6 +112,7 @@ def sharded_run(rank: int, world: int, setup: Setup, device: str = "cpu") -> Res
         zero_dp_strategy=setup.strategy,
         sync_model_each_microbatch=setup.sync_each_microbatch,
         mixed_precision_policy=setup.policy,
+        fsdp_double_buffer=setup.double_buffer,
     )
     result = Result()
     for step in range(setup.steps):

@@ -1,5 +1,6 @@
-"""The parity tests of test_parity.py on NCCL: 2 GPUs against a single-GPU reference run of
-the same model, data and seed (tolerances and their reasons as in test_parity.py)."""
+"""The parity tests of test_parity.py on NCCL: 2 GPUs (1 on a one-GPU machine) against a
+single-GPU reference run of the same model, data and seed (tolerances and their reasons as in
+test_parity.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ import functools
 import pytest
 import torch
 
-from _dist import run_distributed
+from _dist import nccl_world, run_distributed
 from parity import Setup, compare, compare_low_precision, reference_run, sharded_runs
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"
-)
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-WORLD = 2
+WORLD = nccl_world()
+# On one GPU the accumulating bf16 runs (3 micro-batches of 2 rows against the reference's one
+# batch of 6) were measured 2.01x the reference's loss distance to fp32 on an H100: the same
+# 2.01x for all four strategies, which at world size 1 do identical arithmetic, so it is the
+# bf16 trajectory (SGD with lr 0.5 and momentum 0.9 makes the losses swing) and not sharding.
+# 3x keeps a margin; a sharding bug (a gradient counted twice, a missing average) is O(1).
+ONE_GPU_SLACK = 3.0
 SETUPS = {
     f"{dtype_name}-s{strategy}-a{accum}": Setup(
         strategy=strategy, accum=accum, dtype=dtype, optimizer="adam" if dtype == torch.float32 else "sgd"
@@ -28,6 +33,8 @@ SETUPS["frozen-reused-s3"] = Setup(
     strategy=3, accum=2, optimizer="sgd", model_options=(("tie", False), ("frozen", True), ("reuse_last_block", True))
 )
 SETUPS["no-sync-s1"] = Setup(strategy=1, accum=3, no_sync_until_last=True)
+for _strategy in (1, 3):
+    SETUPS[f"double-buffer-s{_strategy}"] = Setup(strategy=_strategy, accum=2, double_buffer=True)
 
 
 @functools.cache
@@ -55,4 +62,4 @@ def test_nccl_run_matches_single_gpu_reference(name: str) -> None:
         compare(got, reference, 1e-5, 1e-5, 1e-5, f"{name} nccl")
     else:
         exact = reference_run(setup, WORLD, compute_dtype=torch.float32, device="cuda")
-        compare_low_precision(got, reference, exact, f"{name} nccl")
+        compare_low_precision(got, reference, exact, f"{name} nccl", slack=ONE_GPU_SLACK if WORLD == 1 else 2.0)
