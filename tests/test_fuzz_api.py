@@ -9,7 +9,6 @@ import os
 import traceback
 import warnings
 
-import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, event, given, settings
