@@ -1,8 +1,10 @@
 """A small mixture-of-experts transformer whose experts can be split over an expert-parallel
 group, as Megatron-Core and torch-native MoE models do: each rank holds ``EXPERTS / ep`` experts
 as a DTensor ``Shard(0)`` slice of grouped expert weights (marked ``allreduce = False``), and
-tokens travel to their expert's rank and back by all-to-all. Without a group, every expert is
-local: the single-process reference."""
+tokens travel to their expert's rank and back by all-to-all. With a 2-D ("ep", "etp") expert
+mesh the experts are also tensor-parallel: their hidden dim is split over "etp" (column- then
+row-parallel, Megatron's expert tensor parallelism), whose ranks see the same tokens and sum
+their partial outputs. Without a mesh, every expert is local: the single-process reference."""
 
 from __future__ import annotations
 
@@ -13,43 +15,85 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from models import HIDDEN, SEQ, VOCAB
 
 EXPERTS, EXPERT_FFN = 4, 12
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """Forward: the sum of every rank's partial output; backward: the gradient as it is (each
+    rank's partial output contributed to the sum once)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        total = partial.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _SharedInput(torch.autograd.Function):
+    """Forward: the input as it is; backward: the sum of every rank's gradient (each rank used
+    the same input with its own slice of the weights)."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return tokens.view_as(tokens)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
 class ExpertParallelMoE(nn.Module):
     """Top-1 routing; the output is the chosen expert's output scaled by its router weight."""
 
-    def __init__(self, ep_mesh: DeviceMesh | None) -> None:
+    def __init__(self, expert_mesh: DeviceMesh | None) -> None:
         super().__init__()
         self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
         w_in = torch.randn(EXPERTS, HIDDEN, EXPERT_FFN) * 0.3
         w_out = torch.randn(EXPERTS, EXPERT_FFN, HIDDEN) * 0.3
-        self.ep_mesh = ep_mesh
-        self.w_in = self._expert_param(w_in)
-        self.w_out = self._expert_param(w_out)
+        self.expert_mesh = expert_mesh
+        tensor_parallel = expert_mesh is not None and expert_mesh.ndim == 2
+        self.ep_mesh = expert_mesh["ep"] if tensor_parallel else expert_mesh
+        self.etp_group = expert_mesh["etp"].get_group() if tensor_parallel else None
+        self.w_in = self._expert_param(w_in, ffn_dim=2)
+        self.w_out = self._expert_param(w_out, ffn_dim=1)
 
-    def _expert_param(self, grouped: torch.Tensor) -> nn.Parameter:
-        if self.ep_mesh is None:
+    def _expert_param(self, grouped: torch.Tensor, ffn_dim: int) -> nn.Parameter:
+        if self.expert_mesh is None:
             return nn.Parameter(grouped)
-        local = grouped.chunk(self.ep_mesh.size())[self.ep_mesh.get_local_rank()].clone()
-        param = nn.Parameter(DTensor.from_local(local, self.ep_mesh, [Shard(0)], run_check=False))
+        local = grouped.chunk(self.ep_mesh.size())[self.ep_mesh.get_local_rank()]
+        placements: list[Placement] = [Shard(0)]
+        if self.etp_group is not None:
+            etp = self.expert_mesh["etp"]
+            local = local.chunk(etp.size(), dim=ffn_dim)[etp.get_local_rank()]
+            placements.append(Shard(ffn_dim))
+        param = nn.Parameter(DTensor.from_local(local.clone(), self.expert_mesh, placements, run_check=False))
         param.allreduce = False
         return param
 
     def _local_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.ep_mesh is None:
+        if self.expert_mesh is None:
             return self.w_in, self.w_out
         return self.w_in.to_local(), self.w_out.to_local()
 
-    @staticmethod
-    def _experts(tokens: torch.Tensor, expert: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+    def _experts(self, tokens: torch.Tensor, expert: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
         # Every local expert on every token, then each token's own: tiny sizes, simple autograd.
+        if self.etp_group is not None:
+            tokens = _SharedInput.apply(tokens, self.etp_group)
         hidden = F.gelu(torch.einsum("nh,ehf->nef", tokens, w_in))
         every = torch.einsum("nef,efh->neh", hidden, w_out)
-        return every[torch.arange(tokens.shape[0]), expert]
+        chosen = every[torch.arange(tokens.shape[0]), expert]
+        return chosen if self.etp_group is None else _SumOverGroup.apply(chosen, self.etp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, HIDDEN)
@@ -80,11 +124,11 @@ class ExpertParallelMoE(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, ep_mesh: DeviceMesh | None) -> None:
+    def __init__(self, expert_mesh: DeviceMesh | None) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(HIDDEN)
         self.mix = nn.Linear(HIDDEN, HIDDEN)
-        self.moe = ExpertParallelMoE(ep_mesh)
+        self.moe = ExpertParallelMoE(expert_mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.mix(self.norm(x))
@@ -92,11 +136,11 @@ class MoEBlock(nn.Module):
 
 
 class TinyMoE(nn.Module):
-    def __init__(self, ep_mesh: DeviceMesh | None = None, layers: int = 2) -> None:
+    def __init__(self, expert_mesh: DeviceMesh | None = None, layers: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.pos = nn.Parameter(torch.randn(SEQ, HIDDEN) * 0.02)
-        self.blocks = nn.ModuleList(MoEBlock(ep_mesh) for _ in range(layers))
+        self.blocks = nn.ModuleList(MoEBlock(expert_mesh) for _ in range(layers))
         self.norm = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
@@ -108,6 +152,8 @@ class TinyMoE(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def make_moe(ep_mesh: DeviceMesh | None = None, seed: int = 0) -> TinyMoE:
+def make_moe(expert_mesh: DeviceMesh | None = None, seed: int = 0) -> TinyMoE:
+    """``expert_mesh``: None (every expert local), a 1-D expert-parallel mesh, or a 2-D
+    ("ep", "etp") mesh for expert- and expert-tensor-parallelism."""
     torch.manual_seed(seed)
-    return TinyMoE(ep_mesh)
+    return TinyMoE(expert_mesh)

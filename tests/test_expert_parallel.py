@@ -91,6 +91,60 @@ def test_expert_parallel_fsdp_matches_single_process(strategy: int, accum: int) 
         compare(ranked["results"][(strategy, accum)], expected, 1e-5, 1e-5, 1e-5, label)
 
 
+# Expert tensor parallelism: dense data parallelism over "dp" (2; the two ranks of a "tp" pair
+# see the same rows), experts over "ep" (2, the dp ranks) and their hidden dim over "etp" (2,
+# the tp pair), so every rank holds a different quarter of the expert weights and no expert is
+# data-parallel (an expert-data-parallel dim of size 1).
+ETP_SETUPS = [(1, 1), (3, 1), (3, 2)]
+
+
+def _tensor_parallel_experts(rank: int, world: int) -> dict:
+    dense = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    experts = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ep", "etp"))
+    results = {}
+    for strategy, accum in ETP_SETUPS:
+        model = make_moe(experts["ep", "etp"])
+        model, optimizer = megatron_fsdp.fully_shard(
+            model, build_optimizer(model.parameters(), OPTIMIZER), device_mesh=dense, dp_shard_dim="dp",
+            expt_device_mesh=experts, fsdp_unit_modules=[MoEBlock], zero_dp_strategy=strategy,
+        )
+        dp = dense["dp"]
+        results[(strategy, accum)] = train_data_parallel(
+            model, optimizer, STEPS, accum, MICRO_ROWS, dp.get_local_rank(), dp.size(), dp.get_group()
+        )
+    return {"ep_rank": experts["ep"].get_local_rank(), "etp_rank": experts["etp"].get_local_rank(), "results": results}
+
+
+@functools.cache
+def _tensor_parallel_expert_results() -> list[dict]:
+    return run_distributed(_tensor_parallel_experts, WORLD, timeout=600)
+
+
+def _expert_quarter(result: Result, ep_rank: int, etp_rank: int) -> Result:
+    """The reference with expert tensors cut to one rank's experts and hidden-dim slice."""
+    ffn_dims = {"moe.w_in": 2, "moe.w_out": 1}
+
+    def cut(values: dict) -> dict:
+        out = {}
+        for name, value in values.items():
+            ffn_dim = next((d for suffix, d in ffn_dims.items() if name.endswith(suffix)), None)
+            if ffn_dim is not None:
+                value = value.chunk(EP)[ep_rank].chunk(2, dim=ffn_dim)[etp_rank]
+            out[name] = value
+        return out
+
+    return Result(result.losses, cut(result.grads), cut(result.params))
+
+
+@pytest.mark.parametrize("strategy, accum", ETP_SETUPS)
+def test_tensor_parallel_experts_match_single_process(strategy: int, accum: int) -> None:
+    model = make_moe()
+    reference = train_whole_batches(model, build_optimizer(model.parameters(), OPTIMIZER), STEPS, 2 * accum * MICRO_ROWS)
+    for rank, ranked in enumerate(_tensor_parallel_expert_results()):
+        expected = _expert_quarter(reference, ranked["ep_rank"], ranked["etp_rank"])
+        compare(ranked["results"][(strategy, accum)], expected, 1e-5, 1e-5, 1e-5, f"etp s{strategy} accum {accum} rank {rank}")
+
+
 def _expert_shard_sizes(rank: int, world: int) -> dict:
     model = megatron_fsdp.fully_shard_model(
         make_moe(_expert_mesh()["ep"]), device_mesh=_dense_mesh(), dp_shard_dim="dp_shard",
