@@ -266,10 +266,10 @@ class Bucket:
             return PendingReduction(self, work, lambda: self._finish_promoted(comm, received))
         if self.strategy is ShardingStrategy.NO_SHARD:
             work = all_reduce_sum(comm, group, async_op=async_op)
-            return PendingReduction(self, work, lambda: self._add_to_main_grad(comm, comm))
+            return PendingReduction(self, work, lambda: self._add_to_main_grad(comm, spent=None))
         reduced = self.pool.fetch(self.layout.shard_numel, comm.dtype, self.device, self._pool_key("reduced_grads"))
         work = reduce_scatter_sum(reduced, comm, group, async_op=async_op)
-        return PendingReduction(self, work, lambda: self._add_to_main_grad(reduced, comm, reduced))
+        return PendingReduction(self, work, lambda: self._add_to_main_grad(reduced, spent=comm))
 
     def _in_comm_dtype(self, unreduced: torch.Tensor) -> torch.Tensor:
         """The un-reduced gradients in the communication dtype: a pooled copy only when the
@@ -296,11 +296,15 @@ class Bucket:
         else:
             main_grad.add_(reduced, alpha=scale)
 
-    def _add_to_main_grad(self, reduced: torch.Tensor, *pooled: torch.Tensor) -> None:
+    def _add_to_main_grad(self, reduced: torch.Tensor, spent: torch.Tensor | None) -> None:
+        """Adds the pooled ``reduced`` gradients into the main gradient and releases them.
+        ``spent`` (the reduction's input, no longer read) goes back first: a main gradient
+        created now can take its memory."""
+        if spent is not None:
+            self.pool.release(spent)
         # Gradients are averaged over data-parallel ranks: each rank's loss is a mean over its own batch.
         self._accumulate(reduced, 1.0 / self.grad_divisor)
-        for buffer in pooled:
-            self.pool.release(buffer)
+        self.pool.release(reduced)
 
     def _finish_promoted(self, comm: torch.Tensor, received: torch.Tensor) -> None:
         chunks = received.view(self.dp.size, self.layout.shard_numel)
@@ -311,13 +315,14 @@ class Bucket:
             )
             _ops.promoting_reduce(chunks, shard, scale=1.0 / self.grad_divisor)
             all_gather_shards(comm, shard.to(comm.dtype), self.dp.group)
-            self._accumulate(comm, 1.0)
             self.pool.release(shard)
+            self._accumulate(comm, 1.0)
+            self.pool.release(comm)
         else:
+            self.pool.release(comm)  # sent: a main gradient created now can take its memory
             main_grad, fresh = self._main_grad_to_write()
             _ops.promoting_reduce(chunks, main_grad, scale=1.0 / self.grad_divisor, accumulate=not fresh)
         self.pool.release(received)
-        self.pool.release(comm)
 
     def finish_reduction(self, pending: PendingReduction) -> None:
         if pending.work is not None:
