@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import CONFIGS, IMPLEMENTATIONS, GPTConfig, batch, train_step  # noqa: E402
+from step_time import CONFIGS, IMPLEMENTATIONS, batch, train_step  # noqa: E402  (puts examples/ on the path)
+from gpt_model import GPTConfig  # noqa: E402
 
 # First match wins; names as CUDA kernels of torch 2.11 / cuBLAS / NCCL are spelled.
 KINDS = [

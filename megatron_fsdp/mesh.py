@@ -45,19 +45,26 @@ def resolve_dp_shard_group(device_mesh: DeviceMesh | None, dp_shard_dim: str | N
     if device_mesh is None:
         if dp_shard_dim is not None:
             raise ValueError(f"dp_shard_dim={dp_shard_dim!r} was given without a device_mesh; pass device_mesh too")
-        group, mesh = dist.group.WORLD, None
-    else:
-        names = device_mesh.mesh_dim_names
-        if dp_shard_dim is None:
-            if device_mesh.ndim != 1:
-                raise ValueError(
-                    f"device_mesh has {device_mesh.ndim} dims {names}; name the one to shard over with dp_shard_dim"
-                )
-            mesh = device_mesh
-        else:
-            mesh = submesh(device_mesh, dp_shard_dim)
-        group = mesh.get_group()
+        return _group_over(None)
+    mesh = _named_or_only_dim(
+        device_mesh, dp_shard_dim, "device_mesh", "dp_shard_dim", "name the one to shard over with dp_shard_dim"
+    )
+    return _group_over(mesh)
+
+
+def _group_over(mesh: DeviceMesh | None) -> DataParallelGroup:
+    """The group of a 1-D mesh (the default group without one), with this rank's place in it."""
+    group = dist.group.WORLD if mesh is None else mesh.get_group()
     return DataParallelGroup(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group), mesh=mesh)
+
+
+def _named_or_only_dim(device_mesh: DeviceMesh, dim: str | None, mesh_argument: str, dim_argument: str, hint: str) -> DeviceMesh:
+    """``device_mesh[dim]``, or the mesh itself when no dim is named and it is 1-D."""
+    if dim is not None:
+        return submesh(device_mesh, dim, dim_argument)
+    if device_mesh.ndim != 1:
+        raise ValueError(f"{mesh_argument} has {device_mesh.ndim} dims {device_mesh.mesh_dim_names}; {hint}")
+    return device_mesh
 
 
 def resolve_outer_group(
@@ -70,9 +77,7 @@ def resolve_outer_group(
     """``inner`` with its HSDP outer group ``device_mesh[dp_outer_dim]`` attached."""
     if device_mesh is None:
         raise ValueError(f"dp_outer_dim={dp_outer_dim!r} needs a device_mesh holding that dim")
-    mesh = submesh(device_mesh, dp_outer_dim, "dp_outer_dim")
-    group = mesh.get_group()
-    outer = DataParallelGroup(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group), mesh=mesh)
+    outer = _group_over(submesh(device_mesh, dp_outer_dim, "dp_outer_dim"))
     if hybrid_fsdp_group is not None and dist.get_world_size(hybrid_fsdp_group) != inner.size * outer.size:
         raise ValueError(
             f"hybrid_fsdp_group has {dist.get_world_size(hybrid_fsdp_group)} ranks but dp_outer x dp_shard is "
@@ -84,18 +89,11 @@ def resolve_outer_group(
 def resolve_expert_group(dense: DataParallelGroup, expt_device_mesh: DeviceMesh, dp_shard_dim: str | None) -> DataParallelGroup:
     """``dense`` with its expert-data-parallel group ``expt_device_mesh[dp_shard_dim]`` (the
     mesh itself when 1-D) attached."""
-    names = expt_device_mesh.mesh_dim_names
-    if dp_shard_dim is None:
-        if expt_device_mesh.ndim != 1:
-            raise ValueError(
-                f"expt_device_mesh has {expt_device_mesh.ndim} dims {names}; name its expert-data-parallel dim "
-                "with dp_shard_dim (the same name as in device_mesh)"
-            )
-        mesh = expt_device_mesh
-    else:
-        mesh = submesh(expt_device_mesh, dp_shard_dim, "dp_shard_dim (in expt_device_mesh)")
-    group = mesh.get_group()
-    expert = DataParallelGroup(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group), mesh=mesh)
+    mesh = _named_or_only_dim(
+        expt_device_mesh, dp_shard_dim, "expt_device_mesh", "dp_shard_dim (in expt_device_mesh)",
+        "name its expert-data-parallel dim with dp_shard_dim (the same name as in device_mesh)",
+    )
+    expert = _group_over(mesh)
     if dense.dense_size % expert.size:
         raise ValueError(
             f"expt_device_mesh's {dp_shard_dim or 'only'} dim has {expert.size} ranks, which does not divide the "

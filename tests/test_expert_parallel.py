@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import megatron_fsdp
 from _dist import run_distributed
+from expected_errors import value_error_messages
 from moe_model import EXPERTS, MoEBlock, make_moe
 from parity import Result, build_optimizer, compare, train_data_parallel, train_whole_batches
 
@@ -195,8 +196,7 @@ def test_expert_checkpoint_holds_every_expert_and_loads_without_expert_paralleli
 
 
 def _expert_mistakes(rank: int, world: int) -> dict:
-    errors = {}
-    for label, build in {
+    return value_error_messages({
         "experts without a mesh": lambda: megatron_fsdp.fully_shard_model(
             make_moe(_expert_mesh()["ep"]), fsdp_unit_modules=[MoEBlock]
         ),
@@ -212,13 +212,7 @@ def _expert_mistakes(rank: int, world: int) -> dict:
             make_moe(), device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "other")),
             dp_shard_dim="dp_shard", expt_device_mesh=_dense_mesh(), fsdp_unit_modules=[MoEBlock],
         ),
-    }.items():
-        try:
-            build()
-            errors[label] = None
-        except ValueError as error:
-            errors[label] = str(error)
-    return errors
+    })
 
 
 def test_expert_mesh_mistakes_raise_clear_errors() -> None:

@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import megatron_fsdp
 from _dist import run_distributed
+from expected_errors import value_error_messages
 from models import FFN, HIDDEN, Block, make_model
 from parity import Result, build_optimizer, compare, train_data_parallel, train_whole_batches
 
@@ -133,18 +134,15 @@ def test_tp_checkpoint_holds_global_tensors_and_reshards_to_plain_fsdp(tmp_path)
 
 def _bad_tp_arguments(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-    errors = {}
-    for label, kwargs in {
+    arguments = {
         "no tp_dim": dict(device_mesh=mesh, dp_shard_dim="dp"),
         "wrong dim": dict(device_mesh=mesh, dp_shard_dim="tp", tp_dim="dp"),
         "absent dim": dict(device_mesh=mesh, dp_shard_dim="dp", tp_dim="cp"),
-    }.items():
-        try:
-            megatron_fsdp.fully_shard_model(_tp_model(mesh["tp"]), fsdp_unit_modules=[Block], **kwargs)
-            errors[label] = None
-        except ValueError as error:
-            errors[label] = str(error)
-    return errors
+    }
+    return value_error_messages({
+        label: functools.partial(megatron_fsdp.fully_shard_model, _tp_model(mesh["tp"]), fsdp_unit_modules=[Block], **kwargs)
+        for label, kwargs in arguments.items()
+    })
 
 
 def _replace_weight(model: torch.nn.Module, weight: DTensor) -> torch.nn.Module:
@@ -162,14 +160,12 @@ def _unsupported_dtensors(rank: int, world: int) -> dict:
             torch.zeros(uneven_rows, HIDDEN), tp, [Shard(0)], run_check=False, shape=(FFN, HIDDEN), stride=(HIDDEN, 1)
         )),
     }
-    errors = {}
-    for label, model in models.items():
-        try:
-            megatron_fsdp.fully_shard_model(model, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp", fsdp_unit_modules=[Block])
-            errors[label] = None
-        except ValueError as error:
-            errors[label] = str(error)
-    return errors
+    return value_error_messages({
+        label: functools.partial(
+            megatron_fsdp.fully_shard_model, model, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp", fsdp_unit_modules=[Block]
+        )
+        for label, model in models.items()
+    })
 
 
 def test_unsupported_dtensor_parameters_raise_clear_errors() -> None:
