@@ -43,14 +43,14 @@ def _build(config: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
     return model.to(dtype)
 
 
-def _megatron(strategy: int, comm: torch.dtype, double_buffer: bool = False) -> Callable:
+def _megatron(strategy: int, comm: torch.dtype, double_buffer: bool = False, nccl_ub: bool = False) -> Callable:
     def make(config, device):
         model = _build(config, device, torch.bfloat16)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32, grad_comm_dtype=comm)
         return megatron_fsdp.fully_shard(
             model, optimizer, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=strategy, mixed_precision_policy=policy,
-            fsdp_double_buffer=double_buffer,
+            fsdp_double_buffer=double_buffer, nccl_ub=nccl_ub,
         ) + (False,)
 
     return make
@@ -83,6 +83,7 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "megatron_fsdp optim_grads_params fp32-comm": _megatron(3, torch.float32),
     "megatron_fsdp optim_grads_params bf16-comm": _megatron(3, torch.bfloat16),
     "megatron_fsdp optim_grads_params fp32-comm double-buffer": _megatron(3, torch.float32, double_buffer=True),
+    "megatron_fsdp optim_grads_params fp32-comm nccl-ub": _megatron(3, torch.float32, nccl_ub=True),
     "megatron_fsdp optim_grads fp32-comm": _megatron(2, torch.float32),
     "megatron_fsdp optim fp32-comm": _megatron(1, torch.float32),
     "torch FSDP2": _fsdp2,

@@ -35,5 +35,6 @@ TORCH_LIBRARY(megatron_fsdp, m) {
       .def("reset_high_water_mark", &megatron_fsdp::BucketPool::reset_high_water_mark)
       .def("empty_cache", &megatron_fsdp::BucketPool::empty_cache)
       .def("double_buffer", &megatron_fsdp::BucketPool::double_buffer)
-      .def("blocks_per_key", &megatron_fsdp::BucketPool::blocks_per_key);
+      .def("blocks_per_key", &megatron_fsdp::BucketPool::blocks_per_key)
+      .def("move_new_blocks", &megatron_fsdp::BucketPool::move_new_blocks);
 }

@@ -21,22 +21,6 @@ from megatron_fsdp.module import MegatronFSDP
 from megatron_fsdp.optimizer import distribute_optimizer
 from megatron_fsdp.units import resolve_unit_classes
 
-# Arguments of features not built yet: each must keep its default until its feature lands,
-# so a setting is never silently ignored.
-_NOT_YET_SUPPORTED = {
-    "nccl_ub": (False, "NCCL user-buffer registration (GPU performance)"),
-}
-
-
-def _reject_unsupported(arguments: dict[str, Any]) -> None:
-    for name, (default, feature) in _NOT_YET_SUPPORTED.items():
-        value = arguments[name]
-        if not (value is default or value == default):
-            raise NotImplementedError(
-                f"{name}={value!r} needs {feature}, which megatron_fsdp does not support yet; leave {name} at {default!r}"
-            )
-
-
 def _check_meta_params(module: nn.Module, meta_init: bool) -> None:
     """Before the model is moved anywhere: meta tensors cannot be copied to a device."""
     devices = {p.device for p in module.parameters()}
@@ -132,6 +116,11 @@ def fully_shard_model(
     - ``check_for_nan_in_grad``: raise, naming the step, when reduced gradients hold NaN/Inf.
     - ``report_nan_in_param_grad``: raise at the end of backward, naming every parameter whose
       local gradient holds NaN/Inf and the ranks where it does (one device check per gradient).
+    - ``fsdp_double_buffer``: temporary buckets live in persistent blocks, two per bucket role,
+      whose addresses never change after the first step.
+    - ``nccl_ub``: also moves those blocks into NCCL memory after the first optimizer step and
+      registers them with the data-parallel communicators (implies ``fsdp_double_buffer``);
+      without CUDA/NCCL support it logs why and runs unregistered.
     - ``collective_timeout``: seconds (> 0) a wait for a unit's all-gather or a bucket's
       reduction may take before it raises naming the unit and bucket; None (default): the
       process group's timeout (``init_process_group(timeout=...)``) does, and its error is
@@ -142,7 +131,6 @@ def fully_shard_model(
     all raise the same ``ValueError`` if not (megatron_fsdp/consistency.py).
     """
     check_argument_types(locals())
-    _reject_unsupported(locals())
     _check_timeout(collective_timeout)
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     unit_classes = resolve_unit_classes(fsdp_unit_modules)
@@ -175,7 +163,8 @@ def fully_shard_model(
         sync_model_each_microbatch=sync_model_each_microbatch,
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
-        fsdp_double_buffer=fsdp_double_buffer,
+        fsdp_double_buffer=fsdp_double_buffer or nccl_ub,  # user buffers must stay put
+        nccl_ub=nccl_ub,
         collective_timeout=None if collective_timeout is None else float(collective_timeout),
     )
     description = describe_configuration(module, settings, unit_classes, dp)

@@ -116,6 +116,7 @@ class FSDPSettings:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     fsdp_double_buffer: bool = False
+    nccl_ub: bool = False
     # Elements each parameter's offset, and each shard, is a multiple of (in bytes: 128, a
     # cache line pair on CPUs and a full NCCL/DMA-friendly alignment on GPUs).
     alignment_bytes: int = 128

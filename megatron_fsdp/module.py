@@ -18,6 +18,7 @@ from megatron_fsdp.mesh import DataParallelGroup
 from megatron_fsdp.meta_init import materialize_unit_by_unit
 from megatron_fsdp.schedule import StepScheduler, StepState
 from megatron_fsdp.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_to_units, find_unit_modules
+from megatron_fsdp.user_buffers import NCCLUserBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class MegatronFSDP(nn.Module):
             # Lets fully_shard_optimizer(optimizer) find this wrapper from the optimizer's params.
             param._megatron_fsdp_owner = weakref.ref(self)
         self.scheduler = StepScheduler(self.units, settings, dp)
+        device = next((b.device for unit in self.units for b in unit.buckets), torch.device("cpu"))
+        self.user_buffers = NCCLUserBuffers.create(self.pool, dp, device) if settings.nccl_ub else None
         self._policy = settings.mixed_precision
         self.optimizer_steps = 0
         self._register_hooks(unit_modules)
@@ -191,6 +194,8 @@ class MegatronFSDP(nn.Module):
         for bucket in self._trainable_buckets():
             bucket.install_main_params()
         self.optimizer_steps += 1
+        if self.user_buffers is not None:
+            self.user_buffers.register_new_buckets()
 
     # -- mixed precision ----------------------------------------------------------------------
 

@@ -193,3 +193,29 @@ def check_bucket_pool_double_buffer_bounds_memory(device: str) -> None:
         pool.release(bucket)
     assert pool.bytes_reserved() == reserved, "the same pattern again must reuse the persistent blocks"
     assert pool.blocks_per_key() == {"weights": 3, "grads": 1}
+
+
+def check_bucket_pool_moves_new_blocks_keeping_contents(device: str) -> None:
+    pool = _ops.new_bucket_pool(double_buffer=True)
+    dev = torch.device(device)
+    kept = pool.fetch(1000, torch.float32, dev, "weights")
+    view = kept[10:20]
+    kept.copy_(torch.arange(1000, dtype=torch.float32, device=dev))
+    pool.release(pool.fetch(300, torch.bfloat16, dev, "grads"))
+    old_address = kept.data_ptr()
+    reserved = pool.bytes_reserved()
+    assert pool.move_new_blocks() == 2, "one lent and one idle block were never moved"
+    assert kept.data_ptr() != old_address, "a moved lent bucket must sit in the new memory"
+    assert torch.equal(kept.cpu(), torch.arange(1000, dtype=torch.float32)), "moving must keep a lent bucket's contents"
+    assert torch.equal(view.cpu(), torch.arange(10, 20, dtype=torch.float32)), "views must follow the bucket"
+    assert pool.bytes_reserved() == reserved and pool.blocks_per_key() == {"weights": 1, "grads": 1}
+    assert pool.move_new_blocks() == 0, "moved blocks stay where they are"
+    pool.release(pool.fetch(10, torch.float32, dev, "other"))
+    assert pool.move_new_blocks() == 1, "only the block allocated since the last move"
+    pool.release(kept)
+    try:
+        _ops.new_bucket_pool(double_buffer=False).move_new_blocks()
+    except RuntimeError as error:
+        assert "double_buffer" in str(error)
+    else:
+        raise AssertionError("a pool without persistent blocks has nothing to move and must say so")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -65,9 +67,20 @@ def test_optimizer_holding_foreign_or_frozen_params_is_rejected(single_rank_grou
         megatron_fsdp.fully_shard(model, torch.optim.SGD(model.parameters(), lr=0.1), fsdp_unit_modules=[Block])
 
 
-def test_features_not_built_yet_raise_instead_of_being_ignored() -> None:
-    with pytest.raises(NotImplementedError, match="NCCL user-buffer"):
-        megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block], nccl_ub=True)
+def test_nccl_ub_without_nccl_says_so_once_and_keeps_double_buffers(single_rank_group, caplog) -> None:
+    model = make_model()
+    with caplog.at_level(logging.INFO, logger="megatron_fsdp"):
+        model, optimizer = megatron_fsdp.fully_shard(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), fsdp_unit_modules=[Block], nccl_ub=True
+        )
+        tokens, targets = make_batch(0, 2)
+        model(tokens, targets).backward()
+        optimizer.step()
+    fallbacks = [r for r in caplog.records if r.name == "megatron_fsdp.user_buffers"]
+    assert [r.levelno for r in fallbacks] == [logging.WARNING], [r.getMessage() for r in fallbacks]
+    assert "falls back to unregistered buffers" in fallbacks[0].getMessage() and "cpu" in fallbacks[0].getMessage()
+    assert model.user_buffers is None
+    assert model.settings.fsdp_double_buffer and model.pool.double_buffer(), "nccl_ub implies fsdp_double_buffer"
 
 
 def test_optimizer_is_found_from_its_parameters(single_rank_group) -> None:

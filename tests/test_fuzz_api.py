@@ -37,7 +37,7 @@ VALID = {
     "sync_model_each_microbatch": [True, False],
     "fsdp_double_buffer": [True, False],
     "check_for_nan_in_grad": [True, False],
-    "nccl_ub": [False],
+    "nccl_ub": [True, False],  # on gloo: falls back to unregistered double buffers
     "grad_reduce_in_fp32": [None, None, None, None, True, False],  # deprecated; not with a policy
     "preserve_fp32_weights": [None, None, None, None, True, False],
     "collective_timeout": [None, 30, 0.5],
@@ -59,7 +59,7 @@ BOGUS = {
     "sync_model_each_microbatch": ["no", 0],
     "fsdp_double_buffer": [1, "yes"],
     "check_for_nan_in_grad": [None],
-    "nccl_ub": [True],
+    "nccl_ub": ["yes", 1],
     "grad_reduce_in_fp32": ["yes"],
     "preserve_fp32_weights": [0],
     "collective_timeout": [0, -1, "10", float("nan")],

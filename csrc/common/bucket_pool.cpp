@@ -4,6 +4,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
+#include <utility>
 
 namespace megatron_fsdp {
 namespace {
@@ -211,6 +212,47 @@ c10::Dict<std::string, int64_t> BucketPool::blocks_per_key() {
     counts.insert_or_assign(key, previous + static_cast<int64_t>(entry.second.size()));
   }
   return counts;
+}
+
+int64_t BucketPool::move_new_blocks() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(double_buffer_, "BucketPool.move_new_blocks: only a double_buffer pool keeps persistent blocks");
+  std::vector<std::shared_ptr<PoolBlock>> unmoved;
+  for (auto& entry : slots_) {
+    for (auto& block : entry.second) {
+      if (!block->moved) unmoved.push_back(block);
+    }
+  }
+  if (unmoved.empty()) return 0;
+  const at::Device device = unmoved.front()->device;
+  auto synchronize = [&device] {
+    if (needs_events(device)) c10::impl::getDeviceGuardImpl(device.type())->synchronizeDevice(device.index());
+  };
+  synchronize();  // lent buckets may still be in use by collectives on other streams
+  std::map<PoolBlock*, std::vector<c10::StorageImpl*>> lent_storages;
+  for (auto& entry : lent_) lent_storages[entry.second.second.get()].push_back(entry.first);
+  std::vector<at::DataPtr> previous;  // freed once the copies out of them are done
+  for (auto& block : unmoved) {
+    auto fresh = allocate_block(block->nbytes, block->device);
+    bytes_reserved_ -= static_cast<int64_t>(block->nbytes);  // the same block, counted once
+    auto found = lent_storages.find(block.get());
+    if (found != lent_storages.end()) {
+      auto options = at::TensorOptions().dtype(at::kByte).device(block->device);
+      const auto nbytes = static_cast<int64_t>(block->nbytes);
+      at::from_blob(fresh->memory.get(), {nbytes}, options)
+          .copy_(at::from_blob(block->memory.get(), {nbytes}, options));
+      for (auto* storage : found->second) {
+        storage->set_data_ptr_noswap(
+            at::DataPtr(fresh->memory.get(), fresh->memory.get(), &no_delete, storage->device()));
+      }
+    }
+    previous.push_back(std::exchange(block->memory, std::move(fresh->memory)));
+    block->allocated_on = fresh->allocated_on;
+    block->released.reset();
+    block->moved = true;
+  }
+  synchronize();
+  return static_cast<int64_t>(previous.size());
 }
 
 void BucketPool::note_usage() { high_water_mark_ = std::max(high_water_mark_, bytes_in_use_); }

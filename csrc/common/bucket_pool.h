@@ -27,6 +27,7 @@ struct PoolBlock {
   std::optional<c10::Event> released;  // recorded on the releasing stream (non-CPU devices)
   std::optional<c10::Stream> allocated_on;  // the stream current when the memory was allocated
   bool lent = false;
+  bool moved = false;  // move_new_blocks() gave it memory from the caller's allocator
 };
 
 class BucketPool : public torch::CustomClassHolder {
@@ -59,6 +60,10 @@ class BucketPool : public torch::CustomClassHolder {
   bool double_buffer() const { return double_buffer_; }
   // double_buffer: how many persistent blocks each key owns.
   c10::Dict<std::string, int64_t> blocks_per_key();
+  // double_buffer: gives every persistent block not moved before new memory from the current
+  // allocator of the calling thread (e.g. a torch.cuda.MemPool under use_mem_pool), keeping a
+  // lent bucket's contents; returns how many moved. Call between steps, with the device idle.
+  int64_t move_new_blocks();
 
  private:
   using SizeKey = std::tuple<std::string, size_t>;          // (device, nbytes)
