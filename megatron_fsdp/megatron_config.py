@@ -59,8 +59,9 @@ class DistributedDataParallelConfig:
     - ``grad_reduce_in_fp32`` (default False) / ``preserve_fp32_weights`` (default True): the
       deprecated spellings of fp32 main grads / fp32 main params; they may not contradict the
       dtype fields.
-    - ``check_for_nan_in_grad``, ``fsdp_double_buffer``, ``nccl_ub`` (sets ``fsdp_double_buffer``
-      too, as in Megatron-LM), ``init_model_with_meta_device``: passed on as they are.
+    - ``check_for_nan_in_grad``, ``fsdp_double_buffer``, ``nccl_ub`` (``fully_shard`` turns on
+      ``fsdp_double_buffer`` for it, as Megatron-LM does), ``init_model_with_meta_device``:
+      passed on as they are.
     """
 
     data_parallel_sharding_strategy: str = "optim_grads_params"
@@ -159,7 +160,7 @@ class DistributedDataParallelConfig:
             overlap_param_gather=self.overlap_param_gather,
             mixed_precision_policy=self.mixed_precision_policy(),
             check_for_nan_in_grad=self.check_for_nan_in_grad,
-            fsdp_double_buffer=self.fsdp_double_buffer or self.nccl_ub,  # user buffers need persistent buckets
+            fsdp_double_buffer=self.fsdp_double_buffer,
             nccl_ub=self.nccl_ub,
             init_model_with_meta_device=self.init_model_with_meta_device,
         )

@@ -120,6 +120,9 @@ class NCCLUserBuffers:
             moved = self.bucket_pool.move_new_blocks()
         if moved == 0:
             return
+        # The buckets' old memory went back to torch's cache; return it to CUDA rather than
+        # keep it reserved beside the NCCL memory (only after a step that added buckets).
+        torch.cuda.empty_cache()
         if self.registered:
             _deregister(self.backends, self.mem_pool)
         for backend in self.backends:

@@ -117,7 +117,7 @@ def test_config_maps_onto_fully_shard_arguments() -> None:
         overlap_param_gather=False,
         mixed_precision_policy=MixedPrecisionPolicy(None, torch.float32, torch.bfloat16),
         check_for_nan_in_grad=False,
-        fsdp_double_buffer=True,  # implied by nccl_ub
+        fsdp_double_buffer=False,  # fully_shard turns it on for nccl_ub
         nccl_ub=True,
         init_model_with_meta_device=False,
     )

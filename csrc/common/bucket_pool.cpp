@@ -4,7 +4,6 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
-#include <utility>
 
 namespace megatron_fsdp {
 namespace {
@@ -231,12 +230,15 @@ int64_t BucketPool::move_new_blocks() {
   synchronize();  // lent buckets may still be in use by collectives on other streams
   std::map<PoolBlock*, std::vector<c10::StorageImpl*>> lent_storages;
   for (auto& entry : lent_) lent_storages[entry.second.second.get()].push_back(entry.first);
-  std::vector<at::DataPtr> previous;  // freed once the copies out of them are done
+  // One block at a time, the old memory freed before (idle) or right after (lent, once its
+  // contents are copied) the next is allocated: at most one block is held twice.
   for (auto& block : unmoved) {
+    auto found = lent_storages.find(block.get());
+    const bool lent = found != lent_storages.end();
+    if (!lent) block->memory.clear();
     auto fresh = allocate_block(block->nbytes, block->device);
     bytes_reserved_ -= static_cast<int64_t>(block->nbytes);  // the same block, counted once
-    auto found = lent_storages.find(block.get());
-    if (found != lent_storages.end()) {
+    if (lent) {
       auto options = at::TensorOptions().dtype(at::kByte).device(block->device);
       const auto nbytes = static_cast<int64_t>(block->nbytes);
       at::from_blob(fresh->memory.get(), {nbytes}, options)
@@ -245,14 +247,14 @@ int64_t BucketPool::move_new_blocks() {
         storage->set_data_ptr_noswap(
             at::DataPtr(fresh->memory.get(), fresh->memory.get(), &no_delete, storage->device()));
       }
+      synchronize();  // the copy is done: the old memory can go
     }
-    previous.push_back(std::exchange(block->memory, std::move(fresh->memory)));
+    block->memory = std::move(fresh->memory);
     block->allocated_on = fresh->allocated_on;
     block->released.reset();
     block->moved = true;
   }
-  synchronize();
-  return static_cast<int64_t>(previous.size());
+  return static_cast<int64_t>(unmoved.size());
 }
 
 void BucketPool::note_usage() { high_water_mark_ = std::max(high_water_mark_, bytes_in_use_); }
