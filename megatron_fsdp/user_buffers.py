@@ -83,10 +83,20 @@ def _nccl_allocator() -> object | None:
     return None
 
 
+def _release(backends: list, mem_pool: torch.cuda.MemPool) -> None:
+    """When the registration is collected: deregister while the communicators live. After
+    destroy_process_group they are shut down, and freeing a registered segment then aborts the
+    process (torch's allocator hook deregisters it from a dead communicator): the pool is kept
+    for the rest of the process instead."""
+    if dist.is_initialized():
+        _deregister(backends, mem_pool)
+    else:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(mem_pool))
+
+
 def _deregister(backends: list, mem_pool: torch.cuda.MemPool) -> None:
-    if dist.is_initialized():  # after destroy_process_group the communicators are gone already
-        for backend in backends:
-            backend.deregister_mem_pool(mem_pool)
+    for backend in backends:
+        backend.deregister_mem_pool(mem_pool)
 
 
 class NCCLUserBuffers:
@@ -128,7 +138,7 @@ class NCCLUserBuffers:
         for backend in self.backends:
             backend.register_mem_pool(self.mem_pool)
         if self._finalizer is None:
-            self._finalizer = weakref.finalize(self, _deregister, self.backends, self.mem_pool)
+            self._finalizer = weakref.finalize(self, _release, self.backends, self.mem_pool)
         self.registered = True
         logger.info(
             "megatron_fsdp: nccl_ub registered %.1f MiB of buckets (%d new) with %d NCCL communicator(s)",
