@@ -10,7 +10,7 @@ The memory comes from ``ncclMemAlloc`` of the NCCL torch loaded, through this pa
 build (``csrc/cuda/nccl_memory.cu``; torch's own ``mem_allocator`` is missing from some builds).
 Without it the buckets come from torch's allocator and are still registered, which NCCL can use
 for fewer algorithms. Reaching a group's NCCL backend needs ``ProcessGroup._get_backend``, the
-accessor torch's own FSDP uses; where it, ``MemPool`` or NCCL registration is missing,
+accessor torch's own FSDP uses; where it or NCCL registration is missing,
 ``nccl_ub`` falls back to unregistered buckets with one log line.
 """
 
@@ -48,8 +48,8 @@ def _nccl_backends(groups: list[dist.ProcessGroup], device: torch.device) -> tup
     """The NCCL backend object of each group, or the reason registration cannot work here."""
     if device.type != "cuda":
         return [], f"the model is on {device}, and user buffers are CUDA memory"
-    if not hasattr(torch.cuda, "MemPool") or not dist.is_nccl_available():
-        return [], f"torch {torch.__version__} lacks torch.cuda.MemPool or NCCL"
+    if not dist.is_nccl_available():
+        return [], f"torch {torch.__version__} was built without NCCL"
     if torch.cuda.nccl.version() < _MIN_NCCL_VERSION:
         return [], f"NCCL {torch.cuda.nccl.version()} is older than {_MIN_NCCL_VERSION}, which added ncclMemAlloc"
     backends = []
@@ -111,8 +111,12 @@ class NCCLUserBuffers:
         allocator = _nccl_allocator()
         self.uses_nccl_memory = allocator is not None
         self.mem_pool = torch.cuda.MemPool(allocator)
-        self.registered = False
+        # Set at the first registration; it deregisters (or keeps) the pool when collected.
         self._finalizer: weakref.finalize | None = None
+
+    @property
+    def registered(self) -> bool:
+        return self._finalizer is not None
 
     @classmethod
     def create(cls, bucket_pool: torch.ScriptObject, dp: DataParallelGroup, device: torch.device) -> NCCLUserBuffers | None:
@@ -139,7 +143,6 @@ class NCCLUserBuffers:
             backend.register_mem_pool(self.mem_pool)
         if self._finalizer is None:
             self._finalizer = weakref.finalize(self, _release, self.backends, self.mem_pool)
-        self.registered = True
         logger.info(
             "megatron_fsdp: nccl_ub registered %.1f MiB of buckets (%d new) with %d NCCL communicator(s)",
             self.bucket_pool.bytes_reserved() / 2**20, moved, len(self.backends),
