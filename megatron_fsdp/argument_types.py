@@ -24,6 +24,7 @@ _FLAGS = (
     "check_for_nan_in_grad",
     "report_nan_in_param_grad",
     "fsdp_double_buffer",
+    "nccl_ub",
 )
 _OPTIONAL_FLAGS = ("grad_reduce_in_fp32", "preserve_fp32_weights")
 _OPTIONAL_MESHES = ("device_mesh", "expt_device_mesh")

@@ -31,6 +31,7 @@ SETUP_ERRORS = {
     "dim without a mesh": (dict(dp_shard_dim="dp"), ValueError, "dp_shard_dim='dp' was given without a device_mesh"),
     "outer dim without a mesh": (dict(dp_outer_dim="dp_outer"), ValueError, "dp_outer_dim='dp_outer' needs a device_mesh"),
     "flag that is not a bool": (dict(overlap_grad_reduce="no"), TypeError, "overlap_grad_reduce must be True or False"),
+    "nccl_ub that is not a bool": (dict(nccl_ub="yes"), TypeError, "nccl_ub must be True or False"),
     "deprecated flag that is not a bool": (dict(grad_reduce_in_fp32=1), TypeError, "grad_reduce_in_fp32 must be None, True or False"),
     "mesh of another type": (dict(device_mesh="cpu"), TypeError, "device_mesh must be a torch.distributed.device_mesh.DeviceMesh"),
     "dim name of another type": (dict(tp_dim=0), TypeError, "tp_dim must be the name of a mesh dim"),
