@@ -76,6 +76,10 @@ def run(numel: int, world: int, pieces: int, iters: int) -> list[dict]:
 
     record(f"find_non_finite {pieces} fp32 tensors", 4 * numel,
            _median_ms(lambda: _ops.find_non_finite(params32), iters))
+    record(f"multi_tensor_norm p=2 {pieces} fp32 tensors", 4 * numel,
+           _median_ms(lambda: _ops.multi_tensor_norm(params32, 2.0), iters))
+    record(f"torch._foreach_norm {pieces} fp32 tensors (reference)", 4 * numel,
+           _median_ms(lambda: torch._foreach_norm(params32, 2.0), iters))
     return rows
 
 

@@ -22,6 +22,15 @@ TORCH_LIBRARY(megatron_fsdp, m) {
   // One bool per tensor: does it hold a NaN or an Inf. Computed on the tensors' device, no host sync.
   m.def("find_non_finite(Tensor[] tensors) -> Tensor");
 
+  // One float32 per tensor: sum(|x|^norm_type), not rooted, or max(|x|) for norm_type = inf (0 when
+  // empty), summed in double on the tensors' device. A NaN or an Inf in a tensor reaches its entry.
+  m.def("multi_tensor_norm(Tensor[] tensors, float norm_type) -> Tensor");
+
+  // CRC-32C of a contiguous uint8 tensor's bytes, continuing from seed (the CRC of the bytes
+  // before them; 0 to start), as an int64 scalar tensor. CPU only: it checksums checkpoint files,
+  // whose bytes are on the host.
+  m.def("crc32c(Tensor data, int seed=0) -> Tensor");
+
   m.class_<megatron_fsdp::BucketPool>("BucketPool")
       .def(torch::init<bool>())
       .def("placeholder", &megatron_fsdp::BucketPool::placeholder)

@@ -46,6 +46,17 @@ def _find_non_finite_fake(tensors):
     return torch.empty(len(tensors), dtype=torch.bool, device=device)
 
 
+@torch.library.register_fake("megatron_fsdp::multi_tensor_norm")
+def _multi_tensor_norm_fake(tensors, norm_type):
+    device = tensors[0].device if tensors else torch.device("cpu")
+    return torch.empty(len(tensors), dtype=torch.float32, device=device)
+
+
+@torch.library.register_fake("megatron_fsdp::crc32c")
+def _crc32c_fake(data, seed):
+    return torch.empty((), dtype=torch.int64, device=data.device)
+
+
 def param_views(flat: torch.Tensor, offsets: Sequence[int], shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
     """Views of ``flat`` shaped like ``shapes`` starting at ``offsets`` (elements); no copy."""
     flat_shapes = [size for shape in shapes for size in shape]
@@ -72,6 +83,29 @@ def find_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not tensors:  # no tensor argument: the dispatcher would have no device to pick a kernel by
         return torch.zeros(0, dtype=torch.bool)
     return _ops.find_non_finite(list(tensors))
+
+
+def multi_tensor_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """Per tensor, ``sum(|x| ** norm_type)`` (the p-th power of the p-norm, not rooted), or
+    ``max(|x|)`` for ``norm_type=math.inf`` (0 for an empty tensor), as a float32 tensor on the
+    tensors' device, without a host sync.
+
+    ``tensors``: contiguous float32, float64, float16 or bfloat16 tensors, mixed freely, all on one
+    device. ``norm_type``: any value > 0 or ``inf`` (default 2.0: the sum of squares). Sums are
+    accumulated in float64, so each entry is within a few float32 ulps of the exact value. A NaN in
+    a tensor makes its entry NaN and an Inf makes it Inf, so callers can report non-finite norms;
+    a finite sum beyond the float32 range is Inf as well.
+    """
+    if not tensors:  # no tensor argument: the dispatcher would have no device to pick a kernel by
+        return torch.zeros(0, dtype=torch.float32)
+    return _ops.multi_tensor_norm(list(tensors), float(norm_type))
+
+
+def crc32c(data: torch.Tensor, seed: int = 0) -> int:
+    """The CRC-32C (Castagnoli; the checksum of iSCSI and ext4) of ``data``'s bytes: a contiguous
+    uint8 CPU tensor. ``seed`` (default 0) continues a running CRC: ``crc32c(b, crc32c(a))`` is
+    the CRC of ``a`` followed by ``b``. Multi-threaded over inputs of several MiB."""
+    return int(_ops.crc32c(data, int(seed)))
 
 
 def new_bucket_pool(double_buffer: bool = False) -> torch.ScriptObject:

@@ -9,6 +9,9 @@ mkdir -p "$results"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 nvidia-smi -L | tee "$results/device.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" | tee -a "$results/device.txt"
+# The system compiler: a toolchain that links its own C++ runtime into _C.so crashes it when a
+# kernel's error message formats a number.
+if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$results/build.log" 2>&1 || { tail -40 "$results/build.log"; exit 1; }
 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_ops.py 2>&1 | tee "$results/gpu_tests.log" | tail -25
 python3 benchmarks/op_bandwidth.py --out "$results/op_bandwidth.json" | tee "$results/op_bandwidth.md"

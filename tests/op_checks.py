@@ -134,6 +134,87 @@ def check_find_non_finite_flags_each_tensor(device: str) -> None:
     torch.library.opcheck(torch.ops.megatron_fsdp.find_non_finite.default, ([torch.randn(5, device=device), torch.randn(3, 2, device=device)],))
 
 
+# Norm types: the two special-cased ones, a non-integer, an integer that takes the general path, inf.
+NORM_TYPES = [1.0, 2.0, 2.5, 3.0, float("inf")]
+# The op keeps partial sums in float64 and rounds to float32 once, so an entry is within one float32
+# ulp (2**-24 relative) of the float64 reference; 4 ulps is the op's "few ulps" promise, still far
+# below the ~1e-5 that a sequential float32 sum over the 2**20 + 3 elements below would miss by.
+NORM_RTOL = 4 * UNIT_ROUNDOFF[torch.float32]
+
+
+def _norm_reference(x: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The op's value in float64: sum(|x| ** p), or max(|x|) for p = inf (0 when x is empty)."""
+    x = x.double().reshape(-1)
+    if norm_type == float("inf"):
+        return x.abs().max() if x.numel() else x.new_zeros(())
+    return torch.linalg.vector_norm(x, norm_type) ** norm_type
+
+
+def _assert_norms_match(tensors: list[torch.Tensor], norm_type: float, what: str) -> None:
+    got = _ops.multi_tensor_norm(tensors, norm_type)
+    assert got.dtype == torch.float32 and got.shape == (len(tensors),)
+    assert got.device == tensors[0].device
+    expected = torch.stack([_norm_reference(x, norm_type) for x in tensors])
+    err = (got.double() - expected).abs()
+    bound = NORM_RTOL * expected
+    worst = int((err - bound).argmax())
+    assert torch.all(err <= bound), f"{what} p={norm_type}: tensor {worst} ({tensors[worst].numel()} elements, {tensors[worst].dtype}) got {got[worst].item()}, expected {expected[worst].item()}, rel err {(err[worst] / expected[worst]).item():.3g} > {NORM_RTOL:.3g}"
+
+
+def check_multi_tensor_norm_matches_float64(device: str) -> None:
+    for dtype in DTYPES:
+        tensors = [_random(n, dtype, device, seed=n) for n in ODD_SIZES]
+        tensors.append(_random(2**20 + 3, dtype, device, seed=5))  # many chunks in one tensor
+        tensors.append(_random(4100, dtype, device, seed=6)[1:])  # contiguous, not 16-byte aligned
+        for norm_type in NORM_TYPES:
+            _assert_norms_match(tensors, norm_type, str(dtype))
+    # Dtypes interleaved, so a kernel that groups tensors by dtype must put each entry back in place.
+    sizes = [129, 0, 4099, 2**16 + 5, 7, 1023, 40000, 3]
+    mixed = [_random(n, DTYPES[i % len(DTYPES)], device, seed=i) for i, n in enumerate(sizes)]
+    for norm_type in NORM_TYPES:
+        _assert_norms_match(mixed, norm_type, "mixed dtypes")
+    assert _ops.multi_tensor_norm([]).shape == (0,)
+    small = [torch.randn(5, device=device), torch.randn(3, 2, device=device, dtype=torch.bfloat16)]
+    for norm_type in (2.0, float("inf")):
+        torch.library.opcheck(torch.ops.megatron_fsdp.multi_tensor_norm.default, (small, norm_type))
+
+
+def check_multi_tensor_norm_propagates_nan_and_inf(device: str) -> None:
+    nan, inf = float("nan"), float("inf")
+    for dtype in DTYPES:
+        tensors = [_random(n, dtype, device, seed=n) for n in (4099, 2**20 + 3, 1, 4099, 2**20 + 3, 129)]
+        tensors[0][0] = nan  # first element
+        tensors[1][-1] = nan  # last element of the last chunk
+        tensors[2][0] = -inf
+        tensors[3][2049] = inf
+        tensors[4][5] = nan  # NaN before an Inf in a later chunk: NaN wins
+        tensors[4][2**19] = inf
+        for norm_type in NORM_TYPES:
+            got = _ops.multi_tensor_norm(tensors, norm_type).cpu()
+            shown = f"{dtype} p={norm_type}: {got.tolist()}"
+            assert got[[0, 1, 4]].isnan().all(), f"NaN must give NaN; {shown}"
+            assert torch.all(got[[2, 3]] == inf), f"Inf must give Inf; {shown}"
+            assert got[5].isfinite(), f"a finite tensor must stay finite; {shown}"
+
+
+def check_multi_tensor_norm_rejects_bad_input(device: str) -> None:
+    good = torch.randn(6, device=device)
+    cases = [
+        ([good, torch.randn(5, 7, device=device).t()], 2.0, "tensor 1 must be contiguous"),
+        ([good], 0.0, "norm_type must be > 0 (a finite p or inf), got 0"),
+        ([good], -2.0, "norm_type must be > 0 (a finite p or inf), got -2"),
+        ([good], float("nan"), "norm_type must be > 0"),
+        ([torch.ones(3, dtype=torch.int32, device=device)], 2.0, "must be float32, float64, float16 or bfloat16"),
+    ]
+    for tensors, norm_type, message in cases:
+        try:
+            _ops.multi_tensor_norm(tensors, norm_type)
+        except RuntimeError as error:
+            assert message in str(error), f"p={norm_type}: {message!r} not in {str(error)!r}"
+        else:
+            raise AssertionError(f"multi_tensor_norm must reject {message!r} (p={norm_type})")
+
+
 def check_bucket_pool_reuses_memory(device: str) -> None:
     pool = _ops.new_bucket_pool(double_buffer=False)
     dev = torch.device(device)
@@ -219,3 +300,46 @@ def check_bucket_pool_moves_new_blocks_keeping_contents(device: str) -> None:
         assert "double_buffer" in str(error)
     else:
         raise AssertionError("a pool without persistent blocks has nothing to move and must say so")
+
+
+def _crc32c_reference(data: bytes, crc: int = 0) -> int:
+    """Bit-at-a-time CRC-32C (reflected polynomial 0x82F63B78), continuing from ``crc``."""
+    crc ^= 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+    return crc ^ 0xFFFFFFFF
+
+
+def check_crc32c_matches_a_reference(device: str) -> None:
+    """Host-only op (it checksums file bytes): checked on the CPU whatever ``device`` is."""
+    check_value = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
+    assert _ops.crc32c(check_value) == 0xE3069283, "the standard CRC-32C check value"
+    assert _ops.crc32c(torch.zeros(0, dtype=torch.uint8), seed=0x1234) == 0x1234, "no bytes keep the seed"
+    generator = torch.Generator().manual_seed(0)
+    buffer = torch.randint(0, 256, (13 << 20,), dtype=torch.uint8, generator=generator)
+    for start, length in ((0, 1), (1, 7), (3, 8), (5, 1023), (8, 4099)):  # odd lengths and alignments
+        data = bytes(buffer[start : start + length].tolist())
+        assert _ops.crc32c(buffer[start : start + length]) == _crc32c_reference(data), f"{length} bytes at {start}"
+        assert _ops.crc32c(buffer[start : start + length], seed=77) == _crc32c_reference(data, 77), f"seeded, {length} bytes"
+    # 13 MiB runs as one piece (of at least 4 MiB) per thread, whose CRCs are combined; every split
+    # of it and every thread count must give the CRC of the whole.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = _ops.crc32c(buffer)  # one piece: no combining
+        torch.set_num_threads(3)
+        assert _ops.crc32c(buffer) == whole, "3 pieces"
+    finally:
+        torch.set_num_threads(threads)
+    for cut in (1, (4 << 20) + 3, buffer.numel() - 5):
+        assert _ops.crc32c(buffer[cut:], seed=_ops.crc32c(buffer[:cut])) == whole, f"split at {cut}"
+    for bad, message in ((torch.zeros(4), "must be a uint8 tensor"), (buffer[:64].view(8, 8).t(), "must be contiguous")):
+        try:
+            _ops.crc32c(bad)
+        except RuntimeError as error:
+            assert message in str(error), str(error)
+        else:
+            raise AssertionError(f"crc32c must reject input that {message}")
+    torch.library.opcheck(torch.ops.megatron_fsdp.crc32c.default, (buffer[:100], 5))
