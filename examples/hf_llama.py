@@ -5,6 +5,7 @@ export it as a safetensors model directory that ``LlamaForCausalLM.from_pretrain
 
 The model is built from a small ``LlamaConfig`` with random weights (nothing is downloaded) and
 learns the bytes of examples/data/corpus.txt. CPU with gloo, or CUDA with NCCL when GPUs exist.
+Written for Transformers 5 (scripts/setup.sh pins the version; tested with 5.17 and 5.23).
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ def main() -> None:
     with torch.no_grad():
         sharded_loss = model(input_ids=batch, labels=batch).loss.item()
     if dist.get_rank() == 0:
+        # Transformers 5 loads the weights in the dtype they were exported in (fp32 here).
         loaded = LlamaForCausalLM.from_pretrained(export_dir).to(device).eval()
         with torch.no_grad():
             loaded_loss = loaded(input_ids=batch, labels=batch).loss.item()

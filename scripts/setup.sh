@@ -12,8 +12,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q "torch==2.13.0"
 fi
 .venv/bin/pip install -q numpy ninja setuptools wheel pytest pytest-timeout hypothesis tqdm safetensors matplotlib
-# Transformers for examples/hf_llama.py; pinned, and it does not require torch, so ours stays.
-.venv/bin/pip install -q "transformers==4.57.1"
+# Transformers for examples/hf_llama.py: 5.23.0 is the newest 5.x that installs beside torch 2.13.0 (it needs no torch).
+.venv/bin/pip install -q "transformers==5.23.0"
 # --no-build-isolation: build against the torch above instead of a fresh (CUDA) one. Skipped
 # when the installed extension imports and no C++ source or build file is newer than it.
 root=$(pwd)

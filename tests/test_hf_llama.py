@@ -92,6 +92,8 @@ def test_sharded_llama_trains_like_the_unsharded_model(sharded, name: str) -> No
 def test_safetensors_export_loads_with_from_pretrained(sharded, name: str) -> None:
     got = sharded[name]
     loaded = LlamaForCausalLM.from_pretrained(got["dir"]).eval()
+    # Transformers 5's from_pretrained defaults to dtype="auto": the exported weights' dtype.
+    assert loaded.dtype == torch.float32, f"{name}: loaded as {loaded.dtype}, exported as float32"
     assert loaded.config.tie_word_embeddings == CASES[name][0]
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == CASES[name][0]
     loaded_params = dict(loaded.named_parameters())
