@@ -1,9 +1,12 @@
 """Saving and loading training checkpoints safely, and exporting full weights.
 
 ``save_checkpoint`` writes ``<dir>/step_<N>`` with torch.distributed.checkpoint into
-``step_<N>.partial`` first, renames it when every rank has finished, and only then points
+``step_<N>.partial`` first, adds the manifest of its files' checksums
+(``checkpoint_integrity``), renames it when every rank has finished, and only then points
 ``<dir>/latest`` at it (an atomic file replace). A save that fails or is killed at any moment
-leaves ``latest`` naming the previous complete checkpoint.
+leaves ``latest`` naming the previous complete checkpoint. ``load_checkpoint`` verifies the
+files against the manifest before reading anything into the model, and with ``fallback=True``
+walks back to the newest checkpoint that verifies.
 """
 
 from __future__ import annotations
@@ -20,12 +23,21 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_fsdp.checkpoint import check_keys
+from megatron_fsdp.checkpoint_integrity import (
+    MANIFEST,
+    MANIFEST_KEY,
+    CheckpointCorruptError,
+    ChecksummingWriter,
+    verify_checkpoint,
+    write_manifest,
+)
 from megatron_fsdp.module import MegatronFSDP
 
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 EXTRA_STATE = "extra_state.pt"
+CORRUPT_SUFFIX = ".corrupt"
 
 
 def _step_dir(checkpoint_dir: str, step: int) -> str:
@@ -57,8 +69,10 @@ def save_checkpoint(
     keep_last: int | None = None,
 ) -> str:
     """Saves model and optimizer (and ``extra_state``, e.g. an LR scheduler's or a data
-    loader's, written by rank 0 with ``torch.save``) as step ``step``; a collective. Keeps the
-    newest ``keep_last`` checkpoints when given. Returns the checkpoint's directory."""
+    loader's, written by rank 0 with ``torch.save``) as step ``step``, with a manifest of the
+    files' checksums; a collective. With ``keep_last`` (default None: keep all), deletes all but
+    the newest ``keep_last`` checkpoints once this one is committed. Returns the checkpoint's
+    directory."""
     final = _step_dir(checkpoint_dir, step)
     partial = final + ".partial"
     rank = dist.get_rank()
@@ -66,10 +80,14 @@ def save_checkpoint(
         os.makedirs(checkpoint_dir, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by an earlier save that died
     dist.barrier()
-    dcp.save(_training_state(model, optimizer), checkpoint_id=partial)
+    writer = ChecksummingWriter(partial)
+    dcp.save({**_training_state(model, optimizer), MANIFEST_KEY: MANIFEST}, storage_writer=writer)
+    checksums = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(writer.checksums(), checksums, dst=0)
     if rank == 0:
         if extra_state is not None:
             torch.save(extra_state, os.path.join(partial, EXTRA_STATE))
+        write_manifest(partial, step, checksums)  # last: a checkpoint is complete once it has one
         if os.path.exists(final):
             shutil.rmtree(final)
         os.rename(partial, final)
@@ -90,10 +108,13 @@ def _point_latest_at(checkpoint_dir: str, step: int) -> None:
     os.replace(temporary, os.path.join(checkpoint_dir, LATEST))
 
 
+def _committed_steps(checkpoint_dir: str) -> list[int]:
+    """Steps of the committed checkpoints (not ``.partial`` or ``.corrupt`` ones), oldest first."""
+    return sorted(int(name[5:]) for name in os.listdir(checkpoint_dir) if name.startswith("step_") and name[5:].isdigit())
+
+
 def _prune(checkpoint_dir: str, keep_last: int) -> None:
-    steps = sorted(
-        int(name[len("step_") :]) for name in os.listdir(checkpoint_dir) if name.startswith("step_") and name[5:].isdigit()
-    )
+    steps = _committed_steps(checkpoint_dir)
     for old in steps[: max(len(steps) - keep_last, 0)]:
         shutil.rmtree(_step_dir(checkpoint_dir, old), ignore_errors=True)
 
@@ -116,13 +137,70 @@ def load_checkpoint(
     model: MegatronFSDP,
     optimizer: torch.optim.Optimizer | None = None,
     step: int | None = None,
+    verify: bool = True,
+    fallback: bool = False,
 ) -> tuple[int, dict[str, Any] | None] | None:
-    """Loads step ``step`` (default: the latest) into model and optimizer; a collective.
-    Returns ``(step, extra_state)``, or None when there is no checkpoint yet."""
-    step = latest_checkpoint_step(checkpoint_dir) if step is None else step
-    if step is None:
+    """Loads step ``step`` (default None: the latest) into model and optimizer; a collective.
+    Returns ``(step, extra_state)``, or None when there is no checkpoint yet.
+
+    ``verify`` (default True) checks every file against the checkpoint's manifest first and
+    raises :class:`CheckpointCorruptError` on every rank, leaving model and optimizer as they
+    were, when one does not match; False skips that. ``fallback`` (default False; needs
+    ``verify``) instead walks back to the newest older checkpoint that verifies, logs each one it
+    skipped, renames those to ``step_<N>.corrupt`` and points ``latest`` at the one it loaded."""
+    if fallback and not verify:
+        raise ValueError("load_checkpoint: fallback=True needs verify=True (without checksums nothing is found corrupt)")
+    newest = latest_checkpoint_step(checkpoint_dir) if step is None else step
+    if newest is None:
         return None
-    path = _step_dir(checkpoint_dir, step)
+    candidates = [newest]
+    if fallback:
+        candidates += [s for s in reversed(_committed_steps(checkpoint_dir)) if s < newest]
+    rank = dist.get_rank()
+    skipped: list[CheckpointCorruptError] = []
+    for candidate in candidates:
+        path = _step_dir(checkpoint_dir, candidate)
+        try:
+            saved_without_manifest = verify and not verify_checkpoint(path, candidate)
+        except CheckpointCorruptError as error:
+            if not fallback:
+                raise
+            skipped.append(error)
+            if rank == 0:
+                logger.warning("skipping checkpoint step %d: rank %d found %s: %s", candidate, error.rank, error.file, error.reason)
+            continue
+        if rank == 0 and saved_without_manifest:
+            logger.warning("checkpoint %s has no manifest (saved by an older megatron_fsdp): loading it unverified", path)
+        if rank == 0 and skipped:
+            _set_aside(checkpoint_dir, [error.step for error in skipped], candidate)
+        return candidate, _load(path, model, optimizer)
+    newest_error = skipped[0]
+    raise CheckpointCorruptError(
+        newest_error.step, newest_error.path, newest_error.file, newest_error.rank, newest_error.reason,
+        advice=f"No older checkpoint in {checkpoint_dir} verifies either (tried steps {candidates}): restore one or start afresh",
+    )
+
+
+def _set_aside(checkpoint_dir: str, corrupt_steps: list[int], loaded_step: int) -> None:
+    """Renames corrupt checkpoints out of the way (kept for inspection, never pruned or loaded)
+    and points ``latest`` at the checkpoint loaded instead, if it named a corrupt one. Rank 0
+    alone: a failure is logged, not raised, so the other ranks are not left waiting."""
+    try:
+        latest = latest_checkpoint_step(checkpoint_dir)
+        for corrupt in corrupt_steps:
+            path = _step_dir(checkpoint_dir, corrupt)
+            if not os.path.isdir(path):  # a deleted checkpoint (latest named it)
+                continue
+            shutil.rmtree(path + CORRUPT_SUFFIX, ignore_errors=True)
+            os.rename(path, path + CORRUPT_SUFFIX)
+            logger.warning("renamed the corrupt checkpoint %s to %s", path, path + CORRUPT_SUFFIX)
+        if latest in corrupt_steps:
+            _point_latest_at(checkpoint_dir, loaded_step)
+    except OSError as error:
+        logger.warning("could not set the corrupt checkpoints of %s aside: %s", checkpoint_dir, error)
+
+
+def _load(path: str, model: MegatronFSDP, optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
     check_checkpoint_fits(path, model)
     state = _training_state(model, optimizer)
     dcp.load(state, checkpoint_id=path)
@@ -132,7 +210,7 @@ def load_checkpoint(
     extra_path = os.path.join(path, EXTRA_STATE)
     extra = torch.load(extra_path, weights_only=False) if os.path.exists(extra_path) else None
     logger.info("loaded checkpoint %s", path)
-    return step, extra
+    return extra
 
 
 @torch.no_grad()
