@@ -67,6 +67,19 @@ def _fsdp2(config, device):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), False
 
 
+def _compiled(make: Callable) -> Callable:
+    """``make`` with each transformer block compiled after sharding (torchtitan's recipe)."""
+
+    def build(config, device):
+        model, optimizer, autocast = make(config, device)
+        inner = model.module if isinstance(model, megatron_fsdp.MegatronFSDP) else model
+        for block in inner.blocks:
+            block.compile()
+        return model, optimizer, autocast
+
+    return build
+
+
 def _ddp(config, device):
     from torch.nn.parallel import DistributedDataParallel
 
@@ -81,12 +94,14 @@ def _single(config, device):
 
 IMPLEMENTATIONS: dict[str, Callable] = {
     "megatron_fsdp optim_grads_params fp32-comm": _megatron(3, torch.float32),
+    "megatron_fsdp optim_grads_params fp32-comm compiled": _compiled(_megatron(3, torch.float32)),
     "megatron_fsdp optim_grads_params bf16-comm": _megatron(3, torch.bfloat16),
     "megatron_fsdp optim_grads_params fp32-comm double-buffer": _megatron(3, torch.float32, double_buffer=True),
     "megatron_fsdp optim_grads_params fp32-comm nccl-ub": _megatron(3, torch.float32, nccl_ub=True),
     "megatron_fsdp optim_grads fp32-comm": _megatron(2, torch.float32),
     "megatron_fsdp optim fp32-comm": _megatron(1, torch.float32),
     "torch FSDP2": _fsdp2,
+    "torch FSDP2 compiled": _compiled(_fsdp2),
     "torch DDP": _ddp,
     "single GPU (no communication)": _single,
 }
@@ -148,6 +163,17 @@ def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.devic
     return row
 
 
+def _wanted(impls: str) -> list[str]:
+    """Implementations by comma-separated names: an exact name picks itself, anything else every
+    name containing it; 'all' picks all."""
+    if impls == "all":
+        return list(IMPLEMENTATIONS)
+    picked = set()
+    for item in impls.split(","):
+        picked.update([item] if item in IMPLEMENTATIONS else [n for n in IMPLEMENTATIONS if item in n])
+    return [n for n in IMPLEMENTATIONS if n in picked]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="1.3B")
@@ -155,7 +181,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--impls", default="all", help="comma-separated names (substrings) or 'all'")
+    parser.add_argument("--impls", default="all", help="comma-separated names (exact, else substrings) or 'all'")
     parser.add_argument("--out", default=None, help="write rows and setting as JSON here")
     args = parser.parse_args()
 
@@ -164,7 +190,7 @@ def main() -> None:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     config = GPTConfig(**{**CONFIGS[args.config].__dict__, "seq_len": args.seq_len})
-    wanted = [n for n in IMPLEMENTATIONS if args.impls == "all" or any(w in n for w in args.impls.split(","))]
+    wanted = _wanted(args.impls)
     rows = []
     for name in wanted:
         try:

@@ -65,10 +65,13 @@ def main() -> None:
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
+        # Megatron-LM's --clip-grad: the global L2 norm, clipped when > 0.
+        grad_norm = megatron_fsdp.clip_grad_norm_(model, args.clip_grad) if args.clip_grad > 0 else None
         optimizer.step()
         optimizer.zero_grad()
         if rank == 0 and (step % 5 == 0 or step == args.train_iters - 1):
-            logger.info("iteration %d: lm loss %.4f", step, loss.item())
+            shown = f" | grad norm {grad_norm.item():.3f}" if grad_norm is not None else ""
+            logger.info("iteration %d: lm loss %.4f%s", step, loss.item(), shown)
     if args.save:
         megatron_fsdp.save_checkpoint(args.save, args.train_iters, model, optimizer)
     dist.destroy_process_group()

@@ -4,8 +4,9 @@
 
 Runs on CPU with gloo, or on CUDA with NCCL when GPUs are present (one per process). The corpus
 is examples/data/corpus.txt (public-domain text shipped with the repo); nothing is downloaded.
-Checkpoints go to --checkpoint-dir and a new launch resumes from the newest; a finished run
-writes the loss curve there (loss_curve.png) and logs a sample of generated text. Other options:
+Checkpoints go to --checkpoint-dir and a new launch resumes from the newest intact one (one
+that fails verification is skipped and set aside); a finished run writes the loss curve there
+(loss_curve.png) and logs a sample of generated text. Other options:
 --strategy, --dp-outer / --outer-strategy (HSDP, HFSDP), --bf16 / --main-grads-dtype /
 --grad-comm-dtype (mixed precision), --grad-accum (micro-batches per step).
 
@@ -42,7 +43,9 @@ def parse_args() -> argparse.Namespace:
                         help="HSDP: ranks form a (dp_outer, world / dp_outer) mesh; shards are replicated dp_outer times")
     parser.add_argument("--outer-strategy", default="no_shard", choices=("no_shard", "optim"),
                         help="with --dp-outer > 1: replicate (HSDP) or also shard the optimizer state (HFSDP)")
-    parser.add_argument("--steps", type=int, default=300, help="total optimizer steps of the training run")
+    parser.add_argument("--steps", type=int, default=300,
+                        help="total optimizer steps of the training run; resuming with another value (e.g. to extend a "
+                             "finished run) rebuilds the one-cycle LR schedule for the new length from the resumed step on")
     parser.add_argument("--run-steps", type=int, default=None,
                         help="stop after this many steps in this launch (a time-limited job); the next launch resumes")
     parser.add_argument("--checkpoint-dir", default="runs/train_gpt", help="checkpoints go here; the newest is resumed")
@@ -54,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--clip-grad", type=float, default=1.0,
+                        help="clip the global gradient norm to this (megatron_fsdp.clip_grad_norm_); 0 turns clipping off")
     parser.add_argument("--bf16", action="store_true", help="compute in bf16 (fp32 main weights stay in the optimizer)")
     parser.add_argument("--main-grads-dtype", choices=tuple(DTYPES), default="auto",
                         help="dtype gradients accumulate in; auto = the compute dtype")
@@ -98,6 +103,14 @@ def apply_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: a
     )
     return megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=args.strategy,
                                      mixed_precision_policy=policy, **mesh_arguments)
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, args: argparse.Namespace,
+                resumed_step: int = 0) -> torch.optim.lr_scheduler.OneCycleLR:
+    """One cycle over --steps, positioned at ``resumed_step``: a run resumed with another --steps
+    follows the schedule of the new length from there on (the LR moves to that schedule's value)."""
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.1,
+                                               last_epoch=resumed_step - 1)
 
 
 def plot_losses(losses: list[float], path: str) -> None:
@@ -174,13 +187,19 @@ def main() -> None:
     model = GPT(config).to(device, torch.bfloat16 if args.bf16 else torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     model, optimizer = apply_fsdp(model, optimizer, args, device)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
+    schedule = lr_schedule(optimizer, args)
 
     start_step, losses = 0, []
-    resumed = megatron_fsdp.load_checkpoint(args.checkpoint_dir, model, optimizer)
+    resumed = megatron_fsdp.load_checkpoint(args.checkpoint_dir, model, optimizer, fallback=True)
     if resumed is not None:
         start_step, extra = resumed
-        schedule.load_state_dict(extra["schedule"])
+        saved_steps = extra["schedule"]["total_steps"]
+        if saved_steps == args.steps or start_step >= args.steps:
+            schedule.load_state_dict(extra["schedule"])
+        else:
+            schedule = lr_schedule(optimizer, args, resumed_step=start_step)
+            if rank == 0:
+                logging.info("--steps %d, the checkpoint's run had %d: LR schedule rebuilt for %d steps", args.steps, saved_steps, args.steps)
         losses = extra["losses"]
         if rank == 0:
             logging.info("resumed from %s at step %d", args.checkpoint_dir, start_step)
@@ -202,6 +221,7 @@ def main() -> None:
             loss = F.cross_entropy(logits.float().view(-1, config.vocab_size), targets.reshape(-1))
             (loss / args.grad_accum).backward()
             loss_sum += loss.detach()
+        grad_norm = megatron_fsdp.clip_grad_norm_(model, args.clip_grad) if args.clip_grad > 0 else None
         optimizer.step()
         optimizer.zero_grad()
         schedule.step()
@@ -209,7 +229,10 @@ def main() -> None:
         last_loss = loss_sum.item() / (world * args.grad_accum)
         first_loss = first_loss if first_loss is not None else last_loss
         losses.append(last_loss)
-        progress.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_step / (time.perf_counter() - started):,.0f}")
+        shown = {"loss": f"{last_loss:.3f}", "tok_s": f"{tokens_per_step / (time.perf_counter() - started):,.0f}"}
+        if grad_norm is not None:
+            shown["grad_norm"] = f"{grad_norm.item():.3f}"
+        progress.set_postfix(shown)
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == end_step:
             megatron_fsdp.save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer,
                                           extra_state={"schedule": schedule.state_dict(), "losses": losses}, keep_last=2)

@@ -8,14 +8,18 @@ from megatron_fsdp.checkpoint_io import (
     load_checkpoint,
     save_checkpoint,
 )
+from megatron_fsdp.checkpoint_integrity import CheckpointCorruptError
 from megatron_fsdp.config import MixedPrecisionPolicy, ShardingStrategy
+from megatron_fsdp.grad_clip import clip_grad_norm_, total_grad_norm
 from megatron_fsdp.megatron_config import DistributedDataParallelConfig, add_megatron_fsdp_args, ddp_config_from_args
 from megatron_fsdp.module import MegatronFSDP
 
 __all__ = [
+    "CheckpointCorruptError",
     "DistributedDataParallelConfig",
     "MegatronFSDP",
     "add_megatron_fsdp_args",
+    "clip_grad_norm_",
     "ddp_config_from_args",
     "export_safetensors",
     "full_state_dict",
@@ -27,5 +31,6 @@ __all__ = [
     "latest_checkpoint_step",
     "load_checkpoint",
     "save_checkpoint",
+    "total_grad_norm",
 ]
 __version__ = "0.1.0"

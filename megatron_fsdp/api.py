@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -149,6 +150,9 @@ def fully_shard_model(
     if expt_device_mesh is not None:
         dp = resolve_expert_group(dp, expt_device_mesh, dp_shard_dim)
     _check_tensor_parallel(module, device_mesh, tp_dim, expt_device_mesh, init_model_with_meta_device)
+    if tp_dim is not None:
+        # Plain parameters of a tensor-parallel model are replicated over its tp dims.
+        dp = dataclasses.replace(dp, model_parallel_dims=tuple(submesh(device_mesh, tp_dim, "tp_dim").mesh_dim_names))
     _check_meta_params(module, init_model_with_meta_device)
     if device is not None and not init_model_with_meta_device:
         module.to(device)

@@ -19,9 +19,11 @@ from torch import nn
 from megatron_fsdp import _ops
 from megatron_fsdp.collectives import all_gather_shards, all_reduce_sum, all_to_all, reduce_scatter_sum, wait_for
 from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
-from megatron_fsdp.dtensor_params import local_tensor, param_extent
+from megatron_fsdp.dtensor_params import ParamExtent, local_tensor, param_extent
 from megatron_fsdp.layout import BucketLayout, alignment_in_elements, build_bucket_layout
 from megatron_fsdp.mesh import DataParallelGroup
+from megatron_fsdp.piece_dtensor import FlatLayout
+from megatron_fsdp.sharded_params import MeshCache, ShardedParam, shard_spec
 
 def _released_placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """What a sharded parameter's ``.data`` is: an empty tensor, so stray reads fail loudly."""
@@ -69,6 +71,8 @@ class Bucket:
         self.dtypes = settings.mixed_precision.resolve(self.dtype)
         self.device = self.locals[0].device
         self.requires_grad = params[0].requires_grad
+        # The DTensor parameters users see, one per parameter (set by add_faces).
+        self.faces: list[ShardedParam] = []
         self.shapes = [t.shape for t in self.locals]
         alignment = alignment_in_elements(settings.alignment_bytes, self.locals[0].element_size())
         self.outer = dp.outer
@@ -170,6 +174,10 @@ class Bucket:
         self.outer_sync_due = False
         self.optim_params: list[nn.Parameter] = []
         self.optim_ranges: list[tuple[int, int]] = []
+        # What the optimizer reads: the fully reduced gradients in the main-parameter dtype (the
+        # main gradients themselves when the dtypes agree), shown once per change.
+        self.optimizer_grads: torch.Tensor | None = None
+        self._grads_shown = True
         for index in range(len(self.params)):
             lo, hi = self._piece(index, self.main_start, self.main_end)
             self.optim_ranges.append((lo - self.main_start, hi - self.main_start))
@@ -290,6 +298,7 @@ class Bucket:
         return self.main_grad, False
 
     def _accumulate(self, reduced: torch.Tensor, scale: float) -> None:
+        self._grads_shown = False
         main_grad, fresh = self._main_grad_to_write()
         if fresh:
             torch.mul(reduced, scale, out=main_grad)
@@ -322,6 +331,7 @@ class Bucket:
             self.pool.release(comm)  # sent: a main gradient created now can take its memory
             main_grad, fresh = self._main_grad_to_write()
             _ops.promoting_reduce(chunks, main_grad, scale=1.0 / self.grad_divisor, accumulate=not fresh)
+            self._grads_shown = False
         self.pool.release(received)
 
     def finish_reduction(self, pending: PendingReduction) -> None:
@@ -345,6 +355,7 @@ class Bucket:
             all_reduce_sum(self.main_grad, self.outer.group)
         self.optimizer_grad_source().div_(self.outer.size)
         self.outer_sync_due = False
+        self._grads_shown = False
 
     def optimizer_grad_source(self) -> torch.Tensor | None:
         """The fully reduced gradients of the range the optimizer steps; None when no gradient
@@ -352,30 +363,39 @@ class Bucket:
         return self.outer_grad if self.splits_shard else self.main_grad
 
     def zero_main_grad(self, set_to_none: bool = True) -> None:
-        """Releases the main gradients (``set_to_none``) or zeroes them in place."""
+        """Releases the main gradients (``set_to_none``) or zeroes them in place, and with them
+        what the optimizer's pieces and the parameters' faces show."""
         if set_to_none:
-            self.main_grad = self.outer_grad = None
+            self.main_grad = self.outer_grad = self.optimizer_grads = None
+            for optim_param, face in zip(self.optim_params, self.faces):
+                optim_param.grad = None
+                face.show_grad(None)
+            self._grads_shown = True
         else:
-            for grad in (self.main_grad, self.outer_grad):
+            for grad in (self.main_grad, self.outer_grad, self.optimizer_grads):
                 if grad is not None:
                     grad.zero_()
-        for optim_param in self.optim_params:
-            optim_param.grad = None
 
     # -- optimizer ----------------------------------------------------------------------------
 
-    def attach_optimizer_grads(self) -> None:
-        """Points the optimizer's pieces at their gradients; without any (nothing was reduced
-        since zero_grad), they get None and torch's optimizers skip them, as for any .grad."""
-        main_dtype = self.main_params.dtype
-        source = self.optimizer_grad_source()
-        if source is None:
-            for optim_param in self.optim_params:
-                optim_param.grad = None
+    def show_grads(self) -> None:
+        """Points the optimizer's pieces and the parameters' DTensor faces (``.grad``) at the
+        fully reduced gradients, once per change of them: a clip in between scales what the
+        optimizer then reads. Without any (nothing reduced since zero_grad) they get None, and
+        torch's optimizers skip them, as for any ``.grad``."""
+        if self._grads_shown:
             return
-        grads = source if source.dtype == main_dtype else source.to(main_dtype)
-        for optim_param, (lo, hi) in zip(self.optim_params, self.optim_ranges):
-            optim_param.grad = grads[lo:hi]
+        source = self.optimizer_grad_source()
+        main_dtype = self.main_params.dtype
+        if source is None:
+            self.optimizer_grads = None
+        else:
+            self.optimizer_grads = source if source.dtype == main_dtype else source.to(main_dtype)
+        for optim_param, face, (lo, hi) in zip(self.optim_params, self.faces, self.optim_ranges):
+            piece = None if self.optimizer_grads is None else self.optimizer_grads[lo:hi]
+            optim_param.grad = piece
+            face.show_grad(piece)
+        self._grads_shown = True
 
     def install_main_params(self) -> None:
         """Writes the stepped main params into the compute weights and, where every rank holds
@@ -413,6 +433,32 @@ class Bucket:
             lo, hi = self._piece(index, base, base + source.numel())
             pieces.append((source[lo - base : hi - base], lo - slot.offset))
         return pieces
+
+    def add_faces(self, meshes: MeshCache) -> None:
+        """Builds each parameter's DTensor face over its checkpoint piece (the main weights where
+        they exist): flat-sharded unless this rank holds the whole bucket."""
+        source, _ = self.checkpoint_source()
+        sharded = source.numel() != self.layout.padded_numel
+        self.faces = []
+        for index, (param, extent, (piece, _)) in enumerate(zip(self.params, self.extents, self.checkpoint_pieces())):
+            layout = self._flat_layout(index, extent) if sharded else None
+            spec = shard_spec(param, extent.global_shape, self.dp, layout, self.device.type, meshes)
+            self.faces.append(ShardedParam(piece, spec, self.requires_grad))
+
+    def _flat_layout(self, index: int, extent: ParamExtent) -> FlatLayout:
+        """Where every rank's piece of parameter ``index`` lies in its flattened local tensor:
+        shard by shard, and within a shard outer rank by outer rank where HFSDP splits it."""
+        slot = self.layout.slots[index]
+        shard = self.layout.shard_numel
+        split = self.outer.size if self.splits_shard and self.requires_grad else 1
+        part = shard // split
+        pieces = []
+        for rank in range(self.dp.size):
+            for outer_rank in range(split):
+                lo = max(slot.offset, rank * shard + outer_rank * part)
+                hi = min(slot.end, rank * shard + (outer_rank + 1) * part)
+                pieces.append((min(lo, slot.end) - slot.offset, max(hi - lo, 0)))
+        return FlatLayout(tuple(extent.local_shape), tuple(extent.offset), tuple(pieces), 2 if split > 1 else 1)
 
     def sync_after_load(self) -> None:
         """After pieces were loaded in place: install the main params into the weights."""

@@ -1,81 +1,40 @@
 """State dicts for torch.distributed.checkpoint (DCP).
 
-``model.state_dict()`` maps each parameter's original FQN to a DTensor of the parameter's global
-shape whose local tensor is this rank's flat piece of it (a view into the main parameters, or
-the weights where no main parameters exist). A flat piece is not one rectangle, so the local
-tensor tells DCP its rectangular chunks through DCP's checkpointable hooks
-(``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``), which DTensor
-delegates to its local tensor. DCP then saves, loads in place and reshards across world sizes
-and strategies; the files hold plain tensors of the original shapes. Optimizer state follows
-the same scheme, keyed by parameter FQN.
+``model.state_dict()`` maps each parameter's original FQN to its DTensor face (sharded_params.py):
+the parameter's global shape over this rank's piece of it (a view into the main parameters, or
+the weights where no main parameters exist). A sharded piece is a flat range, which a
+:class:`~megatron_fsdp.piece_dtensor.PieceDTensor` describes to DCP as the rectangles it
+covers and gathers correctly for ``full_tensor()``. DCP then saves, loads in place and reshards
+across world sizes and strategies; the files hold plain tensors of the original shapes.
+Optimizer state follows the same scheme, keyed by parameter FQN.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from megatron_fsdp.buffer import Bucket
-from megatron_fsdp.dtensor_params import ParamExtent, contiguous_strides, is_expert_param
-from megatron_fsdp.layout import flat_offset, rectangular_chunks
-
-if TYPE_CHECKING:
-    from megatron_fsdp.module import MegatronFSDP
-
-
-def piece_dtensor(piece: torch.Tensor, extent: ParamExtent, flat_start: int, mesh: DeviceMesh) -> DTensor:
-    """A DTensor of the parameter's global shape holding the flat elements ``[flat_start,
-    flat_start + piece.numel())`` of this rank's local tensor (the whole parameter unless it is
-    tensor-/expert-parallel), in ``piece`` (no copy: loading writes into ``piece``)."""
-    local_shape, shape = extent.local_shape, extent.global_shape
-    chunks = [
-        (
-            torch.Size(o + base for o, base in zip(offsets, extent.offset)),
-            torch.Size(sizes),
-            flat_offset(local_shape, offsets) - flat_start,
-        )
-        for offsets, sizes in rectangular_chunks(local_shape, flat_start, flat_start + piece.numel())
-    ]
-    dtensor = DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=shape, stride=contiguous_strides(shape))
-    with torch.no_grad():
-        local = dtensor.to_local()
-
-    def create_write_items(fqn: str, obj: Any) -> list[WriteItem]:
-        properties = TensorProperties.create_from_tensor(local)
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, offsets),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes), properties=properties, size=shape),
-            )
-            for offsets, sizes, _ in chunks
-        ]
-
-    def create_chunk_list() -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets, sizes) for offsets, sizes, _ in chunks]
-
-    def get_tensor_shard(index: MetadataIndex) -> torch.Tensor:
-        for offsets, sizes, start in chunks:
-            if offsets == index.offset:
-                return local[start : start + sizes.numel()].view(sizes)
-        raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {tuple(index.offset)}")
-
-    local.__create_write_items__ = create_write_items
-    local.__create_chunk_list__ = create_chunk_list
-    local.__get_tensor_shard__ = get_tensor_shard
-    if dtensor.__create_chunk_list__() != create_chunk_list():
-        raise RuntimeError("this torch's DTensor does not delegate checkpoint hooks to its local tensor")
-    return dtensor
+from megatron_fsdp.dtensor_params import ParamExtent, is_expert_param
+from megatron_fsdp.mesh import DataParallelGroup
+from megatron_fsdp.sharded_params import ShardSpec, sharded_dtensor
+from megatron_fsdp.units import FSDPUnit
 
 
-def _param_names(model: MegatronFSDP) -> dict[nn.Parameter, list[str]]:
+class ShardedModel(Protocol):
+    """What state dicts read of a sharded model (a MegatronFSDP, which calls into this module:
+    the dependency runs one way)."""
+
+    module: nn.Module
+    units: list[FSDPUnit]
+    dp: DataParallelGroup
+
+
+def _param_names(model: ShardedModel) -> dict[nn.Parameter, list[str]]:
     """Every name of every parameter, tied aliases included, in state-dict order."""
     names: dict[nn.Parameter, list[str]] = {}
     for name, param in model.module.named_parameters(remove_duplicate=False):
@@ -83,7 +42,7 @@ def _param_names(model: MegatronFSDP) -> dict[nn.Parameter, list[str]]:
     return names
 
 
-def _bucket_params(model: MegatronFSDP) -> Iterator[tuple[Bucket, int, nn.Parameter, tuple[torch.Tensor, int]]]:
+def _bucket_params(model: ShardedModel) -> Iterator[tuple[Bucket, int, nn.Parameter, tuple[torch.Tensor, int]]]:
     """(bucket, index in bucket, parameter, (its checkpoint piece, where the piece starts))."""
     for unit in model.units:
         for bucket in unit.buckets:
@@ -101,38 +60,35 @@ def _checkpointable_extent(bucket: Bucket, index: int) -> ParamExtent:
     return bucket.extents[index]
 
 
-def model_state_dict(model: MegatronFSDP) -> dict[str, Any]:
-    """FQN -> DTensor for every parameter (tied ones under each name), plus persistent buffers."""
-    mesh = model.dp.device_mesh(_device_type(model))
-    pieces = {
-        param: piece_dtensor(piece, _checkpointable_extent(bucket, index), start, mesh)
-        for bucket, index, param, (piece, start) in _bucket_params(model)
-    }
+def model_state_dict(model: ShardedModel) -> dict[str, Any]:
+    """FQN -> DTensor for every parameter (tied ones under each name): its face, detached (the
+    same storage: ``dcp.load`` fills it in place), plus persistent buffers."""
+    pieces = {}
+    for bucket, index, param, _ in _bucket_params(model):
+        _checkpointable_extent(bucket, index)
+        pieces[param] = bucket.faces[index].state()
     return {
         key: pieces[value] if isinstance(value, nn.Parameter) else value
         for key, value in model.module.state_dict(keep_vars=True).items()
     }
 
 
-def _device_type(model: MegatronFSDP) -> str:
-    bucket = next((b for u in model.units for b in u.buckets), None)
-    return bucket.device.type if bucket is not None else "cpu"
-
-
-def load_model_state_dict(model: MegatronFSDP, state_dict: dict[str, Any], strict: bool = True) -> None:
+def load_model_state_dict(model: ShardedModel, state_dict: dict[str, Any], strict: bool = True) -> None:
     """Loads a state dict from :func:`model_state_dict` (after ``dcp.load`` filled it in place)
     or any dict of full tensors (a plain model's ``state_dict()``), then re-installs weights."""
     expected = model.module.state_dict(keep_vars=True)
-    pieces = {param: (bucket.extents[index], piece) for bucket, index, param, piece in _bucket_params(model)}
+    pieces = {
+        param: (bucket.extents[index], bucket.faces[index].spec, piece) for bucket, index, param, piece in _bucket_params(model)
+    }
     names = _param_names(model)
     shapes = {key: (pieces[v][0].global_shape if v in pieces else v.shape) for key, v in expected.items()}
     given = {k: (v.shape if isinstance(v, torch.Tensor) else None) for k, v in state_dict.items()}
     check_keys(shapes, given, strict, "model state dict")
     with torch.no_grad():
-        for param, (extent, (piece, start)) in pieces.items():
+        for param, (extent, spec, (piece, start)) in pieces.items():
             key = next((n for n in names[param] if n in state_dict), None)
             if key is not None:
-                _copy_into_piece(piece, start, extent, state_dict[key])
+                piece.copy_(_local_piece(state_dict[key], piece, start, extent, spec))
         for key, value in expected.items():
             if not isinstance(value, nn.Parameter) and key in state_dict and state_dict[key] is not value:
                 value.copy_(state_dict[key])
@@ -141,16 +97,16 @@ def load_model_state_dict(model: MegatronFSDP, state_dict: dict[str, Any], stric
                 bucket.sync_after_load()
 
 
-def _copy_into_piece(piece: torch.Tensor, start: int, extent: ParamExtent, value: torch.Tensor) -> None:
-    """Copies this rank's flat piece out of ``value`` (of the global shape) unless ``value``
-    already holds it."""
-    if isinstance(value, DTensor):
-        with torch.no_grad():
-            local = value.to_local()
-        if local.data_ptr() == piece.data_ptr() and local.numel() == piece.numel():
-            return  # dcp.load wrote straight into the piece
-        value = value.full_tensor()
-    piece.copy_(extent.local_region(value).reshape(-1)[start : start + piece.numel()])
+def _holds_this_piece(value: DTensor, spec: ShardSpec) -> bool:
+    """Whether ``value``'s local tensor is this rank's piece as ``spec`` places it (our own state
+    dict, filled by ``dcp.load``, or a copy of it). Decided from metadata alone, so every rank
+    decides alike and either none gathers the full tensor or all do."""
+    return (
+        value.device_mesh == spec.mesh
+        and tuple(value.placements) == spec.placements
+        and value.shape == spec.global_shape
+        and getattr(value, "_flat_layout", None) == spec.layout
+    )
 
 
 def check_keys(expected: dict[str, torch.Size], given: dict[str, torch.Size | None], strict: bool, what: str) -> None:
@@ -174,7 +130,7 @@ def check_keys(expected: dict[str, torch.Size], given: dict[str, torch.Size | No
         raise RuntimeError(f"the {what} does not fit this model; " + "; ".join(problems))
 
 
-def _optimizer_param_names(model: MegatronFSDP) -> dict[int, tuple[str, Bucket, int, int]]:
+def _optimizer_param_names(model: ShardedModel) -> dict[int, tuple[str, Bucket, int, int]]:
     """id(main-parameter piece) -> (parameter FQN, bucket, index in bucket, where its piece
     starts in the flattened parameter)."""
     names = _param_names(model)
@@ -205,20 +161,20 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer, step: Any) -> None:
             param.grad = None
 
 
-def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: MegatronFSDP, unwrapped_step: Any) -> dict[str, Any]:
+def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: ShardedModel, unwrapped_step: Any) -> dict[str, Any]:
     """``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}`` with
     every per-element state tensor as a DTensor piece like the parameter's."""
     _init_optimizer_state(optimizer, unwrapped_step)
-    mesh = model.dp.device_mesh(_device_type(model))
     owners = _optimizer_param_names(model)
     state: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         for piece in group["params"]:
-            fqn, bucket, index, start = owners[id(piece)]  # the optimizer steps exactly this piece
+            fqn, bucket, index, _ = owners[id(piece)]  # the optimizer steps exactly this piece
+            spec = bucket.faces[index].spec
             entries = {}
             for name, value in optimizer.state.get(piece, {}).items():
                 per_element = isinstance(value, torch.Tensor) and value.shape == piece.shape
-                entries[name] = piece_dtensor(value, bucket.extents[index], start, mesh) if per_element else value
+                entries[name] = sharded_dtensor(value, spec) if per_element else value
             state[fqn] = entries
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": [owners[id(p)][0] for p in group["params"]]}
@@ -228,7 +184,7 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: MegatronFSDP, 
 
 
 def load_optimizer_state_dict(
-    optimizer: torch.optim.Optimizer, model: MegatronFSDP, state_dict: dict[str, Any], unwrapped_load: Any
+    optimizer: torch.optim.Optimizer, model: ShardedModel, state_dict: dict[str, Any], unwrapped_load: Any
 ) -> None:
     """Loads a state dict of :func:`optimizer_state_dict` form (after ``dcp.load`` filled it in
     place) through the optimizer's own ``load_state_dict``."""
@@ -246,8 +202,10 @@ def load_optimizer_state_dict(
     torch_state = {}
     for position, (piece, fqn) in enumerate(zip(pieces, fqns)):
         _, bucket, index, start = owners[id(piece)]
-        extent = bucket.extents[index]
-        torch_state[position] = {name: _local_piece(value, piece, start, extent) for name, value in saved[fqn].items()}
+        extent, spec = bucket.extents[index], bucket.faces[index].spec
+        torch_state[position] = {
+            name: _local_piece(value, piece, start, extent, spec) for name, value in saved[fqn].items()
+        }
     groups, position = [], 0
     for group, saved_group in zip(optimizer.param_groups, state_dict["param_groups"]):
         count = len(group["params"])
@@ -256,15 +214,15 @@ def load_optimizer_state_dict(
     unwrapped_load({"state": torch_state, "param_groups": groups})
 
 
-def _local_piece(value: Any, piece: torch.Tensor, start: int, extent: ParamExtent) -> Any:
-    """This rank's piece of a per-element state entry (our DTensor after dcp.load, or a full
-    tensor of the global shape from elsewhere); other entries (a step count) as they are."""
+def _local_piece(value: Any, piece: torch.Tensor, start: int, extent: ParamExtent, spec: ShardSpec) -> Any:
+    """This rank's piece of a parameter or a per-element state entry: from a DTensor holding it
+    (no communication), else from the full tensor (a DTensor of another layout is gathered, on
+    every rank); other entries (a step count) as they are."""
     if isinstance(value, DTensor):
         with torch.no_grad():
-            local = value.to_local()
-        if local.numel() == piece.numel():
-            return local.reshape(piece.shape)
-        value = value.full_tensor()
+            if _holds_this_piece(value, spec):
+                return value.to_local().reshape(piece.shape)
+            value = value.full_tensor()
     if isinstance(value, torch.Tensor) and value.dim() > 0:
         return extent.local_region(value).reshape(-1)[start : start + piece.numel()]
     return value

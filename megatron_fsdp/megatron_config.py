@@ -223,6 +223,9 @@ def add_megatron_fsdp_args(parser: argparse.ArgumentParser) -> argparse.Argument
                        help="the model is built on the meta device and initialised unit by unit while sharding")
     # Present for the validity checks Megatron-LM makes together with Megatron-FSDP.
     group.add_argument("--cpu-offloading", action="store_true", help="offload activations/weights to the CPU")
+    if "--clip-grad" not in parser._option_string_actions:  # Megatron-LM's own parser already has it
+        group.add_argument("--clip-grad", type=float, default=1.0,
+                           help="clip the global gradient norm to this with megatron_fsdp.clip_grad_norm_; 0 turns it off")
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     group.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                        help="activation recomputation")

@@ -23,6 +23,12 @@ class DataParallelGroup:
     # Expert parallelism: the group that holds the same experts ("expert data parallel"), which
     # expert parameters are sharded over instead of this one.
     expert: DataParallelGroup | None = None
+    # The mesh the user gave (the one this group's mesh was sliced from) and the dims of this
+    # group in it, so parameters' DTensors can live on this group's dims plus the tensor- or
+    # expert-parallel ones (``model_parallel_dims``: those of the model's DTensor parameters).
+    root_mesh: DeviceMesh | None = None
+    dim_names: tuple[str, ...] = ()
+    model_parallel_dims: tuple[str, ...] = ()
 
     @property
     def dense_size(self) -> int:
@@ -49,13 +55,17 @@ def resolve_dp_shard_group(device_mesh: DeviceMesh | None, dp_shard_dim: str | N
     mesh = _named_or_only_dim(
         device_mesh, dp_shard_dim, "device_mesh", "dp_shard_dim", "name the one to shard over with dp_shard_dim"
     )
-    return _group_over(mesh)
+    return _group_over(mesh, device_mesh)
 
 
-def _group_over(mesh: DeviceMesh | None) -> DataParallelGroup:
-    """The group of a 1-D mesh (the default group without one), with this rank's place in it."""
+def _group_over(mesh: DeviceMesh | None, root: DeviceMesh | None = None) -> DataParallelGroup:
+    """The group of a 1-D mesh sliced from ``root`` (the default group without one), with this
+    rank's place in it."""
     group = dist.group.WORLD if mesh is None else mesh.get_group()
-    return DataParallelGroup(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group), mesh=mesh)
+    names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+    return DataParallelGroup(
+        group=group, rank=dist.get_rank(group), size=dist.get_world_size(group), mesh=mesh, root_mesh=root, dim_names=names
+    )
 
 
 def _named_or_only_dim(device_mesh: DeviceMesh, dim: str | None, mesh_argument: str, dim_argument: str, hint: str) -> DeviceMesh:
@@ -77,7 +87,7 @@ def resolve_outer_group(
     """``inner`` with its HSDP outer group ``device_mesh[dp_outer_dim]`` attached."""
     if device_mesh is None:
         raise ValueError(f"dp_outer_dim={dp_outer_dim!r} needs a device_mesh holding that dim")
-    outer = _group_over(submesh(device_mesh, dp_outer_dim, "dp_outer_dim"))
+    outer = _group_over(submesh(device_mesh, dp_outer_dim, "dp_outer_dim"), device_mesh)
     if hybrid_fsdp_group is not None and dist.get_world_size(hybrid_fsdp_group) != inner.size * outer.size:
         raise ValueError(
             f"hybrid_fsdp_group has {dist.get_world_size(hybrid_fsdp_group)} ranks but dp_outer x dp_shard is "
@@ -93,7 +103,7 @@ def resolve_expert_group(dense: DataParallelGroup, expt_device_mesh: DeviceMesh,
         expt_device_mesh, dp_shard_dim, "expt_device_mesh", "dp_shard_dim (in expt_device_mesh)",
         "name its expert-data-parallel dim with dp_shard_dim (the same name as in device_mesh)",
     )
-    expert = _group_over(mesh)
+    expert = _group_over(mesh, expt_device_mesh)
     if dense.dense_size % expert.size:
         raise ValueError(
             f"expt_device_mesh's {dp_shard_dim or 'only'} dim has {expert.size} ranks, which does not divide the "

@@ -13,10 +13,12 @@ import torch
 from torch import nn
 
 from megatron_fsdp import _ops, checkpoint
+from megatron_fsdp.buffer import Bucket
 from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy
 from megatron_fsdp.mesh import DataParallelGroup
 from megatron_fsdp.meta_init import materialize_unit_by_unit
 from megatron_fsdp.schedule import StepScheduler, StepState
+from megatron_fsdp.sharded_params import MeshCache, ShardedParam
 from megatron_fsdp.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_to_units, find_unit_modules
 from megatron_fsdp.user_buffers import NCCLUserBuffers
 
@@ -88,12 +90,20 @@ class MegatronFSDP(nn.Module):
             built = {owner: build_unit(owner) for owner in assignment}
         self.units: list[FSDPUnit] = [built[owner] for owner in assignment]
         self.root_unit = self.units[0]
-        for param in module.parameters():
+        meshes = MeshCache()
+        for bucket in self.all_buckets():
+            bucket.add_faces(meshes)
+        # Each model parameter -> the DTensor parameter users see in its place.
+        self._faces: dict[nn.Parameter, ShardedParam] = {
+            param: face for bucket in self.all_buckets() for param, face in zip(bucket.params, bucket.faces)
+        }
+        for param in [*module.parameters(), *self.parameters()]:
             # Lets fully_shard_optimizer(optimizer) find this wrapper from the optimizer's params.
             param._megatron_fsdp_owner = weakref.ref(self)
         self.scheduler = StepScheduler(self.units, settings, dp)
-        device = next((b.device for unit in self.units for b in unit.buckets), torch.device("cpu"))
-        self.user_buffers = NCCLUserBuffers.create(self.pool, dp, device) if settings.nccl_ub else None
+        # Where the buffers live (and forward computes).
+        self.compute_device = next((b.device for b in self.all_buckets()), torch.device("cpu"))
+        self.user_buffers = NCCLUserBuffers.create(self.pool, dp, self.compute_device) if settings.nccl_ub else None
         self._policy = settings.mixed_precision
         self.optimizer_steps = 0
         self._register_hooks(unit_modules)
@@ -121,12 +131,23 @@ class MegatronFSDP(nn.Module):
                         functools.partial(_deliver_grad, scheduler, unit_index, bucket_index, index)
                     )
 
+    # The hooks gather, reshard and re-point parameters through the C++ pool and collectives:
+    # under torch.compile they run eagerly between graphs (a graph break at each unit boundary)
+    # instead of being traced.
+
+    @torch.compiler.disable
     def _pre_forward(self, unit: FSDPUnit, module: nn.Module, args: Any) -> None:
         self.scheduler.before_unit_forward(unit)
 
+    @torch.compiler.disable
     def _post_forward(self, unit: FSDPUnit, module: nn.Module, args: Any, output: Any) -> None:
-        self.scheduler.after_unit_forward(unit)
-        self._arm_pre_backward(unit, output)
+        if self.scheduler.after_unit_forward(unit):
+            self._arm_pre_backward(unit, output)
+
+    @torch.compiler.disable
+    def _after_root_forward(self, output: Any) -> None:
+        if not self._arm_pre_backward(None, output):
+            self.scheduler.end_forward_without_backward()
 
     def _arm_pre_backward(self, unit: FSDPUnit | None, output: Any) -> bool:
         tensors = _tensors_requiring_grad(output) if torch.is_grad_enabled() else []
@@ -137,10 +158,9 @@ class MegatronFSDP(nn.Module):
         return bool(tensors)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.scheduler.before_unit_forward(self.root_unit)
+        self._pre_forward(self.root_unit, self.module, args)
         output = self.module(*args, **kwargs)
-        if not self._arm_pre_backward(None, output):
-            self.scheduler.end_forward_without_backward()
+        self._after_root_forward(output)
         return output
 
     # -- training-loop controls ---------------------------------------------------------------
@@ -161,37 +181,77 @@ class MegatronFSDP(nn.Module):
         """Waits for every gradient reduction; the optimizer step calls it for you."""
         self.scheduler.finish_grad_sync()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's: every parameter's ``.grad`` becomes None (or zeros), and the main
+        gradients behind them are released (or zeroed)."""
+        self.zero_grad_buffer(set_to_none)
+
     def zero_grad_buffer(self, set_to_none: bool = True) -> None:
         """Releases the main gradients, or with ``set_to_none=False`` zeroes them in place
         (``optimizer.zero_grad(set_to_none)`` calls it). Released gradients are re-created by
         the next reduction, so forward runs without them."""
-        for bucket in self._trainable_buckets():
+        for bucket in self.trainable_buckets():
             bucket.zero_main_grad(set_to_none)
+
+    # -- the parameters users see -------------------------------------------------------------
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For torch.distributed.checkpoint.state_dict's helpers: the wrapped model sits under
+        ``module``, and the FQNs leave that out."""
+        return {"module": "module"}
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes of the wrapped model (``model.config``, ``model.blocks``) read through the
+        wrapper, whose FQNs are the wrapped model's: torch's state-dict helpers walk them so."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped model's parameter FQNs, each with its DTensor face: this rank's piece of
+        the main weights, whose ``.grad`` shows the reduced gradient after each gradient sync
+        (docs/architecture.md, "The parameter contract"). ``self.module``'s own parameters are
+        the compute weights forward and backward use."""
+        if not recurse:
+            return
+        for name, param in self.module.named_parameters(remove_duplicate=remove_duplicate):
+            yield (f"{prefix}.{name}" if prefix else name), self._faces[param].param
 
     # -- optimizer support --------------------------------------------------------------------
 
-    def _trainable_buckets(self):
+    def trainable_buckets(self) -> list[Bucket]:
         return [bucket for unit in self.units for bucket in unit.trainable_buckets]
+
+    def all_buckets(self) -> list[Bucket]:
+        return [bucket for unit in self.units for bucket in unit.buckets]
 
     def optimizer_params(self) -> dict[nn.Parameter, nn.Parameter]:
         """Each trainable model parameter -> the main-parameter piece the optimizer steps."""
         return {
             param: optim_param
-            for bucket in self._trainable_buckets()
+            for bucket in self.trainable_buckets()
             for param, optim_param in zip(bucket.params, bucket.optim_params)
         }
 
+    def face_of(self, param: nn.Parameter) -> nn.Parameter:
+        """The DTensor parameter :meth:`parameters` shows for the model parameter ``param``."""
+        return self._faces[param].param
+
     def prepare_optimizer_step(self) -> None:
+        """Finishes the gradient sync, which points every optimizer piece at its gradient."""
         if self.scheduler.state is not StepState.IDLE:
             raise RuntimeError("optimizer.step() was called during forward or backward")
         self.finish_grad_sync()
         if self.settings.check_for_nan_in_grad:
             self.scheduler.check_reduced_grads_finite(self.optimizer_steps)
-        for bucket in self._trainable_buckets():
-            bucket.attach_optimizer_grads()
 
     def install_optimizer_step(self) -> None:
-        for bucket in self._trainable_buckets():
+        for bucket in self.trainable_buckets():
             bucket.install_main_params()
         self.optimizer_steps += 1
         if self.user_buffers is not None:
@@ -252,7 +312,7 @@ class MegatronFSDP(nn.Module):
         """Every trainable parameter's reduced gradient by name (a collective), after
         ``finish_grad_sync()``."""
         full = {}
-        for bucket in self._trainable_buckets():
+        for bucket in self.trainable_buckets():
             source = bucket.optimizer_grad_source()
             if source is None:  # nothing reduced since zero_grad
                 source = torch.zeros(bucket.main_end - bucket.main_start, dtype=bucket.dtypes.main_grads, device=bucket.device)

@@ -24,7 +24,11 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) 
             "the optimizer already holds state (it has stepped): build it fresh and shard it before the first step"
         )
     mapping = model.optimizer_params()
+    # An optimizer built before fully_shard holds the model's parameters; one built after it,
+    # their DTensor faces (model.parameters()).
+    mapping.update({model.face_of(param): piece for param, piece in list(mapping.items())})
     model_param_names = {p: n for n, p in model.module.named_parameters()}
+    model_param_names.update({p: n for n, p in model.named_parameters()})
     for group_index, group in enumerate(optimizer.param_groups):
         pieces = []
         for param in group["params"]:

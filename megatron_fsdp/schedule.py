@@ -47,9 +47,14 @@ class StepScheduler:
 
     def before_unit_forward(self, unit: FSDPUnit) -> None:
         if self.state is StepState.BACKWARD:
-            raise RuntimeError(
-                f"unit {unit.name} ran forward while a backward pass is in progress; finish backward() first"
-            )
+            if unit.is_root:
+                raise RuntimeError(
+                    f"unit {unit.name} ran forward while a backward pass is in progress; finish backward() first"
+                )
+            # Activation checkpointing re-runs a unit's forward inside backward, which needs the
+            # weights gathered anyway: nothing is recorded, prefetched or resharded for it.
+            unit.unshard()
+            return
         if self.state is StepState.IDLE:
             self._forward_calls = []
         self.state = StepState.FORWARD
@@ -63,9 +68,14 @@ class StepScheduler:
         if self.settings.overlap_param_gather and 0 <= position < len(order):
             order[position].start_unshard()
 
-    def after_unit_forward(self, unit: FSDPUnit) -> None:
+    def after_unit_forward(self, unit: FSDPUnit) -> bool:
+        """Reshards after a forward; False for a forward recomputed inside backward, whose
+        outputs need no pre-backward hook (backward has reached the unit already)."""
+        if self.state is StepState.BACKWARD:
+            return False
         if not unit.is_root:
             unit.reshard()
+        return True
 
     def end_forward_without_backward(self) -> None:
         """Inference (no_grad, or nothing to differentiate): nothing stays gathered."""
@@ -166,6 +176,7 @@ class StepScheduler:
         for unit in self.units:
             for bucket in unit.trainable_buckets:
                 bucket.sync_outer()
+                bucket.show_grads()
 
     def check_reduced_grads_finite(self, step: int) -> None:
         """Raises on every rank when any rank's reduced gradient shard holds NaN/Inf."""

@@ -35,6 +35,10 @@ class Setup:
     hsdp: tuple[int, int] | None = None  # (dp_outer, dp_shard) sizes of a 2-D mesh
     outer_strategy: str = "no_shard"
     double_buffer: bool = False
+    # Gradient clipping before each step: None, "torch" (torch.nn.utils.clip_grad_norm_ over
+    # model.parameters()) or "fused" (megatron_fsdp.clip_grad_norm_); MAX_NORM is small enough
+    # that every step clips.
+    clip: str | None = None
 
     def build_model(self):
         return make_model(seed=0, dtype=self.dtype, **dict(self.model_options))
@@ -45,9 +49,15 @@ class Result:
     losses: list[float] = field(default_factory=list)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Total gradient norm of each step (clipped runs): as returned by the clip, and as the other
+    # way computes it on the same gradients (the fused norm before torch's clip, torch's norm of
+    # the DTensor gradients before the fused clip).
+    norms: list[float] = field(default_factory=list)
+    other_norms: list[float] = field(default_factory=list)
 
 
 ADAM_LR = 1e-2
+MAX_NORM = 0.05
 
 
 def build_optimizer(params, name: str) -> torch.optim.Optimizer:
@@ -83,8 +93,10 @@ def reference_run(setup: Setup, world: int, compute_dtype: torch.dtype | None = 
         result.losses.append(loss.item())
         for name, param in trainable:
             master[name].grad = param.grad.float()
+        if setup.clip is not None:
+            result.norms.append(torch.nn.utils.clip_grad_norm_(list(master.values()), MAX_NORM).item())
         if step == setup.steps - 1:
-            result.grads = {n: p.grad.detach().cpu() for n, p in trainable}
+            result.grads = {n: (master[n].grad if setup.clip else p.grad).detach().cpu() for n, p in trainable}
         optimizer.step()
         optimizer.zero_grad()
         with torch.no_grad():
@@ -129,12 +141,38 @@ def sharded_run(rank: int, world: int, setup: Setup, device: str = "cpu") -> Res
         dist.all_reduce(total)
         result.losses.append(total.item() / (world * setup.accum))
         model.finish_grad_sync()
+        if setup.clip is not None:
+            _clip(model, setup.clip, result)
         if step == setup.steps - 1:
             result.grads = {n: g.cpu() for n, g in model.full_gradients().items()}
         optimizer.step()
         optimizer.zero_grad()
     result.params = {n: p.float().cpu() for n, p in model.full_parameters().items()}
     return result
+
+
+def _torch_norm(total: torch.Tensor) -> float:
+    """torch's clip returns a replicated DTensor for DTensor gradients."""
+    return (total.full_tensor() if isinstance(total, DTensor) else total).item()
+
+
+def _clip(model: megatron_fsdp.MegatronFSDP, way: str, result: Result) -> None:
+    if way == "torch":
+        result.other_norms.append(megatron_fsdp.total_grad_norm(model).item())
+        result.norms.append(_torch_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+    else:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        result.other_norms.append(_torch_norm(torch.nn.utils.get_total_norm(grads)))
+        result.norms.append(megatron_fsdp.clip_grad_norm_(model, MAX_NORM).item())
+
+
+def _clip_exactly(grads: list[torch.Tensor]) -> float:
+    """torch's clip_grad_norm_ with the norm summed in float64 and the fp32 factor applied in
+    fp32: the single-process clip at the precision megatron_fsdp computes it (torch's own
+    computes the norm of bf16 gradients in bf16)."""
+    total = torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt().float()
+    torch._foreach_mul_(grads, torch.clamp(MAX_NORM / (total + 1e-6), max=1.0))
+    return total.item()
 
 
 def emulated_reference_run(setup: Setup, world: int, device: str = "cpu") -> Result:
@@ -199,6 +237,8 @@ def emulated_reference_run(setup: Setup, world: int, device: str = "cpu") -> Res
             result.grads = {n: g.cpu() for n, g in main_grads.items()}
         for name, _ in trainable:
             master[name].grad = main_grads[name].to(dtypes.main_params)
+        if setup.clip is not None:
+            result.norms.append(_clip_exactly([m.grad for m in master.values()]))
         optimizer.step()
         optimizer.zero_grad()
         with torch.no_grad():
@@ -220,6 +260,15 @@ def compare_emulated(got: Result, expected: Result, setup: Setup, world: int, la
     exact = dtypes.promotes_reduction or world == 2
     rtol = 0.0 if exact else (2e-2 if dtypes.comm == torch.bfloat16 else 2e-5)
     param_atol = 0.0 if exact else 2 * ADAM_LR * setup.steps
+    if setup.clip is not None:
+        # The clip's norm sums in another order than the reference's: fp32 rounding, 1e-7
+        # relative. Scaling every gradient by a factor that much off moves gradients by as much
+        # and an Adam update only through eps (1e-8 against gradients of 1e-3): far below 1e-6.
+        # A norm is as close as the gradients it sums (rtol when reductions sum in another order).
+        for step, (a, b) in enumerate(zip(got.norms, expected.norms)):
+            assert abs(a - b) <= max(rtol, 1e-6) * b, f"{label}: gradient norm at step {step}: {a} vs reference {b}"
+        assert len(got.norms) == len(expected.norms) == setup.steps, f"{label}: not every step was clipped"
+        rtol, param_atol = max(rtol, 1e-6), max(param_atol, 1e-6)
     for step, (a, b) in enumerate(zip(got.losses, expected.losses)):
         assert abs(a - b) <= rtol * abs(b), f"{label}: loss at step {step}: {a} vs {b}"
     for key, value in expected.grads.items():
@@ -297,6 +346,13 @@ def max_relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def compare(got: Result, expected: Result, loss_rtol: float, grad_rtol: float, param_rtol: float, label: str) -> None:
     for step, (a, b) in enumerate(zip(got.losses, expected.losses)):
         assert abs(a - b) <= loss_rtol * abs(b), f"{label}: loss at step {step}: {a} vs reference {b}"
+    assert len(got.norms) == len(expected.norms), f"{label}: {len(got.norms)} clipped steps, reference {len(expected.norms)}"
+    for step, (a, b) in enumerate(zip(got.norms, expected.norms)):
+        assert abs(a - b) <= loss_rtol * abs(b), f"{label}: gradient norm at step {step}: {a} vs reference {b}"
+    # The two ways to clip see the same gradients: they agree to fp32 rounding of a norm (a few
+    # 1e-7 relative; 1e-6 leaves room for summation order).
+    for step, (a, b) in enumerate(zip(got.norms, got.other_norms)):
+        assert abs(a - b) <= 1e-6 * abs(b), f"{label}: step {step}: the clip's norm {a} vs the other way's {b}"
     assert got.grads.keys() == expected.grads.keys(), f"{label}: gradient names differ"
     for name, grad in expected.grads.items():
         err = max_relative_error(got.grads[name], grad)

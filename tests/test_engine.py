@@ -86,7 +86,10 @@ def test_nccl_ub_without_nccl_says_so_once_and_keeps_double_buffers(single_rank_
 def test_optimizer_is_found_from_its_parameters(single_rank_group) -> None:
     model = megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block])
     optimizer = megatron_fsdp.fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    assert optimizer.param_groups[0]["params"][0] is model.optimizer_params()[next(model.parameters())]
+    first_name, first_face = next(model.named_parameters())
+    first_param = model.module.get_parameter(first_name)
+    assert model.face_of(first_param) is first_face
+    assert optimizer.param_groups[0]["params"][0] is model.optimizer_params()[first_param]
     with pytest.raises(ValueError, match="already passed"):
         megatron_fsdp.fully_shard_optimizer(optimizer, model)
 

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import megatron_fsdp
 from _dist import run_distributed
 from expected_errors import value_error_messages
+from models import make_batch
 from moe_model import EXPERTS, MoEBlock, make_moe
 from parity import Result, build_optimizer, compare, train_data_parallel, train_whole_batches
 
@@ -245,3 +246,32 @@ def _plain_tensor_experts_state_dict(rank: int, world: int) -> str:
 def test_state_dict_refuses_plain_tensor_experts() -> None:
     for message in run_distributed(_plain_tensor_experts_state_dict, WORLD):
         assert "expert parameter blocks.0.moe.w_in is a plain tensor" in message, message
+
+
+def _clip_norms(rank: int, world: int) -> dict:
+    mesh = _expert_mesh()
+    model = megatron_fsdp.fully_shard_model(
+        make_moe(mesh["ep"]), device_mesh=_dense_mesh(), dp_shard_dim="dp_shard", expt_device_mesh=mesh,
+        fsdp_unit_modules=[MoEBlock],
+    )
+    tokens, targets = make_batch(0, WORLD * MICRO_ROWS)
+    rows = slice(rank * MICRO_ROWS, (rank + 1) * MICRO_ROWS)
+    model(tokens[rows], targets[rows]).backward()
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch_clip = "no error"
+    except RuntimeError as error:
+        torch_clip = str(error)
+    return {"fused": megatron_fsdp.clip_grad_norm_(model, 1e-3).item(), "torch": torch_clip}
+
+
+def test_fused_clip_counts_every_expert_once_and_torch_clip_refuses_mixed_meshes() -> None:
+    """Experts live on another mesh than dense parameters: the fused norm sums every expert
+    exactly once (as a single process holding all experts does); torch's clip cannot combine
+    DTensors of two meshes and must say so on every rank rather than return a partial norm."""
+    reference = make_moe()
+    reference(*make_batch(0, WORLD * MICRO_ROWS)).backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3).item()
+    for rank, result in enumerate(run_distributed(_clip_norms, WORLD)):
+        assert abs(result["fused"] - expected) <= 1e-5 * expected, f"rank {rank}: {result['fused']} vs {expected}"
+        assert result["torch"] != "no error", f"rank {rank}: torch's clip mixed meshes without an error"

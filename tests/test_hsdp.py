@@ -26,6 +26,9 @@ SETUPS = {
 }
 SETUPS["no_shard-s3-deferred"] = Setup(strategy=3, accum=3, hsdp=(2, 2), sync_each_microbatch=False)
 SETUPS["optim-s3-no-sync"] = Setup(strategy=3, accum=3, hsdp=(2, 2), outer_strategy="optim", no_sync_until_last=True)
+# Clipping: HSDP replicas must not count twice; HFSDP pieces live on the 2-D mesh.
+for _outer, _way in (("no_shard", "torch"), ("no_shard", "fused"), ("optim", "torch"), ("optim", "fused")):
+    SETUPS[f"{_outer}-s3-clip-{_way}"] = Setup(strategy=3, accum=2, hsdp=(2, 2), outer_strategy=_outer, clip=_way, steps=4)
 
 
 @functools.cache

@@ -5,6 +5,7 @@ the deprecated flags; NaN reporting."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import warnings
@@ -28,6 +29,13 @@ def _setup(strategy: int, combo: tuple[str, str, str]) -> Setup:
 
 
 SETUPS = {f"s{s}-{'-'.join(c)}": _setup(s, c) for s in range(4) for c in COMBOS}
+# Clipping under mixed precision: fp32 main gradients of a bf16 model, bf16 communication summed
+# in fp32, and main params of another dtype than the main gradients (the optimizer reads a cast
+# copy, which the clip scales). torch's clip of bf16 gradients computes their norm in bf16, so
+# bf16 main params are clipped the fused way only.
+for _strategy, _combo, _way in ((2, ("fp32", "fp32", "fp32"), "fused"), (3, ("fp32", "fp32", "bf16"), "torch"),
+                                (3, ("bf16", "fp32", "fp32"), "fused"), (1, ("fp32", "bf16", "bf16"), "torch")):
+    SETUPS[f"clip-{_way}-s{_strategy}-{'-'.join(_combo)}"] = dataclasses.replace(_setup(_strategy, _combo), clip=_way)
 
 
 @functools.cache

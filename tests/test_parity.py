@@ -32,6 +32,9 @@ for _strategy in range(4):
     )
     SETUPS[f"no-sync-s{_strategy}"] = Setup(strategy=_strategy, accum=3, no_sync_until_last=True)
     SETUPS[f"deferred-sync-s{_strategy}"] = Setup(strategy=_strategy, accum=3, sync_each_microbatch=False)
+    # Clipping, either way, with accumulation: every step clips (MAX_NORM is below every norm).
+    SETUPS[f"clip-torch-s{_strategy}"] = Setup(strategy=_strategy, accum=2, clip="torch", steps=4)
+    SETUPS[f"clip-fused-s{_strategy}"] = Setup(strategy=_strategy, accum=2, clip="fused", steps=4)
 SETUPS["sgd-s3"] = Setup(strategy="optim_grads_params", optimizer="sgd")
 SETUPS["adamw-foreach-s1"] = Setup(strategy="optim", optimizer="adamw_foreach", accum=2)
 SETUPS["adam-fused-s3"] = Setup(strategy=3, optimizer="adam_fused")
@@ -81,6 +84,15 @@ def test_tied_frozen_non_unit_and_reused_modules_match_single_process(strategy: 
 def test_no_sync_and_deferred_sync_accumulate_each_gradient_once(strategy: int, world: int) -> None:
     _check(f"no-sync-s{strategy}", world)
     _check(f"deferred-sync-s{strategy}", world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("strategy", range(4))
+def test_clip_grad_norm_torch_and_fused_match_single_process_clipping(strategy: int, world: int) -> None:
+    """torch.nn.utils.clip_grad_norm_(model.parameters()) on the DTensor gradients and
+    megatron_fsdp.clip_grad_norm_ return the single process's norm and clip the same way."""
+    _check(f"clip-torch-s{strategy}", world)
+    _check(f"clip-fused-s{strategy}", world)
 
 
 @pytest.mark.parametrize("world", WORLDS)

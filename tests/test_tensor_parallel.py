@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import megatron_fsdp
 from _dist import run_distributed
 from expected_errors import value_error_messages
-from models import FFN, HIDDEN, Block, make_model
+from models import FFN, HIDDEN, Block, make_batch, make_model
 from parity import Result, build_optimizer, compare, train_data_parallel, train_whole_batches
 
 WORLD, DP, TP = 4, 2, 2
@@ -180,3 +180,30 @@ def test_tp_mesh_mistakes_raise_clear_errors() -> None:
     assert "pass tp_dim" in errors["no tp_dim"]
     assert "not on device_mesh[tp_dim]" in errors["wrong dim"]
     assert "no dim named 'cp'" in errors["absent dim"]
+
+
+def _clip_norms(rank: int, world: int) -> dict:
+    """One backward on the same global batch: the norm torch's clip computes over the TP model
+    alone, and both ways over TP + FSDP (whose parameters sit on the (dp, tp) mesh)."""
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    tokens, targets = make_batch(0, DP * MICRO_ROWS)
+    alone = _tp_model(mesh["tp"])
+    alone(tokens, targets).backward()
+    full_grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in alone.parameters()]
+    expected = torch.nn.utils.get_total_norm(full_grads).item()
+    model = megatron_fsdp.fully_shard_model(
+        _tp_model(mesh["tp"]), device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp", fsdp_unit_modules=[Block]
+    )
+    rows = slice(mesh["dp"].get_local_rank() * MICRO_ROWS, (mesh["dp"].get_local_rank() + 1) * MICRO_ROWS)
+    model(tokens[rows], targets[rows]).backward()
+    fused = megatron_fsdp.total_grad_norm(model).item()
+    torch_way = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).full_tensor().item()
+    return {"expected": expected, "fused": fused, "torch": torch_way}
+
+
+def test_clip_norms_count_tensor_parallel_replicas_once() -> None:
+    """Plain parameters are replicated over tp, sharded ones split: both ways to clip must give
+    the TP model's own norm (a replicated norm counted per tp rank would be sqrt(2) off)."""
+    for rank, norms in enumerate(run_distributed(_clip_norms, WORLD)):
+        for way in ("fused", "torch"):
+            assert abs(norms[way] - norms["expected"]) <= 1e-5 * norms["expected"], f"rank {rank} {way}: {norms}"

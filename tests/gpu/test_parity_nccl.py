@@ -35,6 +35,9 @@ SETUPS["frozen-reused-s3"] = Setup(
 SETUPS["no-sync-s1"] = Setup(strategy=1, accum=3, no_sync_until_last=True)
 for _strategy in (1, 3):
     SETUPS[f"double-buffer-s{_strategy}"] = Setup(strategy=_strategy, accum=2, double_buffer=True)
+# Clipping on CUDA: torch's clip on the DTensor gradients, and the fused norm's CUDA kernel.
+SETUPS["clip-torch-s3"] = Setup(strategy=3, accum=2, clip="torch", steps=4)
+SETUPS["clip-fused-s2"] = Setup(strategy=2, accum=2, clip="fused", steps=4)
 
 
 @functools.cache

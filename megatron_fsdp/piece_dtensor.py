@@ -1,0 +1,242 @@
+"""The DTensors megatron_fsdp hands out: this rank's piece of a parameter in the flat buffers
+(no copy), of the parameter's global shape.
+
+Where every rank holds the whole (local) parameter the piece is an ordinary DTensor. Where the
+buffers are sharded, the piece is a contiguous range of the flattened parameter (the zero-copy
+layout), and ``Shard(0)`` promises ``torch.chunk`` rows, which a flat range is not.
+:class:`PieceDTensor` keeps the ``Shard(0)`` placement on the data-parallel mesh dims
+(elementwise math and norms, which is what optimizers and clipping do, are exact on any split)
+and carries the flat layout, so the operations that move data between ranks give the right
+values:
+
+- ``full_tensor()`` and ``redistribute(placements=...)`` (to ``Replicate`` or ``Shard``) gather
+  the flat pieces with one padded all-gather per data-parallel dim, then place the result;
+- elementwise results, ``to``/``cpu``, ``detach``, ``clone`` stay flat-sharded with the layout;
+- DCP's checkpoint hooks describe the piece as the rectangles it covers;
+- pickling saves the piece alone (a copy: not the whole buffer it views) with its layout.
+
+Any other operation whose result would keep a data-parallel ``Shard`` (a view, a reshape, an
+index) raises the same error on every rank before it returns: its rows would be wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
+
+from megatron_fsdp.collectives import all_gather_shards
+from megatron_fsdp.dtensor_params import contiguous_strides
+from megatron_fsdp.layout import flat_offset, rectangular_chunks
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each rank's piece lies in the flattened local tensor (the parameter, or a tensor-
+    or expert-parallel parameter's local tensor of ``local_shape`` at ``offset``).
+
+    ``pieces[i]`` is ``(start, length)`` of the i-th piece in flat order; the first
+    ``dp_dims`` mesh dims split the tensor: with one, piece i is dp rank i's; with two
+    (outer, shard), piece ``r * outer_size + o`` is shard rank r's, outer rank o's."""
+
+    local_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    pieces: tuple[tuple[int, int], ...]
+    dp_dims: int
+
+    def mine(self, mesh: DeviceMesh) -> tuple[int, int]:
+        if self.dp_dims == 1:
+            return self.pieces[mesh.get_local_rank(0)]
+        return self.pieces[mesh.get_local_rank(1) * mesh.size(0) + mesh.get_local_rank(0)]
+
+
+class PieceDTensor(DTensor):
+    """See the module docstring. Build with :func:`flat_sharded`."""
+
+    _flat_layout: FlatLayout
+
+    @staticmethod
+    def wrap(plain: DTensor, layout: FlatLayout) -> PieceDTensor:
+        out = PieceDTensor(plain._local_tensor, plain._spec, requires_grad=plain.requires_grad)
+        out._flat_layout = layout
+        return out
+
+    # -- operations that move data between ranks -----------------------------------------------
+
+    def full_tensor(self, *, grad_placements: Any = None) -> torch.Tensor:
+        """The whole tensor on every rank (a collective over the mesh)."""
+        if self._flat_layout is None:
+            return super().full_tensor(grad_placements=grad_placements)
+        local = _gather_flat(self._local_tensor.detach(), self._flat_layout, self.device_mesh).view(
+            self._flat_layout.local_shape
+        )
+        rest = self.placements[self._flat_layout.dp_dims :]
+        if not rest:
+            return local
+        names = self.device_mesh.mesh_dim_names
+        submesh = self.device_mesh[names[self._flat_layout.dp_dims :]]
+        return DTensor.from_local(
+            local, submesh, rest, run_check=False, shape=self.shape, stride=contiguous_strides(self.shape)
+        ).full_tensor()
+
+    def redistribute(
+        self, device_mesh: DeviceMesh | None = None, placements: tuple[Placement, ...] | None = None, **kwargs: Any
+    ) -> DTensor:
+        """To ``Replicate``/``Shard`` placements on the same mesh: a plain (row-sharded) DTensor."""
+        if self._flat_layout is None:
+            return super().redistribute(device_mesh, placements, **kwargs)
+        mesh = device_mesh or self.device_mesh
+        placements = tuple(placements) if placements is not None else tuple(self.placements)
+        if mesh != self.device_mesh or any(p.is_partial() for p in placements):
+            raise ValueError(
+                "a megatron_fsdp flat-sharded DTensor redistributes only to Replicate or Shard placements "
+                f"on its own mesh, not to {placements} on {mesh}"
+            )
+        return distribute_tensor(self.full_tensor(), mesh, placements, src_data_rank=None)
+
+    # -- the piece as rectangles, for torch.distributed.checkpoint -----------------------------
+
+    def _chunks(self) -> list[tuple[torch.Size, torch.Size, int]]:
+        """(global offsets, sizes, start in the local piece) of each rectangle of the piece."""
+        layout = self._flat_layout
+        start, length = layout.mine(self.device_mesh)
+        return [
+            (
+                torch.Size(o + base for o, base in zip(offsets, layout.offset)),
+                torch.Size(sizes),
+                flat_offset(layout.local_shape, offsets) - start,
+            )
+            for offsets, sizes in rectangular_chunks(layout.local_shape, start, start + length)
+        ]
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        if self._flat_layout is None:
+            return super().__create_write_items__(fqn, obj)
+        properties = TensorProperties.create_from_tensor(self._local_tensor)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets, sizes), properties=properties, size=self.shape
+                ),
+            )
+            for offsets, sizes, _ in self._chunks()
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        if self._flat_layout is None:
+            return super().__create_chunk_list__()
+        return [ChunkStorageMetadata(offsets, sizes) for offsets, sizes, _ in self._chunks()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        if self._flat_layout is None:
+            return super().__get_tensor_shard__(index)
+        for offsets, sizes, start in self._chunks():
+            if offsets == index.offset:
+                return self._local_tensor[start : start + sizes.numel()].view(sizes)
+        raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {tuple(index.offset)}")
+
+    # -- what keeps the layout ----------------------------------------------------------------
+    # Also caught by __torch_dispatch__ below; spelled out because torch 2.11's DTensor fast path
+    # does not route every op of a subclass through it.
+
+    def detach(self) -> PieceDTensor:
+        return PieceDTensor.wrap(super().detach(), self._flat_layout)
+
+    def clone(self, *args: Any, **kwargs: Any) -> PieceDTensor:
+        return PieceDTensor.wrap(super().clone(*args, **kwargs), self._flat_layout)
+
+    def to(self, *args: Any, **kwargs: Any) -> PieceDTensor:
+        return PieceDTensor.wrap(super().to(*args, **kwargs), self._flat_layout)
+
+    def cpu(self, *args: Any, **kwargs: Any) -> PieceDTensor:
+        return PieceDTensor.wrap(super().cpu(*args, **kwargs), self._flat_layout)
+
+    # -- everything else ----------------------------------------------------------------------
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return (
+            _rebuild,
+            (self._local_tensor.detach().clone(), self.device_mesh, tuple(self.placements), self.shape, self._flat_layout),
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        layout = next(a._flat_layout for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, PieceDTensor))
+        inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, PieceDTensor)]
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func._schema.is_mutable and args and isinstance(args[0], PieceDTensor):
+            return args[0]  # in place: the piece was changed where it is
+
+        def rewrap(value: Any) -> Any:
+            if not isinstance(value, DTensor) or isinstance(value, PieceDTensor):
+                return value
+            same_layout = any(
+                value.shape == a.shape and value.placements == a.placements and value.device_mesh == a.device_mesh
+                and value._local_tensor.numel() == a._local_tensor.numel()
+                for a in inputs
+            )
+            if same_layout:
+                return PieceDTensor.wrap(value, layout)
+            if layout is not None and any(p.is_shard() for p in value.placements[: layout.dp_dims]):
+                raise NotImplementedError(
+                    f"{func} on a megatron_fsdp flat-sharded DTensor (a rank holds a flat range of the "
+                    "parameter, not torch.chunk rows): call .full_tensor() or .redistribute() first"
+                )
+            return value
+
+        return pytree.tree_map(rewrap, out)
+
+
+def _rebuild(
+    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: torch.Size, layout: FlatLayout | None
+) -> PieceDTensor:
+    return piece_dtensor(local, mesh, placements, shape, layout)
+
+
+def piece_dtensor(
+    piece: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: torch.Size, layout: FlatLayout | None
+) -> PieceDTensor:
+    """A DTensor of global ``shape`` over ``piece`` (its storage, no copy): the flat range
+    ``layout`` describes, or (None) the whole local tensor in its local shape."""
+    with torch.no_grad():
+        plain = DTensor.from_local(piece, mesh, placements, run_check=False, shape=shape, stride=contiguous_strides(shape))
+    return PieceDTensor.wrap(plain, layout)
+
+
+def as_parameter(tensor: PieceDTensor, requires_grad: bool) -> torch.nn.Parameter:
+    """``tensor`` itself as an ``nn.Parameter`` (what ``nn.Parameter(tensor)`` makes of a tensor
+    subclass, without the detach that torch 2.11's DTensor would turn into a plain DTensor)."""
+    tensor.requires_grad_(requires_grad)
+    tensor._is_param = True
+    return tensor
+
+
+def _gather_flat(piece: torch.Tensor, layout: FlatLayout, mesh: DeviceMesh) -> torch.Tensor:
+    """Every rank's piece, in flat order: the whole flattened local tensor."""
+    longest = max(length for _, length in layout.pieces)
+    padded = piece.new_zeros(longest)
+    padded[: piece.numel()].copy_(piece.reshape(-1))
+    if layout.dp_dims == 1:
+        gathered = piece.new_empty(mesh.size(0) * longest)
+        all_gather_shards(gathered, padded, mesh.get_group(0))
+        rows = gathered.view(mesh.size(0), longest)
+        order = [rows[i] for i in range(mesh.size(0))]
+    else:
+        # (outer, shard): gather over shard first (this outer rank's pieces), then over outer.
+        outer, shard = mesh.size(0), mesh.size(1)
+        over_shard = piece.new_empty(shard * longest)
+        all_gather_shards(over_shard, padded, mesh.get_group(1))
+        everything = piece.new_empty(outer * shard * longest)
+        all_gather_shards(everything, over_shard, mesh.get_group(0))
+        grid = everything.view(outer, shard, longest)
+        order = [grid[o, r] for r in range(shard) for o in range(outer)]
+    return torch.cat([row[:length] for row, (_, length) in zip(order, layout.pieces)])

@@ -1,0 +1,152 @@
+"""The parameters users see after ``fully_shard``: one DTensor ``nn.Parameter`` per model
+parameter, of the parameter's global shape, whose local tensor is this rank's piece of the main
+weights (a view into the flat buffers, no copy), and whose ``.grad`` is a DTensor over its piece of
+the reduced gradients (a view too).
+
+The mesh holds every dim the parameter is distributed over: the data-parallel dims (``Shard(0)``
+where the main weights are sharded, ``Replicate()`` where every rank holds them whole), then the
+tensor- or expert-parallel dims of a DTensor parameter with its own placements. A plain
+parameter of a tensor-parallel model is ``Replicate()`` on the tensor-parallel dims, so all dense
+parameters share one mesh and torch's norms count each element exactly once.
+
+A sharded piece is a contiguous range of the flattened parameter, so its local tensor is 1-D and
+its DTensor a :class:`~megatron_fsdp.piece_dtensor.PieceDTensor`, which knows every rank's
+range (see docs/architecture.md, "The parameter contract").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from megatron_fsdp.mesh import DataParallelGroup
+from megatron_fsdp.piece_dtensor import FlatLayout, as_parameter, piece_dtensor
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where a parameter's piece lives: the mesh and placements of its DTensor, how many ranks of
+    the world hold an identical copy of it (what a norm summed over every rank divides its
+    contribution by), and for a sharded piece where every rank's piece lies."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    global_shape: torch.Size
+    copies: int
+    layout: FlatLayout | None = None
+
+
+class MeshCache:
+    """Meshes made by slicing the user's mesh, made once per set of dims."""
+
+    def __init__(self) -> None:
+        self._meshes: dict[tuple, DeviceMesh] = {}
+
+    def get(self, dims: tuple[str, ...], dp: DataParallelGroup, device_type: str) -> DeviceMesh:
+        key = (id(dp.group), dims, device_type)
+        if key not in self._meshes:
+            if dims == dp.dim_names:  # the data-parallel group alone (also when no mesh was given)
+                self._meshes[key] = dp.device_mesh(device_type)
+            else:
+                self._meshes[key] = dp.root_mesh[dims]
+        return self._meshes[key]
+
+
+def shard_spec(
+    param: torch.Tensor,
+    global_shape: torch.Size,
+    dp: DataParallelGroup,
+    layout: FlatLayout | None,
+    device_type: str,
+    meshes: MeshCache,
+) -> ShardSpec:
+    """The spec of ``param``'s piece (of a parameter of ``global_shape``; a sharded parameter's
+    own shape is empty) in a bucket reduced over ``dp``: ``layout`` says where every rank's piece
+    lies when the pieces are shards (``layout.dp_dims == 2``: HFSDP splits each shard again over
+    the outer group), None when every rank holds the whole bucket."""
+    sharded = layout is not None
+    split_over_outer = sharded and layout.dp_dims == 2
+    dims: list[str] = []
+    placements: list[Placement] = []
+    distinct = 1
+    if split_over_outer:
+        dims += dp.outer.dim_names
+        placements.append(Shard(0))
+        distinct *= dp.outer.size
+    dims += dp.dim_names
+    placements.append(Shard(0) if sharded else Replicate())
+    distinct *= dp.size if sharded else 1
+    if isinstance(param, DTensor):
+        dims += param.device_mesh.mesh_dim_names
+        placements += param.placements
+        for mesh_dim, placement in enumerate(param.placements):
+            if placement.is_shard():
+                distinct *= param.device_mesh.size(mesh_dim)
+    else:
+        dims += dp.model_parallel_dims
+        placements += [Replicate()] * len(dp.model_parallel_dims)
+    mesh = meshes.get(tuple(dims), dp, device_type)
+    world = dist.get_world_size()
+    if world % distinct:
+        raise RuntimeError(f"{distinct} distinct pieces of a parameter cannot spread evenly over {world} ranks")
+    return ShardSpec(mesh, tuple(placements), global_shape, world // distinct, layout)
+
+
+def sharded_dtensor(piece: torch.Tensor, spec: ShardSpec) -> DTensor:
+    """A DTensor of the global shape over ``piece``, sharing its storage: a whole (replicated)
+    piece as a plain DTensor of the local shape; a sharded one as the flat range it is."""
+    if spec.layout is None and piece.numel():
+        piece = piece.view(_local_shape(piece, spec))
+    return piece_dtensor(piece, spec.mesh, spec.placements, spec.global_shape, spec.layout)
+
+
+def _local_shape(piece: torch.Tensor, spec: ShardSpec) -> torch.Size:
+    """The local shape of a piece that is a whole local tensor: the global shape with each
+    tensor- or expert-parallel split applied (torch.chunk sizes)."""
+    shape = list(spec.global_shape)
+    for mesh_dim, placement in enumerate(spec.placements):
+        if placement.is_shard():
+            dim = placement.dim
+            chunk = -(-shape[dim] // spec.mesh.size(mesh_dim))
+            start = min(chunk * spec.mesh.get_local_rank(mesh_dim), shape[dim])
+            shape[dim] = min(chunk, shape[dim] - start)
+    if torch.Size(shape).numel() != piece.numel():
+        raise RuntimeError(f"a piece of {piece.numel()} elements is not the local tensor of shape {shape}")
+    return torch.Size(shape)
+
+
+class ShardedParam:
+    """One model parameter's face: the DTensor parameter users see (over ``piece``), and the
+    gradient DTensor its ``.grad`` is pointed at after each gradient sync (made once,
+    re-pointed in place)."""
+
+    def __init__(self, piece: torch.Tensor, spec: ShardSpec, requires_grad: bool) -> None:
+        self.spec = spec
+        self.piece = piece
+        self.param = as_parameter(sharded_dtensor(piece, spec), requires_grad)
+        self._grad: DTensor | None = None
+
+    def state(self) -> DTensor:
+        """A DTensor over the piece that is not the parameter: what state dicts hold."""
+        return sharded_dtensor(self.piece, self.spec)
+
+    def show_grad(self, grad_piece: torch.Tensor | None) -> None:
+        """``param.grad`` becomes the DTensor over ``grad_piece`` (None: no gradient)."""
+        if grad_piece is None:
+            self.param.grad = None
+            if self._grad is not None:
+                # The cached DTensor must not keep the released gradient buffer alive.
+                self._grad._local_tensor.data = self._grad._local_tensor.new_empty(0)
+            return
+        local = grad_piece.view(_local_shape(grad_piece, self.spec)) if self.spec.layout is None else grad_piece
+        if self._grad is None or self._grad.dtype != local.dtype:
+            # Made over an empty tensor, then re-pointed: a local tensor that were a view of the
+            # first gradient buffer would keep that buffer alive as its base for good.
+            self._grad = sharded_dtensor(local.new_empty(0), self.spec)
+        self._grad._local_tensor.data = local
+        self.param.grad = self._grad
