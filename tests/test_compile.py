@@ -35,12 +35,14 @@ def _checkpointed_forward(model: TinyGPT, tokens: torch.Tensor, targets: torch.T
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def _train(rank: int, world: int, strategy: int, compile_mode: str, checkpointing: bool, backend: str) -> dict:
+def _train(
+    rank: int, world: int, strategy: int, compile_mode: str, checkpointing: bool, backend: str, dtype: torch.dtype
+) -> dict:
     import torch._dynamo
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = make_model(seed=0)
+    model = make_model(seed=0, dtype=dtype)
     if checkpointing:
         model.forward = _checkpointed_forward.__get__(model)
     if compile_mode == "blocks-before":
@@ -66,29 +68,32 @@ def _train(rank: int, world: int, strategy: int, compile_mode: str, checkpointin
     return {"losses": losses, "graphs": graphs, "params": sharded.full_parameters()}
 
 
-# (strategy, how it is compiled, activation checkpointing, backend)
+FP32, BF16 = torch.float32, torch.bfloat16
+# (strategy, how it is compiled, activation checkpointing, backend, dtype). A bf16 model with
+# fp32 main weights compiled with aot_eager runs eager's kernels on eager's inputs: also exact.
 RUNS = [
-    (3, "blocks-before", False, "aot_eager"),
-    (3, "blocks-after", True, "aot_eager"),
-    (3, "whole", False, "aot_eager"),
-    (3, "whole", True, "aot_eager"),
-    (0, "blocks-after", False, "aot_eager"),
-    (1, "blocks-before", True, "aot_eager"),
-    (2, "whole", False, "aot_eager"),
-    (3, "blocks-after", False, "inductor"),
+    (3, "blocks-before", False, "aot_eager", FP32),
+    (3, "blocks-after", True, "aot_eager", FP32),
+    (3, "whole", False, "aot_eager", FP32),
+    (3, "whole", True, "aot_eager", FP32),
+    (0, "blocks-after", False, "aot_eager", FP32),
+    (1, "blocks-before", True, "aot_eager", FP32),
+    (2, "whole", False, "aot_eager", FP32),
+    (3, "blocks-after", True, "aot_eager", BF16),
+    (3, "blocks-after", False, "inductor", FP32),
 ]
 
 
 def _all_runs(rank: int, world: int) -> list[tuple[dict, dict]]:
-    """Each compiled run with the eager run of its strategy."""
-    eager = {s: _train(rank, world, s, "eager", False, "") for s in sorted({run[0] for run in RUNS})}
-    return [(_train(rank, world, *run), eager[run[0]]) for run in RUNS]
+    """Each compiled run with the eager run of its strategy and dtype."""
+    eager = {key: _train(rank, world, key[0], "eager", False, "", key[1]) for key in dict.fromkeys((r[0], r[4]) for r in RUNS)}
+    return [(_train(rank, world, *run), eager[(run[0], run[4])]) for run in RUNS]
 
 
 def test_compiled_blocks_and_whole_model_train_like_eager_without_recompiles() -> None:
     results = run_distributed(_all_runs, 2, timeout=900)[0]
     for run, (compiled, eager) in zip(RUNS, results):
-        label = f"strategy {run[0]}, {run[1]}, checkpointing {run[2]}, {run[3]}"
+        label = f"strategy {run[0]}, {run[1]}, checkpointing {run[2]}, {run[3]}, {run[4]}"
         # Dynamo cannot break a graph inside activation checkpointing's region, so a whole-model
         # compile runs the frames holding checkpointed units eagerly (docs/api.md, torch.compile).
         if run[1:3] != ("whole", True):

@@ -219,3 +219,10 @@ def test_flags_shard_and_train_bit_for_bit_like_direct_fully_shard_arguments(bot
         assert through_config["losses"] == by_hand["losses"], f"rank {rank}: {through_config['losses']} vs {by_hand['losses']}"
         for param_name, value in by_hand["params"].items():
             assert torch.equal(through_config["params"][param_name], value), f"rank {rank}: {param_name} differs"
+
+
+def test_clip_grad_flag_defaults_to_megatron_lm_and_yields_to_an_existing_one() -> None:
+    assert _parse().clip_grad == 1.0 and _parse("--clip-grad", "0.5").clip_grad == 0.5
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--clip-grad", type=float, default=2.0)  # Megatron-LM's own parser has it
+    assert megatron_fsdp.add_megatron_fsdp_args(parser).parse_args([]).clip_grad == 2.0

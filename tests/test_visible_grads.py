@@ -129,11 +129,24 @@ def _bad_max_norm(rank: int, world: int) -> list[str]:
     messages = list(value_error_messages(calls).values())
     # No rank entered a collective for the refused calls: a real one now pairs up.
     megatron_fsdp.clip_grad_norm_(model, 1.0)
+    # An Inf in one rank's gradient: every rank reports the non-finite norm and nothing is scaled.
+    grad = next(p.grad for p in model.parameters() if p.grad is not None and p.grad.to_local().numel())
+    if rank == 0:
+        grad.to_local()[0] = math.inf
+    before = grad.to_local().clone()
+    try:
+        megatron_fsdp.clip_grad_norm_(model, 1e-3)
+        messages.append("no error")
+    except FloatingPointError as error:
+        messages.append(str(error).split(" before")[0])
+    messages.append(str(torch.equal(grad.to_local(), before)))
     return messages
 
 
-def test_clip_grad_norm_refuses_bad_max_norm_on_every_rank_before_any_collective() -> None:
+def test_clip_grad_norm_refuses_bad_max_norm_and_reports_non_finite_norms_on_every_rank() -> None:
     per_rank = run_distributed(_bad_max_norm, 2)
     assert per_rank[0] == per_rank[1]
     assert all(m is not None and "max_norm must be a finite number > 0" in m for m in per_rank[0][:5]), per_rank[0]
     assert "norm_type must be > 0" in per_rank[0][5], per_rank[0]
+    assert per_rank[0][6] == "clip_grad_norm_: the total gradient norm is inf", per_rank[0]
+    assert per_rank[0][7] == per_rank[1][7] == "True", "a non-finite norm scaled the gradients"
