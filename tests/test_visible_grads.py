@@ -15,7 +15,7 @@ import megatron_fsdp
 from _dist import run_distributed
 from expected_errors import value_error_messages
 from models import Block, make_batch, make_model
-from parity import max_relative_error
+from parity import max_relative_error, train_data_parallel
 
 MICRO_ROWS = 2
 
@@ -104,15 +104,7 @@ def _optimizer_after_fully_shard(rank: int, world: int) -> tuple[list[float], li
         else:
             model = megatron_fsdp.fully_shard_model(module, fsdp_unit_modules=[Block])
             optimizer = megatron_fsdp.fully_shard_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
-        losses[when] = []
-        for step in range(3):
-            tokens, targets = make_batch(step, world * MICRO_ROWS)
-            rows = slice(rank * MICRO_ROWS, (rank + 1) * MICRO_ROWS)
-            loss = model(tokens[rows], targets[rows])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses[when].append(loss.item())
+        losses[when] = train_data_parallel(model, optimizer, 3, 1, MICRO_ROWS, rank, world).losses
     return losses["before"], losses["after"]
 
 
