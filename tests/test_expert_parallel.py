@@ -275,3 +275,32 @@ def test_fused_clip_counts_every_expert_once_and_torch_clip_refuses_mixed_meshes
     for rank, result in enumerate(run_distributed(_clip_norms, WORLD)):
         assert abs(result["fused"] - expected) <= 1e-5 * expected, f"rank {rank}: {result['fused']} vs {expected}"
         assert result["torch"] != "no error", f"rank {rank}: torch's clip mixed meshes without an error"
+
+
+def _expert_dtensors(rank: int, world: int) -> list[str]:
+    """Dense and expert parameters' DTensors (state dict, faces, gradients) give the global
+    values megatron_fsdp's own gathers give (expert pieces live on the expert mesh)."""
+    mesh = _expert_mesh()
+    model = megatron_fsdp.fully_shard_model(
+        make_moe(mesh["ep"]), device_mesh=_dense_mesh(), dp_shard_dim="dp_shard", expt_device_mesh=mesh,
+        fsdp_unit_modules=[MoEBlock],
+    )
+    tokens, targets = make_batch(0, WORLD * MICRO_ROWS)
+    model(tokens[rank * MICRO_ROWS : (rank + 1) * MICRO_ROWS], targets[rank * MICRO_ROWS : (rank + 1) * MICRO_ROWS]).backward()
+    model.finish_grad_sync()
+    full_params, full_grads = model.full_parameters(), model.full_gradients()
+    to_global = {n: e.to_global for b in model.all_buckets() for n, e in zip(b.names, b.extents)}
+    bad = []
+    state = model.state_dict()
+    for name, param in model.named_parameters():
+        expected = to_global[name](full_params[name])
+        if not torch.equal(state[name].full_tensor(), expected) or not torch.equal(param.full_tensor(), expected):
+            bad.append(name)
+        if param.grad is not None and not torch.equal(param.grad.full_tensor(), to_global[name](full_grads[name])):
+            bad.append(f"{name} grad")
+    return bad
+
+
+def test_expert_and_dense_dtensors_give_global_values() -> None:
+    for rank, bad in enumerate(run_distributed(_expert_dtensors, WORLD)):
+        assert bad == [], f"rank {rank}: {bad}"
