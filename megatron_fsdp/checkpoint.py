@@ -61,7 +61,7 @@ def _checkpointable_extent(bucket: Bucket, index: int) -> ParamExtent:
 
 
 def model_state_dict(model: ShardedModel) -> dict[str, Any]:
-    """FQN -> DTensor for every parameter (tied ones under each name): its face, detached (the
+    """FQN -> DTensor for every parameter (tied ones under each name) over its face's piece (the
     same storage: ``dcp.load`` fills it in place), plus persistent buffers."""
     pieces = {}
     for bucket, index, param, _ in _bucket_params(model):
@@ -88,7 +88,9 @@ def load_model_state_dict(model: ShardedModel, state_dict: dict[str, Any], stric
         for param, (extent, spec, (piece, start)) in pieces.items():
             key = next((n for n in names[param] if n in state_dict), None)
             if key is not None:
-                piece.copy_(_local_piece(state_dict[key], piece, start, extent, spec))
+                local = _local_piece(state_dict[key], piece, start, extent, spec)
+                if local.data_ptr() != piece.data_ptr():  # else dcp.load wrote straight into the piece
+                    piece.copy_(local)
         for key, value in expected.items():
             if not isinstance(value, nn.Parameter) and key in state_dict and state_dict[key] is not value:
                 value.copy_(state_dict[key])

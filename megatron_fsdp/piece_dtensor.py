@@ -170,8 +170,8 @@ class PieceDTensor(DTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        layout = next(a._flat_layout for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, PieceDTensor))
         inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, PieceDTensor)]
+        layout = inputs[0]._flat_layout
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func._schema.is_mutable and args and isinstance(args[0], PieceDTensor):
             return args[0]  # in place: the piece was changed where it is
