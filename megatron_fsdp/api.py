@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 from collections.abc import Sequence
 from typing import Any
-
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -14,52 +12,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from megatron_fsdp.argument_types import check_argument_types
-from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
-from megatron_fsdp.consistency import check_same_configuration_on_all_ranks, describe_configuration
-from megatron_fsdp.dtensor_params import check_parallel_params
-from megatron_fsdp.mesh import resolve_dp_shard_group, resolve_expert_group, resolve_outer_group, submesh
+from megatron_fsdp.config import MixedPrecisionPolicy, ShardingStrategy
+from megatron_fsdp.distributed_index import FSDPDistributedIndex
 from megatron_fsdp.module import MegatronFSDP
 from megatron_fsdp.optimizer import distribute_optimizer
-from megatron_fsdp.units import resolve_unit_classes
-
-def _check_meta_params(module: nn.Module, meta_init: bool) -> None:
-    """Before the model is moved anywhere: meta tensors cannot be copied to a device."""
-    devices = {p.device for p in module.parameters()}
-    if any(d.type == "meta" for d in devices) and not meta_init:
-        raise ValueError("the model has parameters on the meta device: pass init_model_with_meta_device=True")
-    if meta_init and devices - {torch.device("meta")}:
-        raise ValueError("init_model_with_meta_device=True needs every parameter on the meta device")
-
-
-def _module_device(module: nn.Module, meta_init: bool) -> torch.device:
-    devices = {p.device for p in module.parameters()}
-    if meta_init:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if len(devices) > 1:
-        raise ValueError(f"the model's parameters are spread over {sorted(map(str, devices))}; move it to one device first")
-    return next(iter(devices), torch.device("cpu"))
-
-
-def _resolve_policy(
-    policy: MixedPrecisionPolicy | None, grad_reduce_in_fp32: bool | None, preserve_fp32_weights: bool | None
-) -> MixedPrecisionPolicy:
-    """The policy, or one built from the deprecated flags (with a DeprecationWarning)."""
-    legacy = {"grad_reduce_in_fp32": grad_reduce_in_fp32, "preserve_fp32_weights": preserve_fp32_weights}
-    given = [name for name, value in legacy.items() if value is not None]
-    if not given:
-        return policy or MixedPrecisionPolicy()
-    if policy is not None:
-        raise ValueError(f"pass either mixed_precision_policy or {' / '.join(given)}, not both")
-    warnings.warn(
-        f"{' and '.join(given)} are deprecated: use mixed_precision_policy=MixedPrecisionPolicy("
-        "main_params_dtype=..., main_grads_dtype=..., grad_comm_dtype=...)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return MixedPrecisionPolicy(
-        main_params_dtype=torch.float32 if preserve_fp32_weights in (None, True) else None,
-        main_grads_dtype=torch.float32 if grad_reduce_in_fp32 else None,
-    )
+from megatron_fsdp.plan import check_strategies, check_timeout, check_upstream_options, plan_sharding, resolve_policy
 
 
 def fully_shard_model(
@@ -69,27 +26,42 @@ def fully_shard_model(
     dp_outer_dim: str | None = None,
     tp_dim: str | None = None,
     hybrid_fsdp_group: dist.ProcessGroup | None = None,
+    hybrid_fsdp_expt_group: dist.ProcessGroup | None = None,
     expt_device_mesh: DeviceMesh | None = None,
+    fsdp_group_ag: dist.ProcessGroup | None = None,
+    expt_fsdp_group_ag: dist.ProcessGroup | None = None,
     fsdp_unit_modules: Sequence[type | str] | None = None,
     zero_dp_strategy: int | str = "optim_grads_params",
     outer_dp_sharding_strategy: int | str = "no_shard",
     device: torch.device | str | None = None,
     init_model_with_meta_device: bool = False,
-    grad_reduce_in_fp32: bool | None = None,
-    preserve_fp32_weights: bool | None = None,
+    mixed_precision_policy: MixedPrecisionPolicy | None = None,
     overlap_grad_reduce: bool = True,
     overlap_param_gather: bool = True,
     sync_model_each_microbatch: bool = True,
     preproc_state_dict_for_dcp_ckpt: bool = True,
-    check_for_nan_in_grad: bool = False,
     report_nan_in_param_grad: bool = False,
-    fsdp_double_buffer: bool = False,
+    average_in_collective: bool = False,
+    disable_bucketing: bool = False,
+    calculate_per_token_loss: bool = False,
+    keep_fp8_transpose_cache: bool = False,
     nccl_ub: bool = False,
-    mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    fsdp_double_buffer: bool = False,
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
+    disable_symmetric_registration: bool = False,
+    enable_fine_grained_param_gather: bool = False,
+    use_decoupled_grad: bool = False,
+    cuda_graph_mode: bool = False,
+    maxpool_double_buffer: bool = False,
+    grad_reduce_in_fp32: bool | None = None,
+    preserve_fp32_weights: bool | None = None,
+    check_for_nan_in_grad: bool = False,
     collective_timeout: float | None = None,
 ) -> MegatronFSDP:
     """Shards ``module`` over the data-parallel group and returns the :class:`MegatronFSDP`
-    wrapper. See docs/api.md for every argument; the essentials:
+    wrapper. The keywords are upstream megatron-fsdp 0.6's, in its order, then megatron_fsdp's
+    own; docs/api.md describes each and docs/migration.md what differs from upstream. The
+    essentials:
 
     - ``fsdp_unit_modules``: classes (or import paths) whose instances are gathered and
       resharded as one unit; required for strategies 1..3.
@@ -101,19 +73,31 @@ def fully_shard_model(
       over dp_shard each micro-batch and averaged over dp_outer when synced.
       ``outer_dp_sharding_strategy``: ``no_shard`` (default) or ``optim`` (HFSDP: the optimizer
       state is sharded across dp_outer too; needs ``optim_grads_params``).
-      ``hybrid_fsdp_group``: optional, the flattened (dp_outer, dp_shard) group, checked for size.
+      ``hybrid_fsdp_group`` (optional): the flattened (dp_outer, dp_shard) group, checked for size.
     - ``tp_dim``: the mesh dim a tensor-parallel model was parallelised on; its DTensor
       parameters' local tensors are sharded over dp_shard (docs/parallelism.md).
     - ``expt_device_mesh``: expert parameters (``param.allreduce = False``) get their own buckets,
       sharded over ``expt_device_mesh[dp_shard_dim]``; their gradients are divided by the dense
       data-parallel size.
-    - ``sync_model_each_microbatch`` (default True): finish every gradient reduction at the end
-      of each backward; False leaves that to ``finish_grad_sync()`` / the optimizer step.
+    - ``sync_model_each_microbatch`` (default True): each backward finishes its gradient
+      reductions and shows the gradients as ``param.grad``; False (or
+      ``model.set_model_auto_sync(False)``) leaves both to the synchronising micro-batch,
+      ``finish_grad_sync()`` or the optimizer step, and strategies 0/1 accumulate locally until then.
     - ``init_model_with_meta_device``: the model was built under ``torch.device("meta")``; each
       module is materialised on the current CUDA device (else the CPU) and initialised with its
       ``reset_parameters()``, and each unit is sharded as soon as it is initialised.
     - ``mixed_precision_policy``: see :class:`MixedPrecisionPolicy`; ``grad_reduce_in_fp32`` and
       ``preserve_fp32_weights`` are its deprecated predecessors.
+    - ``calculate_per_token_loss``: gradients are summed over data-parallel ranks instead of
+      averaged (the loss is divided by the global token count, or ``scale_gradients`` scales).
+    - ``average_in_collective``: accepted; gradients are averaged either way.
+    - ``use_decoupled_grad=True`` is refused (gradients are ``param.grad``);
+      ``maxpool_double_buffer`` turns on ``fsdp_double_buffer``; ``disable_bucketing``,
+      ``keep_fp8_transpose_cache``, ``fsdp_db_use_persist_buf_on_alloc_fail``,
+      ``disable_symmetric_registration``, ``enable_fine_grained_param_gather`` and
+      ``cuda_graph_mode`` tune performance only and have no effect.
+    - ``hybrid_fsdp_expt_group``, ``fsdp_group_ag``, ``expt_fsdp_group_ag``: see
+      :class:`FSDPDistributedIndex`.
     - ``check_for_nan_in_grad``: raise, naming the step, when reduced gradients hold NaN/Inf.
     - ``report_nan_in_param_grad``: raise at the end of backward, naming every parameter whose
       local gradient holds NaN/Inf and the ranks where it does (one device check per gradient).
@@ -132,99 +116,61 @@ def fully_shard_model(
     all raise the same ``ValueError`` if not (megatron_fsdp/consistency.py).
     """
     check_argument_types(locals())
-    _check_timeout(collective_timeout)
-    strategy = ShardingStrategy.parse(zero_dp_strategy)
-    unit_classes = resolve_unit_classes(fsdp_unit_modules)
-    if strategy is not ShardingStrategy.NO_SHARD and not unit_classes:
-        raise ValueError(
-            f"zero_dp_strategy={strategy.label!r} needs fsdp_unit_modules: pass the classes of the blocks to "
-            "shard as units, e.g. fsdp_unit_modules=[MyTransformerBlock]"
-        )
-    outer_strategy = _check_outer_strategy(outer_dp_sharding_strategy, strategy, dp_outer_dim)
+    check_timeout(collective_timeout)
+    maxpool = check_upstream_options(
+        use_decoupled_grad, maxpool_double_buffer, disable_bucketing=disable_bucketing,
+        keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+        fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
+        disable_symmetric_registration=disable_symmetric_registration,
+        enable_fine_grained_param_gather=enable_fine_grained_param_gather, cuda_graph_mode=cuda_graph_mode,
+    )
+    strategy, outer, unit_classes = check_strategies(
+        zero_dp_strategy, outer_dp_sharding_strategy, fsdp_unit_modules, dp_outer_dim
+    )
     if isinstance(module, MegatronFSDP):
         raise ValueError("this model is already sharded by megatron_fsdp")
-    dp = resolve_dp_shard_group(device_mesh, dp_shard_dim)
-    if dp_outer_dim is not None:
-        shards_optimizer = outer_strategy is ShardingStrategy.OPTIM
-        dp = resolve_outer_group(dp, device_mesh, dp_outer_dim, hybrid_fsdp_group, shards_optimizer)
-    if expt_device_mesh is not None:
-        dp = resolve_expert_group(dp, expt_device_mesh, dp_shard_dim)
-    _check_tensor_parallel(module, device_mesh, tp_dim, expt_device_mesh, init_model_with_meta_device)
-    if tp_dim is not None:
-        # Plain parameters of a tensor-parallel model are replicated over its tp dims.
-        dp = dataclasses.replace(dp, model_parallel_dims=tuple(submesh(device_mesh, tp_dim, "tp_dim").mesh_dim_names))
-    _check_meta_params(module, init_model_with_meta_device)
-    if device is not None and not init_model_with_meta_device:
-        module.to(device)
-    compute_device = _module_device(module, init_model_with_meta_device)
-    policy = _resolve_policy(mixed_precision_policy, grad_reduce_in_fp32, preserve_fp32_weights)
-    settings = FSDPSettings(
-        strategy=strategy,
-        mixed_precision=policy,
+    dist_index = FSDPDistributedIndex(
+        device_mesh=device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim, tp_dim=tp_dim,
+        hybrid_fsdp_group=hybrid_fsdp_group, hybrid_fsdp_expt_group=hybrid_fsdp_expt_group,
+        hsdp_outer_dp_shard=outer is ShardingStrategy.OPTIM, expt_device_mesh=expt_device_mesh,
+        fsdp_group_ag=fsdp_group_ag, expt_fsdp_group_ag=expt_fsdp_group_ag,
+    )
+    settings = dict(
+        mixed_precision=resolve_policy(mixed_precision_policy, grad_reduce_in_fp32, preserve_fp32_weights),
         check_for_nan_in_grad=check_for_nan_in_grad,
         report_nan_in_param_grad=report_nan_in_param_grad,
         preproc_state_dict_for_dcp_ckpt=preproc_state_dict_for_dcp_ckpt,
         sync_model_each_microbatch=sync_model_each_microbatch,
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
-        fsdp_double_buffer=fsdp_double_buffer or nccl_ub,  # user buffers must stay put
+        fsdp_double_buffer=fsdp_double_buffer or nccl_ub or maxpool,  # user buffers must stay put
         nccl_ub=nccl_ub,
+        calculate_per_token_loss=calculate_per_token_loss,
         collective_timeout=None if collective_timeout is None else float(collective_timeout),
     )
-    description = describe_configuration(module, settings, unit_classes, dp)
-    check_same_configuration_on_all_ranks(description, dp, settings.collective_timeout)
-    return MegatronFSDP(module, dp, settings, unit_classes, compute_device if init_model_with_meta_device else None)
+    plan = plan_sharding(module, dist_index, strategy, outer, unit_classes, device, init_model_with_meta_device, settings)
+    return MegatronFSDP.from_plan(module, plan)
 
 
-def _check_timeout(collective_timeout: float | None) -> None:
-    if collective_timeout is None:
-        return
-    is_number = isinstance(collective_timeout, (int, float)) and not isinstance(collective_timeout, bool)
-    if not is_number or not 0 < collective_timeout < float("inf"):
-        raise ValueError(f"collective_timeout must be None or a number of seconds > 0, got {collective_timeout!r}")
-
-
-def _check_tensor_parallel(
-    module: nn.Module,
-    device_mesh: DeviceMesh | None,
-    tp_dim: str | None,
-    expt_device_mesh: DeviceMesh | None,
-    meta_init: bool,
-) -> None:
-    tp_mesh = None
-    if tp_dim is not None:
-        if device_mesh is None:
-            raise ValueError(f"tp_dim={tp_dim!r} needs a device_mesh holding that dim")
-        tp_mesh = submesh(device_mesh, tp_dim, "tp_dim")
-    if meta_init and (tp_mesh is not None or expt_device_mesh is not None):
-        raise ValueError(
-            "init_model_with_meta_device=True cannot be combined with tensor- or expert-parallel DTensor "
-            "parameters yet: materialise the model before tensor-parallelising it"
-        )
-    check_parallel_params(module, tp_mesh, expt_device_mesh is not None)
-
-
-def _check_outer_strategy(value: int | str, strategy: ShardingStrategy, dp_outer_dim: str | None) -> ShardingStrategy:
-    outer = ShardingStrategy.parse(value, "outer_dp_sharding_strategy")
-    if outer not in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM):
-        raise ValueError(
-            f"outer_dp_sharding_strategy={outer.label!r} is not supported: use no_shard (replicate across "
-            "dp_outer, HSDP) or optim (also shard the optimizer state across it, HFSDP)"
-        )
-    if outer is ShardingStrategy.OPTIM:
-        if dp_outer_dim is None:
-            raise ValueError("outer_dp_sharding_strategy='optim' needs dp_outer_dim (and a device_mesh holding it)")
-        if strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
-            raise ValueError(
-                f"outer_dp_sharding_strategy='optim' requires zero_dp_strategy='optim_grads_params', got {strategy.label!r}"
-            )
-    return outer
-
-
-def fully_shard_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP | None = None) -> torch.optim.Optimizer:
+def fully_shard_optimizer(
+    optimizer: torch.optim.Optimizer,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+    model: MegatronFSDP | None = None,
+) -> torch.optim.Optimizer:
     """Makes ``optimizer`` step only this rank's main-parameter shard (see
-    :func:`megatron_fsdp.optimizer.distribute_optimizer`). ``model`` defaults to the
-    MegatronFSDP that owns the optimizer's parameters."""
+    :func:`megatron_fsdp.optimizer.distribute_optimizer`), in place, and returns it.
+
+    - ``preproc_state_dict_for_dcp_ckpt`` (upstream's keyword, default True): accepted; the
+      optimizer's state dict is ready for ``torch.distributed.checkpoint`` either way (it
+      follows the model's own ``preproc_state_dict_for_dcp_ckpt``).
+    - ``model``: the MegatronFSDP owning the optimizer's parameters; found from them when
+      omitted. megatron_fsdp 0.1's positional form ``fully_shard_optimizer(optimizer, model)``
+      still works.
+    """
+    if isinstance(preproc_state_dict_for_dcp_ckpt, MegatronFSDP) and model is None:
+        model, preproc_state_dict_for_dcp_ckpt = preproc_state_dict_for_dcp_ckpt, True
+    if not isinstance(preproc_state_dict_for_dcp_ckpt, bool):
+        raise TypeError(f"preproc_state_dict_for_dcp_ckpt must be True or False, got {preproc_state_dict_for_dcp_ckpt!r}")
     if model is None:
         model = _owning_model(optimizer)
     return distribute_optimizer(optimizer, model)
@@ -239,7 +185,7 @@ def _owning_model(optimizer: torch.optim.Optimizer) -> MegatronFSDP:
     }
     if len(owners) != 1:
         raise ValueError(
-            "cannot tell which sharded model this optimizer belongs to; pass it: fully_shard_optimizer(optimizer, model)"
+            "cannot tell which sharded model this optimizer belongs to; pass it: fully_shard_optimizer(optimizer, model=model)"
         )
     return next(iter(owners.values()))
 
@@ -252,11 +198,25 @@ def _owner_of(param: torch.Tensor) -> MegatronFSDP | None:
 def fully_shard(
     module: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    *args: Any,
     **kwargs: Any,
 ) -> tuple[MegatronFSDP, torch.optim.Optimizer | None]:
-    """``fully_shard_model(module, **kwargs)`` then, when given, ``fully_shard_optimizer``:
-    returns ``(model, optimizer)``."""
-    model = fully_shard_model(module, **kwargs)
+    """``fully_shard_model(module, *args, **kwargs)`` then, when given, ``fully_shard_optimizer``:
+    returns ``(model, optimizer)``. The optimizer
+    keeps its param groups and hyper-parameters (upstream 0.6.1 replaces them with one group of
+    every parameter)."""
+    model = fully_shard_model(module, *args, **kwargs)
     if optimizer is not None:
-        optimizer = distribute_optimizer(optimizer, model)
+        optimizer = fully_shard_optimizer(optimizer, model=model)
     return model, optimizer
+
+
+# What introspection (help(), IDEs, inspect.signature) shows: every keyword of fully_shard_model.
+fully_shard.__signature__ = inspect.Signature(
+    [
+        *list(inspect.signature(fully_shard_model).parameters.values())[:1],
+        inspect.Parameter("optimizer", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
+        *list(inspect.signature(fully_shard_model).parameters.values())[1:],
+    ],
+    return_annotation=inspect.signature(fully_shard).return_annotation,
+)

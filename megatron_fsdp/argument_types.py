@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megatron_fsdp.config import MixedPrecisionPolicy
@@ -25,36 +26,53 @@ _FLAGS = (
     "report_nan_in_param_grad",
     "fsdp_double_buffer",
     "nccl_ub",
+    "average_in_collective",
+    "disable_bucketing",
+    "calculate_per_token_loss",
+    "keep_fp8_transpose_cache",
+    "fsdp_db_use_persist_buf_on_alloc_fail",
+    "disable_symmetric_registration",
+    "enable_fine_grained_param_gather",
+    "enable_fine_grained_param_gather_hook",
+    "enable_fine_grained_param_gather_backward_hook",
+    "use_decoupled_grad",
+    "cuda_graph_mode",
+    "maxpool_double_buffer",
 )
 _OPTIONAL_FLAGS = ("grad_reduce_in_fp32", "preserve_fp32_weights")
 _OPTIONAL_MESHES = ("device_mesh", "expt_device_mesh")
 _OPTIONAL_NAMES = ("dp_shard_dim", "dp_outer_dim", "tp_dim")
+_OPTIONAL_GROUPS = ("hybrid_fsdp_group", "hybrid_fsdp_expt_group", "fsdp_group_ag", "expt_fsdp_group_ag")
 
 
 def check_argument_types(arguments: dict[str, Any]) -> None:
     """Raises ``TypeError`` naming the first argument of the wrong type, ``ValueError`` for a
-    device string torch does not know."""
+    device string torch does not know. Checks the arguments of ``fully_shard_model`` and of
+    ``MegatronFSDP``'s constructor that ``arguments`` holds."""
     for name in _FLAGS:
-        if not isinstance(arguments[name], bool):
+        if name in arguments and not isinstance(arguments[name], bool):
             raise TypeError(f"{name} must be True or False, got {arguments[name]!r}")
     for name in _OPTIONAL_FLAGS:
-        if arguments[name] is not None and not isinstance(arguments[name], bool):
+        if arguments.get(name) is not None and not isinstance(arguments[name], bool):
             raise TypeError(f"{name} must be None, True or False, got {arguments[name]!r}")
     for name in _OPTIONAL_MESHES:
-        if arguments[name] is not None and not isinstance(arguments[name], DeviceMesh):
+        if arguments.get(name) is not None and not isinstance(arguments[name], DeviceMesh):
             raise TypeError(f"{name} must be a torch.distributed.device_mesh.DeviceMesh or None, got {arguments[name]!r}")
     for name in _OPTIONAL_NAMES:
-        if arguments[name] is not None and not isinstance(arguments[name], str):
+        if arguments.get(name) is not None and not isinstance(arguments[name], str):
             raise TypeError(f"{name} must be the name of a mesh dim (a str) or None, got {arguments[name]!r}")
-    policy = arguments["mixed_precision_policy"]
+    for name in _OPTIONAL_GROUPS:
+        if arguments.get(name) is not None and not isinstance(arguments[name], dist.ProcessGroup):
+            raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None, got {arguments[name]!r}")
+    policy = arguments.get("mixed_precision_policy")
     if policy is not None and not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mixed_precision_policy must be a megatron_fsdp.MixedPrecisionPolicy or None, got {policy!r}")
-    units = arguments["fsdp_unit_modules"]
+    units = arguments.get("fsdp_unit_modules")
     if units is not None and (isinstance(units, (str, type)) or not isinstance(units, Sequence)):
         raise TypeError(
             f"fsdp_unit_modules must be a list of classes or import paths, got {units!r}; e.g. fsdp_unit_modules=[Block]"
         )
-    _check_device(arguments["device"])
+    _check_device(arguments.get("device"))
 
 
 def _check_device(device: Any) -> None:

@@ -62,8 +62,10 @@ class Bucket:
         self.extents = [param_extent(n, p) for n, p in zip(names, params)]
         self.dp = dp
         # Reduced gradients are divided by this: the data-parallel size, or for expert buckets
-        # (reduced over the smaller expert-data-parallel group) the dense one.
-        self.grad_divisor = grad_divisor or dp.size
+        # (reduced over the smaller expert-data-parallel group) the dense one; 1 (a sum) for a
+        # per-token loss.
+        self.grad_divisor = 1 if settings.calculate_per_token_loss else (grad_divisor or dp.size)
+        self.outer_divisor = 1 if settings.calculate_per_token_loss else (dp.outer.size if dp.outer is not None else 1)
         self.strategy = settings.strategy
         self.collective_timeout = settings.collective_timeout
         self.pool = pool
@@ -353,7 +355,8 @@ class Bucket:
             reduce_scatter_sum(self.outer_grad, self.main_grad, self.outer.group)
         else:
             all_reduce_sum(self.main_grad, self.outer.group)
-        self.optimizer_grad_source().div_(self.outer.size)
+        if self.outer_divisor != 1:
+            self.optimizer_grad_source().div_(self.outer_divisor)
         self.outer_sync_due = False
         self._grads_shown = False
 
@@ -375,6 +378,13 @@ class Bucket:
             for grad in (self.main_grad, self.outer_grad, self.optimizer_grads):
                 if grad is not None:
                     grad.zero_()
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiplies every gradient this bucket holds by ``factor``: held back un-reduced, the
+        main gradient, the outer-reduced one and the optimizer's cast copy (each once)."""
+        held = (self.unreduced_grad, self.main_grad, self.outer_grad, self.optimizer_grads)
+        for grad in {id(g): g for g in held if g is not None}.values():
+            grad.mul_(factor)
 
     # -- optimizer ----------------------------------------------------------------------------
 
@@ -459,6 +469,20 @@ class Bucket:
                 hi = min(slot.end, rank * shard + (outer_rank + 1) * part)
                 pieces.append((min(lo, slot.end) - slot.offset, max(hi - lo, 0)))
         return FlatLayout(tuple(extent.local_shape), tuple(extent.offset), tuple(pieces), 2 if split > 1 else 1)
+
+    def broadcast_from_first_replica(self) -> None:
+        """Copies the checkpoint source (main params, frozen: weights) of the first rank holding
+        each piece to the others holding it: all of dp for a full source, dp_outer where the
+        outer group replicates it (not HFSDP's split main params). Then installs it."""
+        source, _ = self.checkpoint_source()
+        groups = []
+        if source.numel() == self.layout.padded_numel:
+            groups.append(self.dp.group)
+        if self.outer is not None and not (self.splits_shard and self.requires_grad):
+            groups.append(self.outer.group)
+        for group in groups:
+            dist.broadcast(source, src=dist.get_global_rank(group, 0), group=group)
+        self.sync_after_load()
 
     def sync_after_load(self) -> None:
         """After pieces were loaded in place: install the main params into the weights."""

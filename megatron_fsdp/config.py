@@ -117,6 +117,9 @@ class FSDPSettings:
     overlap_param_gather: bool = True
     fsdp_double_buffer: bool = False
     nccl_ub: bool = False
+    # Upstream's per-token loss: gradients are summed over data-parallel ranks, not averaged (the
+    # loss is already divided by the global token count, or scale_gradients() divides later).
+    calculate_per_token_loss: bool = False
     # Elements each parameter's offset, and each shard, is a multiple of (in bytes: 128, a
     # cache line pair on CPUs and a full NCCL/DMA-friendly alignment on GPUs).
     alignment_bytes: int = 128

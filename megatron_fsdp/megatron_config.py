@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from megatron_fsdp.config import MixedPrecisionPolicy, ShardingStrategy
+from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
+from megatron_fsdp.distributed_index import FSDPDistributedIndex
 
 # Megatron-LM's dtype spellings; "auto" is None: the model's compute dtype (for main grads and
 # main params) or the main-gradient dtype (for communication).
@@ -39,21 +40,22 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
     raise ValueError(f"{dtype} has no Megatron-LM flag spelling (choices: {', '.join(DTYPE_NAMES)})")
 
 
-@dataclass(frozen=True)
+@dataclass
 class DistributedDataParallelConfig:
-    """The data-parallel settings of Megatron-LM's ``DistributedDataParallelConfig`` that apply
-    to Megatron-FSDP, with Megatron-LM's names. Validated on construction; every field reaches
-    ``fully_shard`` through :meth:`fully_shard_kwargs`, none is silently ignored.
+    """The data-parallel settings of megatron-fsdp's (and Megatron-LM's)
+    ``DistributedDataParallelConfig``, with their names and defaults. Validated on
+    construction; a plain (mutable) dataclass, as upstream's. ``fully_shard_kwargs`` maps it
+    onto ``fully_shard``; ``MegatronFSDP(module, dist_index, ddp_config)`` reads it directly.
 
-    - ``data_parallel_sharding_strategy``: ``no_shard``, ``optim``, ``optim_grads`` or
-      ``optim_grads_params`` (default, as ``fully_shard``'s ``zero_dp_strategy``).
+    - ``data_parallel_sharding_strategy``: ``no_shard`` (default, as upstream), ``optim``,
+      ``optim_grads`` or ``optim_grads_params``.
     - ``outer_dp_sharding_strategy``: ``no_shard`` (default) or ``optim`` (HFSDP; needs
       ``optim_grads_params`` and ``num_distributed_optimizer_instances > 1``).
     - ``num_distributed_optimizer_instances`` (default 1): the size of the outer data-parallel
       group; above 1 the ranks form a (dp_outer, dp_shard) mesh: HSDP, or HFSDP with outer ``optim``.
     - ``overlap_grad_reduce`` / ``overlap_param_gather`` (default False, as in Megatron-LM).
-    - ``average_in_collective`` (default False): must stay False; gradients are summed by the
-      collective and scaled by 1/dp_size afterwards.
+    - ``average_in_collective`` (default False): accepted either way; gradients are summed by
+      the collective and scaled by 1/dp_size, which is the same average.
     - ``megatron_fsdp_main_params_dtype`` (default fp32), ``megatron_fsdp_main_grads_dtype``
       and ``megatron_fsdp_grad_comm_dtype`` (default None = "auto"): :class:`MixedPrecisionPolicy`.
     - ``grad_reduce_in_fp32`` (default False) / ``preserve_fp32_weights`` (default True): the
@@ -62,9 +64,20 @@ class DistributedDataParallelConfig:
     - ``check_for_nan_in_grad``, ``fsdp_double_buffer``, ``nccl_ub`` (``fully_shard`` turns on
       ``fsdp_double_buffer`` for it, as Megatron-LM does), ``init_model_with_meta_device``:
       passed on as they are.
+    - ``megatron_fsdp_max_pool_double_buffer``: turns on ``fsdp_double_buffer`` (megatron_fsdp's
+      double buffer already serves units of different sizes).
+    - ``fsdp_all_gather_in_start_param_sync`` (default True): whether ``start_param_sync()``
+      prefetches the first unit.
+    - ``fp8_param_gather`` and ``megatron_fsdp_use_decoupled_grad`` must stay False (no FP8
+      compute weights; gradients are ``param.grad``).
+    - ``bucket_size``, ``gradient_reduce_div_fusion``, ``suggested_communication_unit_size``,
+      ``keep_fp8_transpose_cache``, ``fsdp_db_use_persist_buf_on_alloc_fail``,
+      ``disable_symmetric_registration``, ``fsdp_manual_registration``,
+      ``megatron_fsdp_cuda_graph_mode``, ``megatron_fsdp_enable_fine_grained_param_gather``:
+      upstream's performance tuning; accepted, no effect (buckets are per unit and dtype).
     """
 
-    data_parallel_sharding_strategy: str = "optim_grads_params"
+    data_parallel_sharding_strategy: str = "no_shard"
     outer_dp_sharding_strategy: str = "no_shard"
     num_distributed_optimizer_instances: int = 1
     overlap_grad_reduce: bool = False
@@ -79,6 +92,19 @@ class DistributedDataParallelConfig:
     fsdp_double_buffer: bool = False
     nccl_ub: bool = False
     init_model_with_meta_device: bool = False
+    bucket_size: int | None = None
+    fp8_param_gather: bool = False
+    gradient_reduce_div_fusion: bool = True
+    suggested_communication_unit_size: int | None = None
+    keep_fp8_transpose_cache: bool = False
+    fsdp_all_gather_in_start_param_sync: bool = True
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False
+    disable_symmetric_registration: bool = False
+    fsdp_manual_registration: bool = False
+    megatron_fsdp_use_decoupled_grad: bool = False
+    megatron_fsdp_cuda_graph_mode: bool = False
+    megatron_fsdp_enable_fine_grained_param_gather: bool = False
+    megatron_fsdp_max_pool_double_buffer: bool = False
 
     def __post_init__(self) -> None:
         inner = ShardingStrategy.parse(self.data_parallel_sharding_strategy, "data_parallel_sharding_strategy")
@@ -102,11 +128,18 @@ class DistributedDataParallelConfig:
                 "outer_dp_sharding_strategy='optim' (HFSDP) needs an outer data-parallel group: pass "
                 "--num-distributed-optimizer-instances N with N > 1 dividing the world size"
             )
-        if self.average_in_collective:
+        if self.fp8_param_gather:
             raise ValueError(
-                "average_in_collective=True is not supported: megatron_fsdp sums gradients in the collective and "
-                "scales them by 1/dp_size afterwards; set average_in_collective=False"
+                "fp8_param_gather=True keeps compute weights in FP8 (Transformer Engine), which megatron_fsdp does "
+                "not support: set fp8_param_gather=False"
             )
+        if self.megatron_fsdp_use_decoupled_grad:
+            raise ValueError(
+                "megatron_fsdp_use_decoupled_grad=True is for Transformer Engine's FusedAdam(use_decoupled_grad=True); "
+                "megatron_fsdp shows reduced gradients as param.grad: set it to False"
+            )
+        if self.megatron_fsdp_max_pool_double_buffer:
+            self.fsdp_double_buffer = True  # as upstream: the max pool is a double buffer
         self.mixed_precision_policy()  # raises on contradicting or unknown dtypes
 
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
@@ -299,3 +332,22 @@ def args_from_ddp_config(config: DistributedDataParallelConfig) -> list[str]:
         "--init-model-with-meta-device": config.init_model_with_meta_device,
     }
     return flags + [flag for flag, on in switches.items() if on]
+
+
+def ddp_config_from_settings(settings: FSDPSettings, dist_index: FSDPDistributedIndex) -> DistributedDataParallelConfig:
+    """The config describing a model built by ``fully_shard_model`` (``MegatronFSDP.ddp_config``)."""
+    outer = dist_index.data_parallel.outer
+    policy = settings.mixed_precision
+    return DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=settings.strategy.label,
+        outer_dp_sharding_strategy="optim" if dist_index.hsdp_outer_dp_shard else "no_shard",
+        num_distributed_optimizer_instances=outer.size if outer is not None else 1,
+        overlap_grad_reduce=settings.overlap_grad_reduce,
+        overlap_param_gather=settings.overlap_param_gather,
+        megatron_fsdp_main_params_dtype=policy.main_params_dtype,
+        megatron_fsdp_main_grads_dtype=policy.main_grads_dtype,
+        megatron_fsdp_grad_comm_dtype=policy.grad_comm_dtype,
+        check_for_nan_in_grad=settings.check_for_nan_in_grad,
+        fsdp_double_buffer=settings.fsdp_double_buffer,
+        nccl_ub=settings.nccl_ub,
+    )

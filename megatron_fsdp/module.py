@@ -6,17 +6,20 @@ import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from megatron_fsdp import _ops, checkpoint
+from megatron_fsdp.argument_types import check_argument_types
 from megatron_fsdp.buffer import Bucket
-from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy
-from megatron_fsdp.mesh import DataParallelGroup
+from megatron_fsdp.config import MixedPrecisionPolicy
+from megatron_fsdp.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.megatron_config import ddp_config_from_settings
 from megatron_fsdp.meta_init import materialize_unit_by_unit
+from megatron_fsdp.plan import ShardingPlan, check_upstream_options, plan_from_upstream_arguments
 from megatron_fsdp.schedule import StepScheduler, StepState
 from megatron_fsdp.sharded_params import MeshCache, ShardedParam
 from megatron_fsdp.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_to_units, find_unit_modules
@@ -54,25 +57,91 @@ def _deliver_grad(scheduler: weakref.ref, unit_index: int, bucket_index: int, in
 class MegatronFSDP(nn.Module):
     """Wraps ``module`` so every FSDP unit's parameters live in flat, sharded buffers.
 
-    Built by :func:`megatron_fsdp.fully_shard_model`; ``self.module`` is the original model,
-    whose parameters stay the same ``nn.Parameter`` objects (their ``.data`` are views into the
-    buffers while gathered, empty while sharded under ``optim_grads_params``).
+    Built by :func:`megatron_fsdp.fully_shard_model`, or with upstream megatron-fsdp's
+    constructor ``MegatronFSDP(module, dist_index, ddp_config=None, mixed_precision_policy=None,
+    fsdp_unit_modules=None, disable_bucketing=False, device=None, calculate_per_token_loss=False,
+    init_model_with_meta_device=False, sync_model_each_microbatch=False, ...)``:
+
+    - ``dist_index``: an :class:`FSDPDistributedIndex` (None: the default process group).
+    - ``ddp_config``: a ``DistributedDataParallelConfig`` (megatron_fsdp's or megatron-core's):
+      strategies, overlap, NaN check, ``nccl_ub``/``fsdp_double_buffer``; None: upstream's
+      default, ``optim_grads_params`` with overlap, ``nccl_ub``/``fsdp_double_buffer`` from the
+      keywords.
+    - ``mixed_precision_policy``: None takes the config's ``megatron_fsdp_*_dtype`` fields.
+    - ``sync_model_each_microbatch`` (default False here, True in ``fully_shard_model``): see
+      :meth:`set_model_auto_sync`.
+    - ``calculate_per_token_loss``, ``report_nan_in_param_grad``, ``device``,
+      ``init_model_with_meta_device``, ``fsdp_unit_modules``: as in ``fully_shard_model``.
+    - ``disable_bucketing``, ``keep_fp8_transpose_cache``, ``fsdp_db_use_persist_buf_on_alloc_fail``,
+      ``disable_symmetric_registration``, ``enable_fine_grained_param_gather_hook``,
+      ``enable_fine_grained_param_gather_backward_hook``, ``fine_grained_recurse_module_types``:
+      performance tuning of upstream's; accepted, no effect.
+
+    ``self.module`` is the original model, whose parameters stay the same ``nn.Parameter``
+    objects (their ``.data`` are views into the buffers while gathered, empty while sharded
+    under ``optim_grads_params``).
     """
 
     def __init__(
         self,
         module: nn.Module,
-        dp: DataParallelGroup,
-        settings: FSDPSettings,
-        unit_classes: tuple[type, ...],
-        meta_init_device: torch.device | None = None,
+        dist_index: FSDPDistributedIndex | None = None,
+        ddp_config: Any = None,
+        mixed_precision_policy: MixedPrecisionPolicy | None = None,
+        fsdp_unit_modules: Sequence[type | str] | None = None,
+        disable_bucketing: bool = False,
+        device: torch.device | str | None = None,
+        calculate_per_token_loss: bool = False,
+        init_model_with_meta_device: bool = False,
+        sync_model_each_microbatch: bool = False,
+        keep_fp8_transpose_cache: bool = False,
+        nccl_ub: bool = False,
+        fsdp_double_buffer: bool = False,
+        fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
+        disable_symmetric_registration: bool = False,
+        enable_fine_grained_param_gather_hook: bool = False,
+        enable_fine_grained_param_gather_backward_hook: bool = False,
+        fine_grained_recurse_module_types: tuple[type, ...] | None = None,
+        report_nan_in_param_grad: bool = False,
     ) -> None:
         super().__init__()
+        check_argument_types(locals())
+        if dist_index is not None and not isinstance(dist_index, FSDPDistributedIndex):
+            raise TypeError(f"dist_index must be a megatron_fsdp.FSDPDistributedIndex or None, got {dist_index!r}")
+        if isinstance(module, MegatronFSDP):
+            raise ValueError("this model is already sharded by megatron_fsdp")
+        # Tuning of upstream's own pipelines: nothing to change here (logged when set).
+        check_upstream_options(
+            False, False, disable_bucketing=disable_bucketing, keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+            fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
+            disable_symmetric_registration=disable_symmetric_registration,
+            enable_fine_grained_param_gather=enable_fine_grained_param_gather_hook
+            or enable_fine_grained_param_gather_backward_hook or bool(fine_grained_recurse_module_types),
+        )
+        plan = plan_from_upstream_arguments(
+            module, dist_index, ddp_config, mixed_precision_policy, fsdp_unit_modules, device,
+            init_model_with_meta_device, sync_model_each_microbatch, calculate_per_token_loss,
+            report_nan_in_param_grad, nccl_ub, fsdp_double_buffer,
+        )
+        self._build(module, plan, ddp_config)
+
+    @classmethod
+    def from_plan(cls, module: nn.Module, plan: ShardingPlan) -> MegatronFSDP:
+        """The wrapper ``fully_shard_model`` builds, from arguments it has checked."""
+        wrapper = cls.__new__(cls)
+        nn.Module.__init__(wrapper)
+        wrapper._build(module, plan, None)
+        return wrapper
+
+    def _build(self, module: nn.Module, plan: ShardingPlan, ddp_config: Any) -> None:
+        settings, dp = plan.settings, plan.dist_index.data_parallel
         self.module = module
         self.dp = dp
+        self.dist_index = plan.dist_index
         self.settings = settings
+        self._ddp_config = ddp_config
         self.pool = _ops.new_bucket_pool(settings.fsdp_double_buffer)
-        unit_modules = find_unit_modules(module, unit_classes)
+        unit_modules = find_unit_modules(module, plan.unit_classes)
         assignment = assign_params_to_units(module, [m for _, m in unit_modules])
         module_names = {m: name for name, m in unit_modules}
 
@@ -84,8 +153,8 @@ class MegatronFSDP(nn.Module):
 
         # Peak bytes of initialised, not yet sharded parameters during meta-device init.
         self.meta_init_peak_bytes: int | None = None
-        if meta_init_device is not None:
-            built, self.meta_init_peak_bytes = materialize_unit_by_unit(module, assignment, build_unit, meta_init_device)
+        if plan.meta_init_device is not None:
+            built, self.meta_init_peak_bytes = materialize_unit_by_unit(module, assignment, build_unit, plan.meta_init_device)
         else:
             built = {owner: build_unit(owner) for owner in assignment}
         self.units: list[FSDPUnit] = [built[owner] for owner in assignment]
@@ -177,8 +246,10 @@ class MegatronFSDP(nn.Module):
         finally:
             self.scheduler.sync_grads = previous
 
-    def finish_grad_sync(self) -> None:
-        """Waits for every gradient reduction; the optimizer step calls it for you."""
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Reduces what was held back, waits for every gradient reduction and shows the
+        gradients as ``.grad``; the optimizer step calls it for you. ``force_all_reduce``
+        (DDP's keyword, kept by upstream) changes nothing: everything is reduced anyway."""
         self.scheduler.finish_grad_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -192,6 +263,151 @@ class MegatronFSDP(nn.Module):
         the next reduction, so forward runs without them."""
         for bucket in self.trainable_buckets():
             bucket.zero_main_grad(set_to_none)
+
+    # -- upstream megatron-fsdp's controls ------------------------------------------------------
+
+    def set_model_auto_sync(self, sync_model: bool = True) -> None:
+        """Whether each backward synchronises the model: finishes its gradient reductions
+        (averaging over dp_outer under HSDP) and shows the gradients as the parameters'
+        ``.grad``. Off (upstream's default for a directly built ``MegatronFSDP``), strategies
+        2/3 still reduce-scatter each micro-batch into the main gradients but ``.grad`` stays
+        as it was (``None`` after ``zero_grad``), strategies 0/1 accumulate locally, and the
+        micro-batch that runs with it on (or ``finish_grad_sync()``, or the optimizer step)
+        synchronises everything accumulated. Set it before that micro-batch's forward."""
+        if not isinstance(sync_model, bool):
+            raise TypeError(f"sync_model must be True or False, got {sync_model!r}")
+        self.scheduler.auto_sync = sync_model
+
+    @property
+    def model_auto_sync(self) -> bool:
+        """See :meth:`set_model_auto_sync`."""
+        return self.scheduler.auto_sync
+
+    @contextlib.contextmanager
+    def sync(self) -> Iterator[None]:
+        """Auto-sync on inside (see :meth:`set_model_auto_sync`), off after, as upstream's:
+        wrap the last micro-batch of a step."""
+        self.set_model_auto_sync(True)
+        try:
+            yield
+        finally:
+            self.set_model_auto_sync(False)
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        """Between steps: under ``optim_grads_params`` with ``overlap_param_gather``, starts
+        gathering the first unit of the next forward. The weights are always current (the
+        optimizer step installs them), so ``force_sync=True`` only waits for gathers in flight.
+        ``force_dispatch`` is accepted for upstream's signature. megatron-core's
+        ``fsdp_all_gather_in_start_param_sync=False`` (in ``ddp_config``) turns the prefetch off."""
+        if force_sync:
+            self.scheduler.synchronize_param_gather()
+        elif getattr(self._ddp_config, "fsdp_all_gather_in_start_param_sync", True):
+            self.scheduler.start_param_prefetch()
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Launches the reductions of gradients held back (strategies 0/1 under ``no_sync`` or
+        without auto-sync); :meth:`finish_grad_sync` waits for them."""
+        self.scheduler.start_grad_sync()
+
+    def synchronize_param_gather(self) -> None:
+        """Waits for every weight all-gather in flight and reshards every unit."""
+        self.scheduler.synchronize_param_gather()
+
+    def synchronize_gradient_reduce(self) -> None:
+        """Reduces what was held back and waits for every reduction (and the dp_outer average):
+        the main gradients are complete; :meth:`attach_grad_to_optimizer_state` shows them."""
+        self.scheduler.synchronize_gradient_reduce()
+
+    def attach_grad_to_optimizer_state(self) -> None:
+        """Points every parameter's ``.grad`` (and the optimizer's pieces) at the reduced
+        gradients (:meth:`synchronize_gradient_reduce` first)."""
+        self.scheduler.show_grads()
+
+    @torch.no_grad()
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiplies every gradient held (reduced, shown as ``.grad``, or held back un-reduced)
+        by ``scaling_factor``; reductions in flight are finished first, so they are scaled too."""
+        self.scheduler.finish_pending_reductions()
+        for bucket in self.trainable_buckets():
+            bucket.scale_grads(float(scaling_factor))
+
+    @torch.no_grad()
+    def broadcast_params(self) -> None:
+        """Makes every replica of the weights equal to the first data-parallel rank's: each
+        bucket's main weights (frozen ones: weights) are broadcast over the ranks that hold
+        the same piece (every rank for ``no_shard``, dp_outer under HSDP), then installed."""
+        for bucket in self.all_buckets():
+            bucket.broadcast_from_first_replica()
+
+    def install_optimized_model_weights(self) -> None:
+        """Writes the stepped main weights into the compute weights (gathering them for
+        strategies 1/2). The optimizer step does it; for ``optimizer.step()`` run by other code."""
+        for bucket in self.trainable_buckets():
+            bucket.install_main_params()
+
+    def all_gather_and_wait_parameters_ready(
+        self,
+        params: Iterable[torch.Tensor],
+        prefetch: bool = True,
+        prefetch_order: Any = None,
+        wait_bucket_ready: bool = True,
+        bwd: bool = False,
+    ) -> None:
+        """Gathers the units holding ``params`` (parameters of ``module`` or their faces from
+        :meth:`parameters`); with ``wait_bucket_ready=False`` only starts the gathers. They stay
+        gathered until that unit's next forward ends, backward ends, or
+        :meth:`synchronize_param_gather`. ``prefetch``, ``prefetch_order`` and ``bwd`` are
+        accepted for upstream's signature (prefetching follows the recorded order anyway)."""
+        unit_of = {}
+        for unit in self.units:
+            for bucket in unit.buckets:
+                for param, face in zip(bucket.params, bucket.faces):
+                    unit_of[param] = unit_of[face.param] = unit
+        wanted = []
+        for param in params:
+            if param not in unit_of:
+                raise ValueError(f"a tensor of shape {tuple(param.shape)} is not a parameter of this sharded model")
+            if unit_of[param] not in wanted:
+                wanted.append(unit_of[param])
+        for unit in wanted:
+            if wait_bucket_ready:
+                unit.unshard()
+            else:
+                unit.start_unshard()
+
+    @contextlib.contextmanager
+    def mixed_precision_context(self, mixed_precision_policy: MixedPrecisionPolicy) -> Iterator[None]:
+        """:meth:`reset_mixed_precision_policy` inside, the previous policy after."""
+        previous = self.mixed_precision_policy
+        self.reset_mixed_precision_policy(mixed_precision_policy)
+        try:
+            yield
+        finally:
+            self.mixed_precision_policy = previous
+
+    def reset_mixed_precision_policy(self, mixed_precision_policy: MixedPrecisionPolicy) -> None:
+        """Takes the new policy's ``grad_comm_dtype``; the main-parameter and main-gradient
+        dtypes size the buffers and stay, as upstream's. (Upstream 0.6.1 applies the new
+        ``grad_comm_dtype`` only with ``nccl_ub``/``fsdp_double_buffer``, the opposite of what
+        its comment says; here it always applies.)"""
+        if not isinstance(mixed_precision_policy, MixedPrecisionPolicy):
+            raise TypeError(f"expected a megatron_fsdp.MixedPrecisionPolicy, got {mixed_precision_policy!r}")
+        current = self.mixed_precision_policy
+        self.mixed_precision_policy = MixedPrecisionPolicy(
+            current.main_params_dtype, current.main_grads_dtype, mixed_precision_policy.grad_comm_dtype
+        )
+
+    def get_distributed_index(self) -> FSDPDistributedIndex:
+        """The meshes and groups this model is sharded over."""
+        return self.dist_index
+
+    @property
+    def ddp_config(self) -> Any:
+        """The ``DistributedDataParallelConfig`` given to the constructor, or (for a model built
+        by ``fully_shard_model``) megatron_fsdp's describing its settings."""
+        if self._ddp_config is None:
+            self._ddp_config = ddp_config_from_settings(self.settings, self.dist_index)
+        return self._ddp_config
 
     # -- the parameters users see -------------------------------------------------------------
 

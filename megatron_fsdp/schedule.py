@@ -36,7 +36,11 @@ class StepScheduler:
         self.settings = settings
         self.dp = dp
         self.state = StepState.IDLE
+        # no_sync() turns this off: strategies 0/1 then accumulate locally.
         self.sync_grads = True
+        # set_model_auto_sync(): whether each backward finishes its reductions and shows the
+        # gradients; off, strategies 0/1 also accumulate locally until the sync.
+        self.auto_sync = settings.sync_model_each_microbatch
         self._pending: deque[PendingReduction] = deque()
         # Unit forward calls of this step and of the last one: the order to prefetch in.
         self._forward_calls: list[FSDPUnit] = []
@@ -109,7 +113,7 @@ class StepScheduler:
             unit.reshard()
 
     def _reduces_now(self) -> bool:
-        return self.settings.strategy.shards_grads or self.sync_grads
+        return self.settings.strategy.shards_grads or (self.sync_grads and self.auto_sync)
 
     def _start_reduction(self, bucket: Bucket) -> None:
         overlap = self.settings.overlap_grad_reduce
@@ -133,7 +137,7 @@ class StepScheduler:
             unit.reshard()
             unit.end_backward()
         self.state = StepState.IDLE
-        if self.settings.sync_model_each_microbatch:
+        if self.auto_sync:
             self.finish_grad_sync()
         if self.settings.report_nan_in_param_grad:
             self._report_nonfinite_param_grads()
@@ -164,19 +168,61 @@ class StepScheduler:
 
     def finish_grad_sync(self) -> None:
         """Finishes every reduction in flight and reduces gradients still held back (after
-        micro-batches run under no_sync), so the main gradients are complete."""
+        micro-batches run under no_sync or without auto-sync), so the main gradients are
+        complete, then shows them as the parameters' ``.grad``."""
+        self._require_idle("finish_grad_sync()")
+        self.synchronize_gradient_reduce()
+        self.show_grads()
+
+    def _require_idle(self, what: str) -> None:
         if self.state is not StepState.IDLE:
-            raise RuntimeError("finish_grad_sync() was called during forward or backward; call it after backward()")
+            raise RuntimeError(f"{what} was called during forward or backward; call it after backward()")
+
+    def start_grad_sync(self) -> None:
+        """Launches the reductions of gradients held back (strategies 0/1 accumulating locally)."""
+        self._require_idle("start_grad_sync()")
+        self._start_held_back()
+
+    def _start_held_back(self) -> None:
         for unit in self.units:
             for bucket in unit.trainable_buckets:
                 if bucket.unreduced_grad is not None:
                     self._start_reduction(bucket)
+
+    def finish_pending_reductions(self) -> None:
+        """Waits for the reductions in flight (and adds them into the main gradients)."""
         while self._pending:
             self._finish_oldest()
+
+    def synchronize_gradient_reduce(self) -> None:
+        """Reduces everything held back, waits for every reduction and averages over dp_outer
+        (HSDP): the main gradients are complete, but not yet shown as ``.grad``."""
+        self._require_idle("synchronize_gradient_reduce()")
+        self._start_held_back()
+        self.finish_pending_reductions()
         for unit in self.units:
             for bucket in unit.trainable_buckets:
                 bucket.sync_outer()
+
+    def show_grads(self) -> None:
+        """Points the optimizer's pieces and every face's ``.grad`` at the reduced gradients."""
+        for unit in self.units:
+            for bucket in unit.trainable_buckets:
                 bucket.show_grads()
+
+    def start_param_prefetch(self) -> None:
+        """Launches the all-gather of the unit that ran forward first last step (strategy 3,
+        with ``overlap_param_gather``), so the next forward starts on gathered weights."""
+        self._require_idle("start_param_sync()")
+        if self._last_forward_calls:
+            self._prefetch(self._last_forward_calls, 0)
+
+    def synchronize_param_gather(self) -> None:
+        """Waits for every all-gather in flight and reshards what is not in use (between steps:
+        every unit)."""
+        self._require_idle("synchronize_param_gather()")
+        for unit in self.units:
+            unit.reshard()
 
     def check_reduced_grads_finite(self, step: int) -> None:
         """Raises on every rank when any rank's reduced gradient shard holds NaN/Inf."""

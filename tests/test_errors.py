@@ -61,10 +61,12 @@ def test_a_multi_dim_mesh_needs_the_dim_named(single_rank_group) -> None:
         megatron_fsdp.fully_shard_model(make_model(), device_mesh=mesh, fsdp_unit_modules=[Block])
 
 
-def test_meta_init_is_refused_with_tensor_parallelism(single_rank_group) -> None:
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-    with pytest.raises(ValueError, match="cannot be combined with tensor- or expert-parallel DTensor parameters"):
-        megatron_fsdp.fully_shard_model(make_model(), device_mesh=mesh, tp_dim="tp", fsdp_unit_modules=[Block],
+def test_meta_init_is_refused_with_expert_parallelism(single_rank_group) -> None:
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    with torch.device("meta"):
+        model = make_model()
+    with pytest.raises(ValueError, match="cannot be combined with tensor- or expert-parallel parameters"):
+        megatron_fsdp.fully_shard_model(model, expt_device_mesh=mesh, fsdp_unit_modules=[Block],
                                         init_model_with_meta_device=True)
 
 

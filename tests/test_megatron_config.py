@@ -71,7 +71,8 @@ def test_invalid_flag_combinations_raise_naming_the_fix(name: str) -> None:
 CONFIG_ERRORS = {
     "unknown strategy": (dict(data_parallel_sharding_strategy="zero3"), "unknown data_parallel_sharding_strategy 'zero3'"),
     "outer optim_grads": (dict(outer_dp_sharding_strategy="optim_grads", num_distributed_optimizer_instances=2), "is not supported: use 'no_shard'"),
-    "average in collective": (dict(average_in_collective=True), "set average_in_collective=False"),
+    "fp8 parameters": (dict(fp8_param_gather=True), "set fp8_param_gather=False"),
+    "decoupled gradients": (dict(megatron_fsdp_use_decoupled_grad=True), "param.grad: set it to False"),
     "preserve_fp32_weights=False with bf16 main params": (
         dict(preserve_fp32_weights=False, megatron_fsdp_main_params_dtype=torch.bfloat16),
         "preserve_fp32_weights=False contradicts megatron_fsdp_main_params_dtype=torch.bfloat16",
@@ -103,7 +104,9 @@ def test_hybrid_config_needs_a_mesh_with_its_outer_size(single_rank_group) -> No
 
 
 def test_default_flags_give_the_default_config_with_nan_checks() -> None:
-    assert _config("--use-megatron-fsdp") == DistributedDataParallelConfig(check_for_nan_in_grad=True)
+    # The flag's default strategy is Megatron-LM's (optim_grads_params), the dataclass's upstream's (no_shard).
+    expected = DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params", check_for_nan_in_grad=True)
+    assert _config("--use-megatron-fsdp") == expected
 
 
 def test_config_maps_onto_fully_shard_arguments() -> None:

@@ -1,0 +1,283 @@
+"""From checked arguments to what a MegatronFSDP is built from (a :class:`ShardingPlan`).
+
+Both ways in meet here: ``fully_shard_model``'s keywords and ``MegatronFSDP``'s upstream
+constructor (``dist_index``, ``ddp_config``, ...). Everything is validated before any collective
+except the last check, the one collective that makes sure every rank plans the same thing.
+Upstream keywords for features megatron_fsdp does not have are settled here too: accepted where
+they cannot change what is trained, refused with the reason where they would.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
+from megatron_fsdp.consistency import check_same_configuration_on_all_ranks, describe_configuration
+from megatron_fsdp.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.dtensor_params import check_parallel_params, is_expert_param
+from megatron_fsdp.mesh import submesh
+from megatron_fsdp.units import resolve_unit_classes
+
+logger = logging.getLogger(__name__)
+
+# Upstream keywords that tune memory, overlap, NCCL registration, CUDA graphs or Transformer
+# Engine FP8 caches: none can change the values trained, and megatron_fsdp has no use for them.
+PERFORMANCE_ONLY_OPTIONS = (
+    "disable_bucketing",
+    "keep_fp8_transpose_cache",
+    "fsdp_db_use_persist_buf_on_alloc_fail",
+    "disable_symmetric_registration",
+    "enable_fine_grained_param_gather",
+    "cuda_graph_mode",
+)
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """What :class:`megatron_fsdp.MegatronFSDP` builds: groups, settings, units, and the device
+    to materialise a meta-device model on (None: the model is already materialised)."""
+
+    dist_index: FSDPDistributedIndex
+    settings: FSDPSettings
+    unit_classes: tuple[type, ...]
+    meta_init_device: torch.device | None
+
+
+def check_upstream_options(use_decoupled_grad: bool, maxpool_double_buffer: bool, **performance_only: bool) -> bool:
+    """Settles upstream-only keywords; returns whether they ask for double buffering
+    (``maxpool_double_buffer``: megatron_fsdp's double buffer already serves units of different
+    sizes). Raises ``ValueError`` for ``use_decoupled_grad=True``."""
+    if use_decoupled_grad:
+        raise ValueError(
+            "use_decoupled_grad=True puts reduced gradients in param.decoupled_grad for Transformer Engine's "
+            "FusedAdam(use_decoupled_grad=True); megatron_fsdp shows them as param.grad (DTensors) for any torch "
+            "optimizer: set use_decoupled_grad=False"
+        )
+    for name, value in performance_only.items():
+        if name not in PERFORMANCE_ONLY_OPTIONS:
+            raise TypeError(f"unknown option {name!r}")
+        if value:
+            logger.info("megatron_fsdp: %s=True has no effect here (it tunes performance only)", name)
+    return bool(maxpool_double_buffer)
+
+
+def resolve_policy(
+    policy: MixedPrecisionPolicy | None, grad_reduce_in_fp32: bool | None, preserve_fp32_weights: bool | None
+) -> MixedPrecisionPolicy:
+    """The policy, or one built from the deprecated flags (with a DeprecationWarning)."""
+    legacy = {"grad_reduce_in_fp32": grad_reduce_in_fp32, "preserve_fp32_weights": preserve_fp32_weights}
+    given = [name for name, value in legacy.items() if value is not None]
+    if not given:
+        return policy or MixedPrecisionPolicy()
+    if policy is not None:
+        raise ValueError(f"pass either mixed_precision_policy or {' / '.join(given)}, not both")
+    warnings.warn(
+        f"{' and '.join(given)} are deprecated: use mixed_precision_policy=MixedPrecisionPolicy("
+        "main_params_dtype=..., main_grads_dtype=..., grad_comm_dtype=...)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return MixedPrecisionPolicy(
+        main_params_dtype=torch.float32 if preserve_fp32_weights in (None, True) else None,
+        main_grads_dtype=torch.float32 if grad_reduce_in_fp32 else None,
+    )
+
+
+def check_outer_strategy(value: int | str, strategy: ShardingStrategy, dp_outer_dim: str | None) -> ShardingStrategy:
+    outer = ShardingStrategy.parse(value, "outer_dp_sharding_strategy")
+    if outer not in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM):
+        raise ValueError(
+            f"outer_dp_sharding_strategy={outer.label!r} is not supported: use no_shard (replicate across "
+            "dp_outer, HSDP) or optim (also shard the optimizer state across it, HFSDP)"
+        )
+    if outer is ShardingStrategy.OPTIM:
+        if dp_outer_dim is None:
+            raise ValueError("outer_dp_sharding_strategy='optim' needs dp_outer_dim (and a device_mesh holding it)")
+        if strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
+            raise ValueError(
+                f"outer_dp_sharding_strategy='optim' requires zero_dp_strategy='optim_grads_params', got {strategy.label!r}"
+            )
+    return outer
+
+
+def check_timeout(collective_timeout: float | None) -> None:
+    if collective_timeout is None:
+        return
+    is_number = isinstance(collective_timeout, (int, float)) and not isinstance(collective_timeout, bool)
+    if not is_number or not 0 < collective_timeout < float("inf"):
+        raise ValueError(f"collective_timeout must be None or a number of seconds > 0, got {collective_timeout!r}")
+
+
+def _check_tensor_parallel(module: nn.Module, dist_index: FSDPDistributedIndex, meta_init: bool) -> None:
+    tp_mesh = None
+    if dist_index.tp_dim is not None:
+        tp_mesh = submesh(dist_index.device_mesh, dist_index.tp_dim, "tp_dim")
+    expert_mesh_given = dist_index.expt_device_mesh is not None
+    if meta_init:
+        # A named tp dim alone is fine (plain parameters are replicated over it); what meta-device
+        # init cannot do yet is materialise a DTensor's or an expert's local piece.
+        parallel = [n for n, p in module.named_parameters() if isinstance(p, DTensor) or is_expert_param(p)]
+        if parallel or expert_mesh_given:
+            raise ValueError(
+                "init_model_with_meta_device=True cannot be combined with tensor- or expert-parallel parameters "
+                f"yet ({', '.join(parallel[:3]) or 'expt_device_mesh given'}): materialise the model before "
+                "parallelising it"
+            )
+    check_parallel_params(module, tp_mesh, expert_mesh_given)
+
+
+def _check_meta_params(module: nn.Module, meta_init: bool) -> None:
+    """Before the model is moved anywhere: meta tensors cannot be copied to a device."""
+    devices = {p.device for p in module.parameters()}
+    if any(d.type == "meta" for d in devices) and not meta_init:
+        raise ValueError("the model has parameters on the meta device: pass init_model_with_meta_device=True")
+    if meta_init and devices - {torch.device("meta")}:
+        raise ValueError("init_model_with_meta_device=True needs every parameter on the meta device")
+
+
+def _check_one_device(module: nn.Module) -> None:
+    devices = {p.device for p in module.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are spread over {sorted(map(str, devices))}; move it to one device first")
+
+
+def _meta_init_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def check_strategies(
+    zero_dp_strategy: int | str, outer_dp_sharding_strategy: int | str, fsdp_unit_modules: Sequence[type | str] | None,
+    dp_outer_dim: str | None,
+) -> tuple[ShardingStrategy, ShardingStrategy, tuple[type, ...]]:
+    """The inner and outer strategies and the unit classes; raises before anything else."""
+    strategy = ShardingStrategy.parse(zero_dp_strategy)
+    unit_classes = resolve_unit_classes(fsdp_unit_modules)
+    if strategy is not ShardingStrategy.NO_SHARD and not unit_classes:
+        raise ValueError(
+            f"zero_dp_strategy={strategy.label!r} needs fsdp_unit_modules: pass the classes of the blocks to "
+            "shard as units, e.g. fsdp_unit_modules=[MyTransformerBlock]"
+        )
+    return strategy, check_outer_strategy(outer_dp_sharding_strategy, strategy, dp_outer_dim), unit_classes
+
+
+def plan_sharding(
+    module: nn.Module,
+    dist_index: FSDPDistributedIndex,
+    strategy: ShardingStrategy,
+    outer: ShardingStrategy,
+    unit_classes: tuple[type, ...],
+    device: torch.device | str | None,
+    init_model_with_meta_device: bool,
+    settings: dict[str, Any],
+) -> ShardingPlan:
+    """Checks ``module`` against the groups, moves it to ``device`` (not for meta-device init),
+    and runs the cross-rank consistency check (a collective). ``settings``: the other
+    :class:`FSDPSettings` fields."""
+    if (outer is ShardingStrategy.OPTIM) != dist_index.data_parallel.outer_shards_optimizer:
+        raise ValueError(
+            f"outer_dp_sharding_strategy={outer.label!r} but the distributed index was built with "
+            f"hsdp_outer_dp_shard={dist_index.hsdp_outer_dp_shard}: pass hsdp_outer_dp_shard="
+            f"{outer is ShardingStrategy.OPTIM} to FSDPDistributedIndex"
+        )
+    if settings.get("calculate_per_token_loss") and dist_index.data_parallel.outer is not None:
+        raise ValueError(
+            "calculate_per_token_loss=True with dp_outer_dim (HSDP) is not supported: the outer sync sums "
+            "gradients that may already hold an earlier sync's sum; use a mean loss and calculate_per_token_loss=False"
+        )
+    _check_tensor_parallel(module, dist_index, init_model_with_meta_device)
+    _check_meta_params(module, init_model_with_meta_device)
+    if device is not None and not init_model_with_meta_device:
+        module.to(device)
+    _check_one_device(module)
+    full_settings = FSDPSettings(strategy=strategy, **settings)
+    dp = dist_index.data_parallel
+    description = describe_configuration(module, full_settings, unit_classes, dp)
+    check_same_configuration_on_all_ranks(description, dp, full_settings.collective_timeout)
+    meta_device = _meta_init_device() if init_model_with_meta_device else None
+    return ShardingPlan(dist_index, full_settings, unit_classes, meta_device)
+
+
+def _policy_from_ddp_config(ddp_config: Any) -> MixedPrecisionPolicy:
+    """The dtype fields of a DistributedDataParallelConfig (ours folds in its deprecated flags)."""
+    folded = getattr(ddp_config, "mixed_precision_policy", None)
+    if callable(folded):
+        return folded()
+    return MixedPrecisionPolicy(
+        main_params_dtype=getattr(ddp_config, "megatron_fsdp_main_params_dtype", torch.float32),
+        main_grads_dtype=getattr(ddp_config, "megatron_fsdp_main_grads_dtype", None),
+        grad_comm_dtype=getattr(ddp_config, "megatron_fsdp_grad_comm_dtype", None),
+    )
+
+
+def plan_from_upstream_arguments(
+    module: nn.Module,
+    dist_index: FSDPDistributedIndex | None,
+    ddp_config: Any,
+    mixed_precision_policy: MixedPrecisionPolicy | None,
+    fsdp_unit_modules: Sequence[type | str] | None,
+    device: torch.device | str | None,
+    init_model_with_meta_device: bool,
+    sync_model_each_microbatch: bool,
+    calculate_per_token_loss: bool,
+    report_nan_in_param_grad: bool,
+    nccl_ub: bool,
+    fsdp_double_buffer: bool,
+) -> ShardingPlan:
+    """The plan for ``MegatronFSDP(module, dist_index, ddp_config, ...)``, upstream's
+    constructor. Without ``ddp_config``: ``optim_grads_params`` with overlap, as upstream.
+    ``ddp_config`` may be megatron_fsdp's or megatron-core's DistributedDataParallelConfig (its
+    fields are read by name). Without ``mixed_precision_policy`` the config's
+    ``megatron_fsdp_*_dtype`` fields give the policy (upstream's default policy equals their
+    defaults)."""
+    if ddp_config is None:
+        options = dict(
+            strategy="optim_grads_params", outer="no_shard", overlap_grad_reduce=True, overlap_param_gather=True,
+            check_for_nan_in_grad=False, nccl_ub=nccl_ub, fsdp_double_buffer=fsdp_double_buffer, maxpool=False,
+        )
+        policy = mixed_precision_policy or MixedPrecisionPolicy()
+    else:
+        if getattr(ddp_config, "fp8_param_gather", False):
+            raise ValueError(
+                "ddp_config.fp8_param_gather=True keeps compute weights in FP8 (Transformer Engine), which "
+                "megatron_fsdp does not support: set fp8_param_gather=False"
+            )
+        maxpool = check_upstream_options(
+            getattr(ddp_config, "megatron_fsdp_use_decoupled_grad", False),
+            getattr(ddp_config, "megatron_fsdp_max_pool_double_buffer", False),
+        )
+        options = dict(
+            strategy=getattr(ddp_config, "data_parallel_sharding_strategy", "no_shard"),
+            outer=getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard"),
+            overlap_grad_reduce=bool(getattr(ddp_config, "overlap_grad_reduce", False)),
+            overlap_param_gather=bool(getattr(ddp_config, "overlap_param_gather", False)),
+            check_for_nan_in_grad=bool(getattr(ddp_config, "check_for_nan_in_grad", False)),
+            nccl_ub=bool(getattr(ddp_config, "nccl_ub", False)),
+            fsdp_double_buffer=bool(getattr(ddp_config, "fsdp_double_buffer", False)),
+            maxpool=maxpool,
+        )
+        policy = mixed_precision_policy or _policy_from_ddp_config(ddp_config)
+    if dist_index is None:
+        dist_index = FSDPDistributedIndex()
+    strategy, outer, unit_classes = check_strategies(
+        options["strategy"], options["outer"], fsdp_unit_modules, dist_index.dp_outer_dim
+    )
+    settings = dict(
+        mixed_precision=policy,
+        check_for_nan_in_grad=options["check_for_nan_in_grad"],
+        report_nan_in_param_grad=report_nan_in_param_grad,
+        sync_model_each_microbatch=sync_model_each_microbatch,
+        overlap_grad_reduce=options["overlap_grad_reduce"],
+        overlap_param_gather=options["overlap_param_gather"],
+        fsdp_double_buffer=options["fsdp_double_buffer"] or options["nccl_ub"] or options["maxpool"],
+        nccl_ub=options["nccl_ub"],
+        calculate_per_token_loss=calculate_per_token_loss,
+    )
+    return plan_sharding(module, dist_index, strategy, outer, unit_classes, device, init_model_with_meta_device, settings)
