@@ -1,0 +1,2 @@
+"""Switches that run other programs on megatron_fsdp: :mod:`megatron_fsdp.integrations.megatron_core`
+(Megatron-LM's megatron-core)."""

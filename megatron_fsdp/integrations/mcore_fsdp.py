@@ -1,0 +1,183 @@
+"""MegatronFSDP as megatron-core's ``FullyShardedDataParallel`` adapter uses it.
+
+megatron-core wraps ``MegatronFSDP(module, dist_index, ddp_config, ...)`` in its own
+``FullyShardedDataParallel`` and then walks that wrapper as any ``nn.Module``: its optimizer is
+built from the wrapper's ``named_parameters()``, which read every submodule's registered
+parameters directly (not :meth:`MegatronFSDP.named_parameters`). Upstream megatron-fsdp answers
+this by registering its DTensor parameters in the model between steps and the compute weights
+during forward and backward. :class:`MegatronCoreFSDP` does the same with megatron_fsdp's DTensor
+faces (docs/architecture.md, "The parameter contract"):
+
+- registered between steps: after construction, after each ``finish_grad_sync()`` (which
+  megatron-core's ``finalize_model_grads`` calls before the optimizer step), after a forward
+  without backward and after ``synchronize_param_gather()`` (megatron-core's evaluation);
+- the compute weights from the start of each forward until that sync, and around
+  megatron_fsdp's own walks of the model (state dicts, ``named_parameters``).
+
+The faces also carry what megatron-core reads off upstream's DTensor parameters:
+``__fsdp_param__`` (its gradient clipping then takes ``.grad``'s local tensor), the
+Megatron-Core attributes of the parameter they stand for, ``megatron_fsdp_dist_index`` and
+``megatron_fsdp_slice`` (this rank's range of the flattened local parameter).
+
+State-dict keys are upstream's: the wrapped model sits under ``module.``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from megatron_fsdp.module import MegatronFSDP
+from megatron_fsdp.param_and_grad_buffer import ParamAndGradBuffer
+from megatron_fsdp.schedule import StepState
+from megatron_fsdp.utils import is_mcore_tensor_model_parallel
+
+# The attributes upstream copies from a model parameter onto its DTensor parameter.
+_COPIED_ATTRIBUTES = (
+    "sequence_parallel",
+    "shared",
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "is_embedding_or_output_parameter",
+    "is_embedding_parameter",
+    "_tensor_parallel_mode",
+)
+_PREFIX = "module."
+
+
+def _check_tensor_parallel(module: nn.Module, dist_index: Any) -> None:
+    """Megatron-Core's tensor-parallel weights are plain per-rank tensors; megatron_fsdp would
+    show them as replicated over the tensor-parallel ranks and checkpoint one rank's part."""
+    tp_dim = getattr(dist_index, "tp_dim", None)
+    if tp_dim is None or dist_index.get_submesh(tp_dim).size() == 1:
+        return
+    split = [name for name, p in module.named_parameters() if is_mcore_tensor_model_parallel(p)]
+    if split:
+        raise NotImplementedError(
+            f"megatron-core tensor parallelism (tensor-parallel size {dist_index.get_submesh(tp_dim).size()}) is not "
+            f"supported on megatron_fsdp yet: {len(split)} parameters (e.g. {split[0]}) are split across "
+            "tensor-parallel ranks as plain tensors, which megatron_fsdp cannot checkpoint or reshard; use "
+            "tensor_model_parallel_size=1, or megatron-core's bundled megatron-fsdp (do not call install())"
+        )
+
+
+class MegatronCoreFSDP(MegatronFSDP):
+    """:class:`~megatron_fsdp.MegatronFSDP` (same constructor) for megatron-core's adapter;
+    see the module docstring. Raises ``NotImplementedError`` for megatron-core tensor parallelism."""
+
+    # Read by named_parameters() while the base class is still being built: nothing swapped yet.
+    _faces_registered = False
+
+    def __init__(self, module: nn.Module, dist_index: Any = None, ddp_config: Any = None, *args: Any, **kwargs: Any) -> None:
+        _check_tensor_parallel(module, dist_index)
+        super().__init__(module, dist_index, ddp_config, *args, **kwargs)
+        # Every place the model registers a parameter (tied weights: each place).
+        self._registrations = [
+            (owner, name, param)
+            for owner in self.module.modules()
+            for name, param in owner._parameters.items()
+            if param is not None
+        ]
+        for param in self.module.parameters():
+            # Upstream marks every model parameter so (megatron-core's TE paths read them).
+            param.__fsdp_param__ = True
+            param.grad_added_to_main_grad = False
+        self._annotate_faces()
+        self._buffer_face = ParamAndGradBuffer(self)
+        self._register_faces(True)
+
+    def _annotate_faces(self) -> None:
+        for bucket in self.all_buckets():
+            for param, sharded in zip(bucket.params, bucket.faces):
+                face = sharded.param
+                for attribute in _COPIED_ATTRIBUTES:
+                    if hasattr(param, attribute):
+                        setattr(face, attribute, getattr(param, attribute))
+                face.__fsdp_param__ = True
+                face.orig_param = param
+                face.megatron_fsdp_dist_index = self.dist_index
+                layout = sharded.spec.layout
+                start, length = layout.mine(sharded.spec.mesh) if layout is not None else (0, face.to_local().numel())
+                face.megatron_fsdp_slice = slice(start, start + length)
+
+    # -- which tensors the model registers ------------------------------------------------------
+
+    def _register_faces(self, faces: bool) -> None:
+        if self._faces_registered == faces:
+            return
+        for owner, name, param in self._registrations:
+            owner._parameters[name] = self.face_of(param) if faces else param
+        self._faces_registered = faces
+
+    @contextlib.contextmanager
+    def _compute_weights_registered(self) -> Iterator[None]:
+        previous = self._faces_registered
+        self._register_faces(False)
+        try:
+            yield
+        finally:
+            self._register_faces(previous)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._register_faces(False)
+        output = super().forward(*args, **kwargs)
+        if self.scheduler.state is StepState.IDLE:  # no backward follows (e.g. evaluation)
+            self._register_faces(True)
+        return output
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """As :meth:`MegatronFSDP.finish_grad_sync`, then (megatron-core steps right after)
+        checks the gradients when ``check_for_nan_in_grad`` is set, and registers the DTensor
+        faces for the optimizer."""
+        super().finish_grad_sync(force_all_reduce)
+        if self.settings.check_for_nan_in_grad:
+            self.scheduler.check_reduced_grads_finite(self.optimizer_steps)
+        self._register_faces(True)
+
+    def synchronize_param_gather(self) -> None:
+        """As :meth:`MegatronFSDP.synchronize_param_gather` (megatron-core calls it after
+        evaluation), then registers the DTensor faces."""
+        super().synchronize_param_gather()
+        self._register_faces(True)
+
+    @property
+    def param_and_grad_buffer(self) -> ParamAndGradBuffer:
+        """Upstream's buffer object (megatron_fsdp/param_and_grad_buffer.py)."""
+        return self._buffer_face
+
+    # -- names as upstream's: the model under "module." ------------------------------------------
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        return {}
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """``module.<FQN>`` with each parameter's DTensor face, as upstream's between steps."""
+        with self._compute_weights_registered():
+            named = list(super().named_parameters(recurse=recurse, remove_duplicate=remove_duplicate))
+        lead = f"{prefix}.{_PREFIX}" if prefix else _PREFIX
+        for name, face in named:
+            yield lead + name, face
+
+    def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """``module.<FQN>`` -> DTensor, as upstream's (see :meth:`MegatronFSDP.state_dict`)."""
+        with self._compute_weights_registered():
+            inner = super().state_dict()
+        result = destination if destination is not None else {}
+        result.update({prefix + _PREFIX + key: value for key, value in inner.items()})
+        return result
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Takes :meth:`state_dict`'s keys, or those keys prefixed once more with ``module.`` as
+        megatron-core's ``FullyShardedDataParallel.load_state_dict`` passes them."""
+        for lead in (_PREFIX + _PREFIX, _PREFIX):
+            if state_dict and all(key.startswith(lead) for key in state_dict):
+                state_dict = {key[len(lead) :]: value for key, value in state_dict.items()}
+                break
+        with self._compute_weights_registered():
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
