@@ -205,8 +205,15 @@ def fully_shard(
     returns ``(model, optimizer)``. The optimizer
     keeps its param groups and hyper-parameters (upstream 0.6.1 replaces them with one group of
     every parameter)."""
+    # Meta-device init replaces the parameter objects an optimizer built before was given: its
+    # groups are pointed, by name, at the materialised parameters' faces.
+    names = {id(p): name for name, p in module.named_parameters()}
     model = fully_shard_model(module, *args, **kwargs)
     if optimizer is not None:
+        if model.meta_init_peak_bytes is not None:
+            faces = dict(model.named_parameters())
+            for group in optimizer.param_groups:
+                group["params"] = [faces[names[id(p)]] if id(p) in names else p for p in group["params"]]
         optimizer = fully_shard_optimizer(optimizer, model=model)
     return model, optimizer
 

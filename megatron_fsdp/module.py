@@ -409,6 +409,14 @@ class MegatronFSDP(nn.Module):
             self._ddp_config = ddp_config_from_settings(self.settings, self.dist_index)
         return self._ddp_config
 
+    @property
+    def param_and_grad_buffer(self) -> Any:
+        """Upstream's ``ParamAndGradBuffer`` view of this model's buckets, which megatron-core
+        reaches into; provided by the megatron-core face (issue 22, item 2)."""
+        raise NotImplementedError(
+            "MegatronFSDP.param_and_grad_buffer is not available yet (issue 22, item 2: the megatron-core face)"
+        )
+
     # -- the parameters users see -------------------------------------------------------------
 
     def _fqn_modifiers(self) -> dict[str, str]:
