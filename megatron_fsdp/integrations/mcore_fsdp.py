@@ -17,7 +17,9 @@ faces (docs/architecture.md, "The parameter contract"):
 The faces also carry what megatron-core reads off upstream's DTensor parameters:
 ``__fsdp_param__`` (its gradient clipping then takes ``.grad``'s local tensor), the
 Megatron-Core attributes of the parameter they stand for, ``megatron_fsdp_dist_index`` and
-``megatron_fsdp_slice`` (this rank's range of the flattened local parameter).
+``megatron_fsdp_slice`` (this rank's range of the flattened local parameter). The
+``param_and_grad_buffer`` megatron-core's optimizer calls is MegatronFSDP's own
+(megatron_fsdp/param_and_grad_buffer.py).
 
 State-dict keys are upstream's: the wrapped model sits under ``module.``.
 """
@@ -31,7 +33,6 @@ from typing import Any
 from torch import nn
 
 from megatron_fsdp.module import MegatronFSDP
-from megatron_fsdp.param_and_grad_buffer import ParamAndGradBuffer
 from megatron_fsdp.schedule import StepState
 from megatron_fsdp.utils import is_mcore_tensor_model_parallel
 
@@ -87,7 +88,6 @@ class MegatronCoreFSDP(MegatronFSDP):
             param.__fsdp_param__ = True
             param.grad_added_to_main_grad = False
         self._annotate_faces()
-        self._buffer_face = ParamAndGradBuffer(self)
         self._register_faces(True)
 
     def _annotate_faces(self) -> None:
@@ -143,11 +143,6 @@ class MegatronCoreFSDP(MegatronFSDP):
         evaluation), then registers the DTensor faces."""
         super().synchronize_param_gather()
         self._register_faces(True)
-
-    @property
-    def param_and_grad_buffer(self) -> ParamAndGradBuffer:
-        """Upstream's buffer object (megatron_fsdp/param_and_grad_buffer.py)."""
-        return self._buffer_face
 
     # -- names as upstream's: the model under "module." ------------------------------------------
 
