@@ -117,8 +117,8 @@ def fully_shard_model(
     """
     check_argument_types(locals())
     check_timeout(collective_timeout)
-    maxpool = check_upstream_options(
-        use_decoupled_grad, maxpool_double_buffer, disable_bucketing=disable_bucketing,
+    check_upstream_options(
+        use_decoupled_grad, disable_bucketing=disable_bucketing,
         keep_fp8_transpose_cache=keep_fp8_transpose_cache,
         fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
         disable_symmetric_registration=disable_symmetric_registration,
@@ -143,7 +143,7 @@ def fully_shard_model(
         sync_model_each_microbatch=sync_model_each_microbatch,
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
-        fsdp_double_buffer=fsdp_double_buffer or nccl_ub or maxpool,  # user buffers must stay put
+        fsdp_double_buffer=fsdp_double_buffer or nccl_ub or maxpool_double_buffer,  # user buffers must stay put
         nccl_ub=nccl_ub,
         calculate_per_token_loss=calculate_per_token_loss,
         collective_timeout=None if collective_timeout is None else float(collective_timeout),

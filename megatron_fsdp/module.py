@@ -112,7 +112,7 @@ class MegatronFSDP(nn.Module):
             raise ValueError("this model is already sharded by megatron_fsdp")
         # Tuning of upstream's own pipelines: nothing to change here (logged when set).
         check_upstream_options(
-            False, False, disable_bucketing=disable_bucketing, keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+            disable_bucketing=disable_bucketing, keep_fp8_transpose_cache=keep_fp8_transpose_cache,
             fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
             disable_symmetric_registration=disable_symmetric_registration,
             enable_fine_grained_param_gather=enable_fine_grained_param_gather_hook
@@ -397,6 +397,10 @@ class MegatronFSDP(nn.Module):
             current.main_params_dtype, current.main_grads_dtype, mixed_precision_policy.grad_comm_dtype
         )
 
+    def _replace_param_with_distributed_if_needed(self) -> None:
+        """Upstream's docstrings tell users to call this before building an optimizer over
+        ``parameters()``; here ``parameters()`` always are the distributed parameters."""
+
     def get_distributed_index(self) -> FSDPDistributedIndex:
         """The meshes and groups this model is sharded over."""
         return self.dist_index
@@ -411,11 +415,15 @@ class MegatronFSDP(nn.Module):
 
     @property
     def param_and_grad_buffer(self) -> Any:
-        """Upstream's ``ParamAndGradBuffer`` view of this model's buckets, which megatron-core
-        reaches into; provided by the megatron-core face (issue 22, item 2)."""
-        raise NotImplementedError(
-            "MegatronFSDP.param_and_grad_buffer is not available yet (issue 22, item 2: the megatron-core face)"
-        )
+        """Upstream's ``ParamAndGradBuffer``: a view of this model's buckets as upstream's
+        parameter groups (megatron_fsdp/param_and_grad_buffer.py), made on first use."""
+        face = self.__dict__.get("_param_and_grad_buffer_face")
+        if face is None:
+            # Imported here: that face module imports this one (through megatron_fsdp.utils).
+            from megatron_fsdp.param_and_grad_buffer import ParamAndGradBuffer
+
+            face = self.__dict__["_param_and_grad_buffer_face"] = ParamAndGradBuffer(self)
+        return face
 
     # -- the parameters users see -------------------------------------------------------------
 

@@ -28,17 +28,6 @@ from megatron_fsdp.units import resolve_unit_classes
 
 logger = logging.getLogger(__name__)
 
-# Upstream keywords that tune memory, overlap, NCCL registration, CUDA graphs or Transformer
-# Engine FP8 caches: none can change the values trained, and megatron_fsdp has no use for them.
-PERFORMANCE_ONLY_OPTIONS = (
-    "disable_bucketing",
-    "keep_fp8_transpose_cache",
-    "fsdp_db_use_persist_buf_on_alloc_fail",
-    "disable_symmetric_registration",
-    "enable_fine_grained_param_gather",
-    "cuda_graph_mode",
-)
-
 
 @dataclass(frozen=True)
 class ShardingPlan:
@@ -51,10 +40,12 @@ class ShardingPlan:
     meta_init_device: torch.device | None
 
 
-def check_upstream_options(use_decoupled_grad: bool, maxpool_double_buffer: bool, **performance_only: bool) -> bool:
-    """Settles upstream-only keywords; returns whether they ask for double buffering
-    (``maxpool_double_buffer``: megatron_fsdp's double buffer already serves units of different
-    sizes). Raises ``ValueError`` for ``use_decoupled_grad=True``."""
+def check_upstream_options(use_decoupled_grad: bool = False, **performance_only: bool) -> None:
+    """Settles upstream-only keywords: ``use_decoupled_grad=True`` raises ``ValueError``; the
+    ones tuning memory, overlap, NCCL registration, CUDA graphs or Transformer Engine FP8 caches
+    (``disable_bucketing``, ``keep_fp8_transpose_cache``, ``fsdp_db_use_persist_buf_on_alloc_fail``,
+    ``disable_symmetric_registration``, ``enable_fine_grained_param_gather``, ``cuda_graph_mode``)
+    cannot change the values trained and are accepted (logged when set: they do nothing here)."""
     if use_decoupled_grad:
         raise ValueError(
             "use_decoupled_grad=True puts reduced gradients in param.decoupled_grad for Transformer Engine's "
@@ -62,11 +53,8 @@ def check_upstream_options(use_decoupled_grad: bool, maxpool_double_buffer: bool
             "optimizer: set use_decoupled_grad=False"
         )
     for name, value in performance_only.items():
-        if name not in PERFORMANCE_ONLY_OPTIONS:
-            raise TypeError(f"unknown option {name!r}")
         if value:
             logger.info("megatron_fsdp: %s=True has no effect here (it tunes performance only)", name)
-    return bool(maxpool_double_buffer)
 
 
 def resolve_policy(
@@ -249,10 +237,7 @@ def plan_from_upstream_arguments(
                 "ddp_config.fp8_param_gather=True keeps compute weights in FP8 (Transformer Engine), which "
                 "megatron_fsdp does not support: set fp8_param_gather=False"
             )
-        maxpool = check_upstream_options(
-            getattr(ddp_config, "megatron_fsdp_use_decoupled_grad", False),
-            getattr(ddp_config, "megatron_fsdp_max_pool_double_buffer", False),
-        )
+        check_upstream_options(getattr(ddp_config, "megatron_fsdp_use_decoupled_grad", False))
         options = dict(
             strategy=getattr(ddp_config, "data_parallel_sharding_strategy", "no_shard"),
             outer=getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard"),
@@ -261,7 +246,7 @@ def plan_from_upstream_arguments(
             check_for_nan_in_grad=bool(getattr(ddp_config, "check_for_nan_in_grad", False)),
             nccl_ub=bool(getattr(ddp_config, "nccl_ub", False)),
             fsdp_double_buffer=bool(getattr(ddp_config, "fsdp_double_buffer", False)),
-            maxpool=maxpool,
+            maxpool=bool(getattr(ddp_config, "megatron_fsdp_max_pool_double_buffer", False)),
         )
         policy = mixed_precision_policy or _policy_from_ddp_config(ddp_config)
     if dist_index is None:

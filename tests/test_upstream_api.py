@@ -252,3 +252,12 @@ def test_model_controls_do_what_upstreams_do(single_rank_group) -> None:
     with model.mixed_precision_context(megatron_fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16, torch.bfloat16)):
         assert model.mixed_precision_policy == megatron_fsdp.MixedPrecisionPolicy(policy.main_params_dtype, policy.main_grads_dtype, torch.bfloat16)
     assert model.mixed_precision_policy == policy
+
+
+def test_param_and_grad_buffer_views_the_buckets(single_rank_group) -> None:
+    model = megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block])
+    buffer = model.param_and_grad_buffer
+    assert buffer is model.param_and_grad_buffer
+    assert buffer.num_buckets == len(model.all_buckets())
+    params = {id(p) for group in buffer.parameter_groups for p in group.model_weight_buffer.params}
+    assert params == {id(p) for p in model.module.parameters()}
