@@ -13,6 +13,9 @@ from megatron_fsdp.config import MixedPrecisionPolicy, ShardingStrategy
 from megatron_fsdp.grad_clip import clip_grad_norm_, total_grad_norm
 from megatron_fsdp.megatron_config import DistributedDataParallelConfig, add_megatron_fsdp_args, ddp_config_from_args
 from megatron_fsdp.module import MegatronFSDP
+from megatron_fsdp.state_dict_broadcast import install as _install_state_dict_broadcast
+
+_install_state_dict_broadcast()
 
 __all__ = [
     "CheckpointCorruptError",
