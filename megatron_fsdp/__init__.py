@@ -27,6 +27,9 @@ from megatron_fsdp.package_info import (
     __shortversion__,
     __version__,
 )
+from megatron_fsdp.state_dict_broadcast import install as _install_state_dict_broadcast
+
+_install_state_dict_broadcast()
 
 __all__ = [
     "CheckpointCorruptError",

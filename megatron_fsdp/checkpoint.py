@@ -6,12 +6,14 @@ the weights where no main parameters exist). A sharded piece is a flat range, wh
 :class:`~megatron_fsdp.piece_dtensor.PieceDTensor` describes to DCP as the rectangles it
 covers and gathers correctly for ``full_tensor()``. DCP then saves, loads in place and reshards
 across world sizes and strategies; the files hold plain tensors of the original shapes.
-Optimizer state follows the same scheme, keyed by parameter FQN.
+Optimizer state entries are DTensors of the same layouts (the optimizer holds the faces:
+optimizer.py); checkpoint files key them by parameter FQN.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -99,7 +101,7 @@ def load_model_state_dict(model: ShardedModel, state_dict: dict[str, Any], stric
                 bucket.sync_after_load()
 
 
-def _holds_this_piece(value: DTensor, spec: ShardSpec) -> bool:
+def holds_this_piece(value: DTensor, spec: ShardSpec) -> bool:
     """Whether ``value``'s local tensor is this rank's piece as ``spec`` places it (our own state
     dict, filled by ``dcp.load``, or a copy of it). Decided from metadata alone, so every rank
     decides alike and either none gathers the full tensor or all do."""
@@ -132,88 +134,58 @@ def check_keys(expected: dict[str, torch.Size], given: dict[str, torch.Size | No
         raise RuntimeError(f"the {what} does not fit this model; " + "; ".join(problems))
 
 
-def _optimizer_param_names(model: ShardedModel) -> dict[int, tuple[str, Bucket, int, int]]:
-    """id(main-parameter piece) -> (parameter FQN, bucket, index in bucket, where its piece
-    starts in the flattened parameter)."""
-    names = _param_names(model)
+@dataclass(frozen=True)
+class FaceSource:
+    """Where a face's values sit in the parameter: its piece (what the optimizer steps), where
+    the piece starts in this rank's flattened region, that region (``extent``) and the spec."""
+
+    piece: torch.Tensor
+    start: int
+    extent: ParamExtent
+    spec: ShardSpec
+
+
+def face_sources(model: ShardedModel) -> dict[nn.Parameter, FaceSource]:
+    """Each trainable parameter's DTensor face -> its :class:`FaceSource`."""
     return {
-        id(bucket.optim_params[index]): (names[param][0], bucket, index, start)
-        for bucket, index, param, (_, start) in _bucket_params(model)
+        bucket.faces[index].param: FaceSource(piece, start, bucket.extents[index], bucket.faces[index].spec)
+        for bucket, index, _, (piece, start) in _bucket_params(model)
         if bucket.requires_grad
     }
 
 
-def _init_optimizer_state(optimizer: torch.optim.Optimizer, step: Any) -> None:
-    """Creates the state of a fresh optimizer (so DCP has tensors to load into) with one step
-    of zero gradients at zero learning rate, as torch's own distributed state-dict code does."""
-    if optimizer.state:
-        return
-    saved = []
-    for group in optimizer.param_groups:
-        saved.append(group.get("lr"))
-        if "lr" in group:
-            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
-        for param in group["params"]:
-            param.grad = torch.zeros_like(param)
-    step()
-    for group, lr in zip(optimizer.param_groups, saved):
-        if lr is not None:
-            group["lr"] = lr
-        for param in group["params"]:
-            param.grad = None
-
-
-def optimizer_state_dict(optimizer: torch.optim.Optimizer, model: ShardedModel, unwrapped_step: Any) -> dict[str, Any]:
-    """``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}`` with
-    every per-element state tensor as a DTensor piece like the parameter's."""
-    _init_optimizer_state(optimizer, unwrapped_step)
-    owners = _optimizer_param_names(model)
-    state: dict[str, dict[str, Any]] = {}
-    for group in optimizer.param_groups:
-        for piece in group["params"]:
-            fqn, bucket, index, _ = owners[id(piece)]  # the optimizer steps exactly this piece
-            spec = bucket.faces[index].spec
-            entries = {}
-            for name, value in optimizer.state.get(piece, {}).items():
-                per_element = isinstance(value, torch.Tensor) and value.shape == piece.shape
-                entries[name] = sharded_dtensor(value, spec) if per_element else value
-            state[fqn] = entries
-    groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [owners[id(p)][0] for p in group["params"]]}
-        for group in optimizer.param_groups
-    ]
-    return {"state": state, "param_groups": groups}
-
-
-def load_optimizer_state_dict(
-    optimizer: torch.optim.Optimizer, model: ShardedModel, state_dict: dict[str, Any], unwrapped_load: Any
-) -> None:
-    """Loads a state dict of :func:`optimizer_state_dict` form (after ``dcp.load`` filled it in
-    place) through the optimizer's own ``load_state_dict``."""
-    owners = _optimizer_param_names(model)
-    pieces = [piece for group in optimizer.param_groups for piece in group["params"]]
-    fqns = [owners[id(piece)][0] for piece in pieces]
-    saved = state_dict["state"]
-    missing = [fqn for fqn in fqns if fqn not in saved]
-    unexpected = [fqn for fqn in saved if fqn not in set(fqns)]
-    if missing or unexpected:
-        raise RuntimeError(
-            "the optimizer state dict does not fit this model; "
-            f"missing: {', '.join(missing) or '-'}; unexpected: {', '.join(unexpected) or '-'}"
+def to_face_layout(value: Any, source: FaceSource, what: str) -> Any:
+    """A per-element optimizer-state entry as a DTensor laid out like the face (its own storage
+    when it already is one, e.g. filled in place by ``dcp.load``); from a full tensor or a
+    DTensor of another layout (gathered on every rank: the decision reads metadata only).
+    Entries that are not per-element tensors (a step count) stay as they are."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    if isinstance(value, DTensor) and holds_this_piece(value, source.spec):
+        return value
+    if tuple(value.shape) != tuple(source.spec.global_shape):
+        raise ValueError(
+            f"optimizer state {what} has shape {tuple(value.shape)}, not the parameter's {tuple(source.spec.global_shape)}: "
+            "megatron_fsdp shards elementwise optimizers, whose per-element state has the parameter's shape"
         )
-    torch_state = {}
-    for position, (piece, fqn) in enumerate(zip(pieces, fqns)):
-        _, bucket, index, start = owners[id(piece)]
-        extent, spec = bucket.extents[index], bucket.faces[index].spec
-        torch_state[position] = {
-            name: _local_piece(value, piece, start, extent, spec) for name, value in saved[fqn].items()
-        }
-    groups, position = [], 0
-    for group, saved_group in zip(optimizer.param_groups, state_dict["param_groups"]):
-        count = len(group["params"])
-        groups.append({**saved_group, "params": list(range(position, position + count))})
-        position += count
-    unwrapped_load({"state": torch_state, "param_groups": groups})
+    local = _local_piece(value, source.piece, source.start, source.extent, source.spec)
+    return sharded_dtensor(local.to(source.piece.device, copy=True), source.spec)
+
+
+def fqn_keyed_optimizer_state_dict(
+    state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` keyed by parameter FQN instead of position, as
+    ``get_optimizer_state_dict`` returns it: checkpoint files then name what they hold.
+    ``optimizer.load_state_dict`` takes either form (torch matches them by position)."""
+    names = {face: fqn for fqn, face in model.named_parameters()}
+    fqns = [names[face] for group in optimizer.param_groups for face in group["params"]]
+    positions = [key for group in state_dict["param_groups"] for key in group["params"]]
+    to_fqn = dict(zip(positions, fqns))
+    return {
+        "state": {to_fqn[key]: value for key, value in state_dict["state"].items()},
+        "param_groups": [{**group, "params": [to_fqn[key] for key in group["params"]]} for group in state_dict["param_groups"]],
+    }
 
 
 def _local_piece(value: Any, piece: torch.Tensor, start: int, extent: ParamExtent, spec: ShardSpec) -> Any:
@@ -222,7 +194,7 @@ def _local_piece(value: Any, piece: torch.Tensor, start: int, extent: ParamExten
     every rank); other entries (a step count) as they are."""
     if isinstance(value, DTensor):
         with torch.no_grad():
-            if _holds_this_piece(value, spec):
+            if holds_this_piece(value, spec):
                 return value.to_local().reshape(piece.shape)
             value = value.full_tensor()
     if isinstance(value, torch.Tensor) and value.dim() > 0:

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_fsdp.checkpoint import check_keys
+from megatron_fsdp.checkpoint import check_keys, fqn_keyed_optimizer_state_dict
 from megatron_fsdp.checkpoint_integrity import (
     MANIFEST,
     MANIFEST_KEY,
@@ -53,10 +53,23 @@ def latest_checkpoint_step(checkpoint_dir: str) -> int | None:
         return None
 
 
-def _training_state(model: MegatronFSDP, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _training_state(
+    model: MegatronFSDP, optimizer: torch.optim.Optimizer | None, saved_keys: set[str] | None = None
+) -> dict[str, Any]:
+    """What a checkpoint holds: the optimizer state keyed by FQN (as torch's state-dict helpers
+    and torchtitan write it), or by position where ``saved_keys`` (a checkpoint's) show a
+    ``dcp.save`` of ``optimizer.state_dict()``."""
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
+        by_position = optimizer.state_dict()
+        by_fqn = fqn_keyed_optimizer_state_dict(by_position, optimizer, model)
+        first_fqn = next(iter(by_fqn["state"]), None)
+        saved_by_position = (
+            saved_keys is not None
+            and first_fqn is not None
+            and not any(key.startswith(f"optimizer.state.{first_fqn}.") for key in saved_keys)
+        )
+        state["optimizer"] = by_position if saved_by_position else by_fqn
     return state
 
 
@@ -119,9 +132,9 @@ def _prune(checkpoint_dir: str, keep_last: int) -> None:
         shutil.rmtree(_step_dir(checkpoint_dir, old), ignore_errors=True)
 
 
-def check_checkpoint_fits(path: str, model: MegatronFSDP) -> None:
+def check_checkpoint_fits(path: str, model: MegatronFSDP) -> set[str]:
     """Raises naming every missing, unexpected and mis-shaped model tensor of the checkpoint at
-    ``path`` before anything is read into the model."""
+    ``path`` before anything is read into the model; returns every key the checkpoint holds."""
     metadata = FileSystemReader(path).read_metadata()
     saved = {
         key[len("model.") :]: md.size
@@ -130,6 +143,7 @@ def check_checkpoint_fits(path: str, model: MegatronFSDP) -> None:
     }
     expected = {key: getattr(value, "shape", None) for key, value in model.state_dict().items()}
     check_keys(expected, saved, True, f"checkpoint {path}")
+    return set(metadata.state_dict_metadata)
 
 
 def load_checkpoint(
@@ -201,8 +215,8 @@ def _set_aside(checkpoint_dir: str, corrupt_steps: list[int], loaded_step: int) 
 
 
 def _load(path: str, model: MegatronFSDP, optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
-    check_checkpoint_fits(path, model)
-    state = _training_state(model, optimizer)
+    saved_keys = check_checkpoint_fits(path, model)
+    state = _training_state(model, optimizer, saved_keys)
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
     if optimizer is not None:

@@ -448,9 +448,9 @@ class MegatronFSDP(nn.Module):
         """The wrapped model's parameter FQNs, each with its DTensor face: this rank's piece of
         the main weights, whose ``.grad`` shows the reduced gradient after each gradient sync
         (docs/architecture.md, "The parameter contract"). ``self.module``'s own parameters are
-        the compute weights forward and backward use."""
-        if not recurse:
-            return
+        the compute weights forward and backward use. The faces belong to this wrapper, not to
+        the wrapped submodules, so ``recurse=False`` gives them too: torch's state-dict helpers
+        read each module's own parameters that way."""
         for name, param in self.module.named_parameters(remove_duplicate=remove_duplicate):
             yield (f"{prefix}.{name}" if prefix else name), self._faces[param].param
 

@@ -101,6 +101,13 @@ class PieceDTensor(DTensor):
             )
         return distribute_tensor(self.full_tensor(), mesh, placements, src_data_rank=None)
 
+    def piece_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``full``, a tensor of the global shape (no communication)."""
+        layout = self._flat_layout
+        region = full[tuple(slice(o, o + s) for o, s in zip(layout.offset, layout.local_shape))]
+        start, length = layout.mine(self.device_mesh)
+        return region.reshape(-1)[start : start + length]
+
     # -- the piece as rectangles, for torch.distributed.checkpoint -----------------------------
 
     def _chunks(self) -> list[tuple[torch.Size, torch.Size, int]]:

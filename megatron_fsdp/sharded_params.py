@@ -131,6 +131,11 @@ class ShardedParam:
         self.param = as_parameter(sharded_dtensor(piece, spec), requires_grad)
         self._grad: DTensor | None = None
 
+    @property
+    def shown_grad(self) -> DTensor | None:
+        """The gradient DTensor :meth:`show_grad` last pointed ``param.grad`` at."""
+        return self._grad
+
     def state(self) -> DTensor:
         """A DTensor over the piece that is not the parameter: what state dicts hold."""
         return sharded_dtensor(self.piece, self.spec)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import megatron_fsdp
@@ -61,7 +62,7 @@ def _mismatches(rank: int, world: int, strategy: int) -> dict:
         check("parameter full_tensor", name, param.full_tensor(), full_params[name])
         if param.grad is not None:
             check("grad full_tensor", name, param.grad.full_tensor(), full_grads[name])
-    optimizer_state = optimizer.state_dict()["state"]
+    optimizer_state = get_optimizer_state_dict(model, optimizer)["state"]
     for name, entries in optimizer_state.items():
         for key, value in entries.items():
             if isinstance(value, DTensor):

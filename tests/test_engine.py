@@ -89,7 +89,7 @@ def test_optimizer_is_found_from_its_parameters(single_rank_group) -> None:
     first_name, first_face = next(model.named_parameters())
     first_param = model.module.get_parameter(first_name)
     assert model.face_of(first_param) is first_face
-    assert optimizer.param_groups[0]["params"][0] is model.optimizer_params()[first_param]
+    assert optimizer.param_groups[0]["params"][0] is first_face, "the optimizer holds the DTensor faces"
     with pytest.raises(ValueError, match="already passed"):
         megatron_fsdp.fully_shard_optimizer(optimizer, model)
 

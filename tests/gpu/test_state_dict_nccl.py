@@ -1,0 +1,69 @@
+"""The state-dict DTensors on NCCL (2 GPUs, 1 on a one-GPU machine): ``full_tensor()`` of the
+model state dict, torch's ``get_model_state_dict(full_state_dict=True)`` (on the GPU and
+offloaded) and ``get_optimizer_state_dict(full_state_dict=True)`` give the values megatron_fsdp's
+own gathers give, and ``set_model_state_dict`` of a full state dict restores them exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+import megatron_fsdp
+from _dist import nccl_world, run_distributed
+from models import Block, make_batch, make_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _state_dicts(rank: int, world: int, strategy: int) -> dict:
+    torch.cuda.set_device(rank)
+    module = make_model(seed=0).cuda()
+    model, optimizer = megatron_fsdp.fully_shard(
+        module, torch.optim.AdamW(module.parameters(), lr=1e-2), fsdp_unit_modules=[Block], zero_dp_strategy=strategy
+    )
+    for step in range(2):
+        tokens, targets = make_batch(step, 2 * world)
+        model(tokens[rank::world].cuda(), targets[rank::world].cuda()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    full = model.full_parameters()
+    bad = []
+    for name, value in model.state_dict().items():
+        if name in full and not torch.equal(value.full_tensor(), full[name]):
+            bad.append(f"state_dict()[{name!r}].full_tensor()")
+    for offload in (False, True):
+        helper = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+        if offload and rank != 0:
+            continue  # offloaded full state dicts live on rank 0 only
+        bad += [f"get_model_state_dict(cpu_offload={offload})[{k!r}]" for k, v in full.items() if not torch.equal(helper[k].cpu(), v.cpu())]
+    names = {face: name for name, face in model.named_parameters()}
+    expected_state = {
+        names[face]: {k: v.full_tensor() for k, v in entries.items() if isinstance(v, DTensor)}
+        for face, entries in optimizer.state.items()
+    }
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))["state"]
+    for name, entries in expected_state.items():
+        bad += [f"optimizer {name}.{k}" for k, v in entries.items() if not torch.equal(optimizer_state[name][k], v)]
+    kept = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    kept = {k: v.clone() for k, v in kept.items()}
+    tokens, targets = make_batch(7, 2 * world)
+    model(tokens[rank::world].cuda(), targets[rank::world].cuda()).backward()
+    optimizer.step()  # moves the parameters away from what was kept
+    set_model_state_dict(model, kept, options=StateDictOptions(full_state_dict=True))
+    restored = model.full_parameters()
+    bad += [f"set_model_state_dict restored {k}" for k, v in full.items() if not torch.equal(restored[k], v)]
+    return {"bad": bad, "compared": len(full)}
+
+
+@pytest.mark.parametrize("strategy", [0, 3])
+def test_full_state_dicts_on_nccl_give_the_parameters(strategy: int) -> None:
+    for rank, result in enumerate(run_distributed(_state_dicts, nccl_world(), strategy, backend="nccl", timeout=300)):
+        assert result["compared"] > 0
+        assert result["bad"] == [], f"rank {rank}, strategy {strategy}: {result['bad']}"
