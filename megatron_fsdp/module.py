@@ -474,17 +474,18 @@ class MegatronFSDP(nn.Module):
         """The DTensor parameter :meth:`parameters` shows for the model parameter ``param``."""
         return self._faces[param].param
 
-    def prepare_optimizer_step(self) -> None:
-        """Finishes the gradient sync, which points every optimizer piece at its gradient."""
+    def prepare_optimizer_step(self, sync_grads: bool = True) -> None:
+        """Finishes the gradient sync (unless the caller did), which shows every gradient."""
         if self.scheduler.state is not StepState.IDLE:
             raise RuntimeError("optimizer.step() was called during forward or backward")
-        self.finish_grad_sync()
+        if sync_grads:
+            self.finish_grad_sync()
         if self.settings.check_for_nan_in_grad:
             self.scheduler.check_reduced_grads_finite(self.optimizer_steps)
 
-    def install_optimizer_step(self) -> None:
-        for bucket in self.trainable_buckets():
-            bucket.install_main_params()
+    def install_optimizer_step(self, install_weights: bool = True) -> None:
+        if install_weights:
+            self.install_optimized_model_weights()
         self.optimizer_steps += 1
         if self.user_buffers is not None:
             self.user_buffers.register_new_buckets()

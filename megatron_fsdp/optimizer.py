@@ -205,16 +205,21 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) 
     original_zero_grad = optimizer.zero_grad
 
     @functools.wraps(original_step)
-    def step(self, *args, **kwargs):
-        model.prepare_optimizer_step()
+    def step(self, *args, sync_grad_before_optimizer_step: bool = True, install_optimized_model_weights: bool = True, **kwargs):
+        """Upstream's keywords: ``sync_grad_before_optimizer_step=False`` steps on the gradients
+        shown so far (the caller synced them); ``install_optimized_model_weights=False`` leaves
+        the compute weights to ``model.install_optimized_model_weights()``."""
+        model.prepare_optimizer_step(sync_grads=sync_grad_before_optimizer_step)
         with swap.pieces(optimizer):
             result = original_step(*args, **kwargs)
-        model.install_optimizer_step()
+        model.install_optimizer_step(install_weights=install_optimized_model_weights)
         return result
 
     @functools.wraps(original_zero_grad)
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        model.zero_grad_buffer(set_to_none)
+    def zero_grad(self, set_to_none: bool = True, zero_grad_buffer: bool = True) -> None:
+        """``zero_grad_buffer=False`` (upstream's keyword) keeps the main gradients."""
+        if zero_grad_buffer:
+            model.zero_grad_buffer(set_to_none)
         original_zero_grad(set_to_none)
 
     # Bound methods, as LR schedulers re-wrap ``optimizer.step`` through its ``__func__``.

@@ -261,3 +261,25 @@ def test_param_and_grad_buffer_views_the_buckets(single_rank_group) -> None:
     assert buffer.num_buckets == len(model.all_buckets())
     params = {id(p) for group in buffer.parameter_groups for p in group.model_weight_buffer.params}
     assert params == {id(p) for p in model.module.parameters()}
+
+
+
+def test_upstream_optimizer_step_and_zero_grad_keywords(single_rank_group) -> None:
+    """install_optimized_model_weights=False leaves the (bf16) compute weights as they were until
+    model.install_optimized_model_weights(); zero_grad(zero_grad_buffer=False) keeps the main
+    gradients; a plain zero_grad() releases them."""
+    module = make_model(dtype=torch.bfloat16)
+    model, optimizer = megatron_fsdp.fully_shard(
+        module, torch.optim.SGD(module.parameters(), lr=0.1), fsdp_unit_modules=[Block], zero_dp_strategy="optim"
+    )
+    model(*make_batch(0, 2)).backward()
+    before = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    optimizer.step(install_optimized_model_weights=False)
+    assert all(torch.equal(p, before[n]) for n, p in model.module.named_parameters()), "weights installed anyway"
+    optimizer.zero_grad(zero_grad_buffer=False)
+    assert any(g.abs().sum() > 0 for g in model.full_gradients().values()), "the main gradients were released"
+    model.install_optimized_model_weights()
+    stepped = model.full_parameters()
+    assert all(torch.equal(p, stepped[n].to(p.dtype)) for n, p in model.module.named_parameters()), "not installed"
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
