@@ -27,6 +27,10 @@ from megatron_fsdp.sharded_params import ShardSpec, sharded_dtensor
 from megatron_fsdp.units import FSDPUnit
 
 
+# The key under which nn.Module stores what its get_extra_state() returns.
+EXTRA_STATE = "_extra_state"
+
+
 class ShardedModel(Protocol):
     """What state dicts read of a sharded model (a MegatronFSDP, which calls into this module:
     the dependency runs one way)."""
@@ -83,7 +87,10 @@ def load_model_state_dict(model: ShardedModel, state_dict: dict[str, Any], stric
         param: (bucket.extents[index], bucket.faces[index].spec, piece) for bucket, index, param, piece in _bucket_params(model)
     }
     names = _param_names(model)
-    shapes = {key: (pieces[v][0].global_shape if v in pieces else v.shape) for key, v in expected.items()}
+    shapes = {
+        key: pieces[v][0].global_shape if isinstance(v, nn.Parameter) and v in pieces else getattr(v, "shape", None)
+        for key, v in expected.items()
+    }
     given = {k: (v.shape if isinstance(v, torch.Tensor) else None) for k, v in state_dict.items()}
     check_keys(shapes, given, strict, "model state dict")
     with torch.no_grad():
@@ -94,7 +101,12 @@ def load_model_state_dict(model: ShardedModel, state_dict: dict[str, Any], stric
                 if local.data_ptr() != piece.data_ptr():  # else dcp.load wrote straight into the piece
                     piece.copy_(local)
         for key, value in expected.items():
-            if not isinstance(value, nn.Parameter) and key in state_dict and state_dict[key] is not value:
+            if isinstance(value, nn.Parameter) or key not in state_dict or state_dict[key] is value:
+                continue
+            if key == EXTRA_STATE or key.endswith("." + EXTRA_STATE):
+                owner = key[: -len(EXTRA_STATE)].rstrip(".")
+                model.module.get_submodule(owner).set_extra_state(state_dict[key])
+            else:
                 value.copy_(state_dict[key])
         for unit in model.units:
             for bucket in unit.buckets:

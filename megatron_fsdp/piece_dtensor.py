@@ -151,22 +151,6 @@ class PieceDTensor(DTensor):
                 return self._local_tensor[start : start + sizes.numel()].view(sizes)
         raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {tuple(index.offset)}")
 
-    # -- what keeps the layout ----------------------------------------------------------------
-    # Also caught by __torch_dispatch__ below; spelled out because torch 2.11's DTensor fast path
-    # does not route every op of a subclass through it.
-
-    def detach(self) -> PieceDTensor:
-        return PieceDTensor.wrap(super().detach(), self._flat_layout)
-
-    def clone(self, *args: Any, **kwargs: Any) -> PieceDTensor:
-        return PieceDTensor.wrap(super().clone(*args, **kwargs), self._flat_layout)
-
-    def to(self, *args: Any, **kwargs: Any) -> PieceDTensor:
-        return PieceDTensor.wrap(super().to(*args, **kwargs), self._flat_layout)
-
-    def cpu(self, *args: Any, **kwargs: Any) -> PieceDTensor:
-        return PieceDTensor.wrap(super().cpu(*args, **kwargs), self._flat_layout)
-
     # -- everything else ----------------------------------------------------------------------
 
     def __reduce_ex__(self, protocol: int) -> tuple:
@@ -176,31 +160,48 @@ class PieceDTensor(DTensor):
         )
 
     @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # Every Python-level op comes here first: torch 2.11's DTensor dispatch sends only some
+        # ops of a subclass through __torch_dispatch__ (which ones can differ between ranks with
+        # its sharding cache), so results are re-wrapped here, the same way on every rank.
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return _keep_layout(func, args, kwargs, out)
+
+    @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, PieceDTensor)]
-        layout = inputs[0]._flat_layout
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func._schema.is_mutable and args and isinstance(args[0], PieceDTensor):
             return args[0]  # in place: the piece was changed where it is
+        return _keep_layout(func, args, kwargs, out)
 
-        def rewrap(value: Any) -> Any:
-            if not isinstance(value, DTensor) or isinstance(value, PieceDTensor):
-                return value
-            same_layout = any(
-                value.shape == a.shape and value.placements == a.placements and value.device_mesh == a.device_mesh
-                and value._local_tensor.numel() == a._local_tensor.numel()
-                for a in inputs
-            )
-            if same_layout:
-                return PieceDTensor.wrap(value, layout)
-            if layout is not None and any(p.is_shard() for p in value.placements[: layout.dp_dims]):
-                raise NotImplementedError(
-                    f"{func} on a megatron_fsdp flat-sharded DTensor (a rank holds a flat range of the "
-                    "parameter, not torch.chunk rows): call .full_tensor() or .redistribute() first"
-                )
+
+def _keep_layout(func: Any, args: tuple, kwargs: dict | None, out: Any) -> Any:
+    """``out`` with every DTensor of an input PieceDTensor's layout re-wrapped with it; raises
+    (from metadata alone, so on every rank) where a result keeps a data-parallel ``Shard`` but
+    cannot keep the flat layout."""
+    inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, PieceDTensor)]
+    if not inputs:
+        return out
+    layout = inputs[0]._flat_layout
+
+    def rewrap(value: Any) -> Any:
+        if not isinstance(value, DTensor) or isinstance(value, PieceDTensor):
             return value
+        same_layout = any(
+            value.shape == a.shape and value.placements == a.placements and value.device_mesh == a.device_mesh
+            and value._local_tensor.numel() == a._local_tensor.numel()
+            for a in inputs
+        )
+        if same_layout:
+            return PieceDTensor.wrap(value, layout)
+        if layout is not None and any(p.is_shard() for p in value.placements[: layout.dp_dims]):
+            raise NotImplementedError(
+                f"{func} on a megatron_fsdp flat-sharded DTensor (a rank holds a flat range of the "
+                "parameter, not torch.chunk rows): call .full_tensor() or .redistribute() first"
+            )
+        return value
 
-        return pytree.tree_map(rewrap, out)
+    return pytree.tree_map(rewrap, out)
 
 
 def _rebuild(

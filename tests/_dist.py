@@ -6,6 +6,7 @@ Every rank's exception comes back with its traceback; a rank that hangs is kille
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue
@@ -29,6 +30,9 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, results: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+    if os.environ.get("TEST_RANK_TRACEBACK_AFTER"):
+        # Where a hanging rank waits: its stack goes to stderr after that many seconds.
+        faulthandler.dump_traceback_later(float(os.environ["TEST_RANK_TRACEBACK_AFTER"]), exit=True)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)

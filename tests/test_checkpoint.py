@@ -240,3 +240,27 @@ def test_a_save_killed_midway_leaves_the_last_complete_checkpoint_loadable(delay
         saver.wait()
     latest = megatron_fsdp.latest_checkpoint_step(path)
     assert run_distributed(_load_latest, 1, path) == [latest]
+
+
+class _WithExtraState(torch.nn.Linear):
+    """A module with extra state (as Transformer Engine's and megatron-core's modules have)."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 8)
+        self.calls = 0
+
+    def get_extra_state(self) -> dict:
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.calls = state["calls"]
+
+
+def test_extra_state_is_saved_and_loaded_through_its_module(single_rank_group) -> None:
+    model = megatron_fsdp.fully_shard_model(torch.nn.Sequential(_WithExtraState(), _WithExtraState()), fsdp_unit_modules=[_WithExtraState])
+    model.module[1].calls = 7
+    state = model.state_dict()
+    assert state["1._extra_state"] == {"calls": 7}
+    model.module[1].calls = 0
+    model.load_state_dict(state)
+    assert model.module[1].calls == 7
