@@ -547,6 +547,9 @@ class MegatronFSDP(nn.Module):
         full = {}
         for bucket in self.trainable_buckets():
             source = bucket.optimizer_grad_source()
+            if bucket.host is not None and bucket.optimizer_grads is not None:
+                # Offloaded: what the host step reads, where a clip scaled them.
+                source = bucket.optimizer_grads.to(bucket.dtypes.main_grads)
             if source is None:  # nothing reduced since zero_grad
                 source = torch.zeros(bucket.main_end - bucket.main_start, dtype=bucket.dtypes.main_grads, device=bucket.device)
             full.update(zip(bucket.names, bucket.split_full(bucket.gather_full(source))))
