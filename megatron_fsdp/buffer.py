@@ -23,7 +23,7 @@ from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStr
 from megatron_fsdp.dtensor_params import ParamExtent, local_tensor, param_extent
 from megatron_fsdp.layout import BucketLayout, alignment_in_elements, build_bucket_layout
 from megatron_fsdp.mesh import DataParallelGroup
-from megatron_fsdp.offload import HostBuffers
+from megatron_fsdp.offload import HostBuffers, OffloadTransfers
 from megatron_fsdp.piece_dtensor import FlatLayout
 from megatron_fsdp.sharded_params import MeshCache, ShardedParam, shard_spec
 
@@ -52,7 +52,9 @@ class Bucket:
         pool: torch.ScriptObject,
         pool_role: str,
         grad_divisor: int | None = None,
+        transfers: OffloadTransfers | None = None,
     ) -> None:
+        """``transfers``: the model's offload stream and staging buffers, given when it offloads."""
         self.names = names
         # Pool keys are "<purpose>/<role>": buckets of the same role in different units take
         # turns on the same persistent blocks under fsdp_double_buffer.
@@ -76,7 +78,7 @@ class Bucket:
         self.device = self.locals[0].device
         self.requires_grad = params[0].requires_grad
         # Offloaded: the main parameters and the gradients the optimizer reads live on the host.
-        self.offloaded = settings.cpu_offload and self.requires_grad
+        self.offloaded = transfers is not None and self.requires_grad
         self.host: HostBuffers | None = None
         # The DTensor parameters users see, one per parameter (set by add_faces).
         self.faces: list[ShardedParam] = []
@@ -130,7 +132,7 @@ class Bucket:
             torch.zeros(len(params), dtype=torch.bool, device=self.device) if settings.report_nan_in_param_grad else None
         )
         if self.requires_grad:
-            self._init_main_state(settings.offload_pin_memory)
+            self._init_main_state(transfers)
         if self.strategy.shards_weights:
             # Everything needed was copied out of the full parameters: let them go.
             for local in self.locals:
@@ -153,7 +155,7 @@ class Bucket:
         lo = min(max(slot.offset, start), end)
         return lo, max(min(slot.end, end), lo)
 
-    def _init_main_state(self, pin_memory: bool) -> None:
+    def _init_main_state(self, transfers: OffloadTransfers | None) -> None:
         # Strategy 0 steps the whole bucket on every rank; the others step this rank's shard,
         # and under HFSDP only this outer rank's 1/outer of it.
         if self.strategy is ShardingStrategy.NO_SHARD:
@@ -168,7 +170,7 @@ class Bucket:
         # Main params in the compute dtype are the weights themselves: nothing to copy.
         self.main_params_alias_weights = self.dtypes.main_params == self.dtype and not self.offloaded
         if self.offloaded:
-            self.host = HostBuffers(self._main_weight_target(), self.dtypes.main_params, pin_memory)
+            self.host = HostBuffers(self._main_weight_target(), self.dtypes.main_params, transfers)
             self.main_params = self.host.main_params
         elif self.gathers_from_main:
             self.main_params = self._local_pieces(self.main_start, self.main_end, self.dtypes.main_params)

@@ -1,60 +1,88 @@
-"""CPU offloading: one bucket's host side and the copies between it and the device.
+"""CPU offloading: each offloaded bucket's host side and the copies between it and the device.
 
 An offloaded bucket keeps its main parameters (what the optimizer steps, in the main-parameter
 dtype) and the gradients the optimizer reads in host memory; its compute weights and every
 gathered or reduced buffer stay on the device. What moves when (docs/offloading.md):
 
-- gradients, device to host: once a bucket's gradients are fully reduced, on the offload side
-  stream, overlapping the rest of backward; the host waits for them only when it reads them
-  (when the gradient sync shows them as ``.grad``);
-- weights, host to device: after the host step of the bucket, cast on the host into a staging
-  buffer of the compute dtype (half the bytes of fp32 for bf16) and copied into the bucket's
-  compute-weight shard on the side stream; the device waits for them only where it reads that
-  shard (the unit's next all-gather).
+- gradients, device to host: once a bucket's gradients are fully reduced, on the model's
+  offload stream, overlapping the rest of backward; the host waits for them only when it reads
+  them (when the gradient sync shows them as ``.grad``);
+- weights, host to device: after the host step of the bucket, cast on the host into one of two
+  pinned staging buffers of the compute dtype (half the bytes of fp32 for bf16) and copied into
+  the bucket's compute-weight range on the offload stream; the device waits for them only where
+  it reads that range (the unit's next all-gather).
 
-Only the two buffers the copy engine reads or writes are pinned; the main parameters are
-ordinary host memory, which no copy touches, so the host may rewrite them (the optimizer step,
-a checkpoint load) at any time. On a CPU device the same calls copy synchronously.
+The host gradients (the copy engine writes them) and the two staging buffers (it reads them)
+are pinned; the main parameters are ordinary host memory that no copy touches, so the host may
+rewrite them (the optimizer step, a checkpoint load) at any time. On a CPU device the same calls
+copy synchronously.
 """
 
 from __future__ import annotations
 
 import torch
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
+class OffloadTransfers:
+    """One model's offload stream and its two staging buffers per compute dtype (each as large
+    as the largest bucket range sent so far), taken in turn: casting the next bucket overlaps
+    the copy of the one before."""
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One offload stream per device, shared by every bucket: copies run in launch order."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+    SLOTS = 2
+
+    def __init__(self, device: torch.device, pin_memory: bool) -> None:
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        self.pin_memory = pin_memory and self.on_cuda
+        self.stream = torch.cuda.Stream(device) if self.on_cuda else None
+        self._staging: dict[torch.dtype, list[torch.Tensor | None]] = {}
+        self._staging_copied: dict[torch.dtype, list[torch.cuda.Event | None]] = {}
+        self._next: dict[torch.dtype, int] = {}
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Host memory the copy engine reads or writes: pinned when asked for (and on a GPU)."""
+        return torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
+
+    def staging(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """The next staging buffer (its first ``numel`` elements) and its slot, once the copy that
+        last read it has landed."""
+        buffers = self._staging.setdefault(dtype, [None] * self.SLOTS)
+        events = self._staging_copied.setdefault(dtype, [None] * self.SLOTS)
+        slot = self._next.get(dtype, 0)
+        self._next[dtype] = (slot + 1) % self.SLOTS
+        if events[slot] is not None:
+            events[slot].synchronize()
+            events[slot] = None
+        if buffers[slot] is None or buffers[slot].numel() < numel:
+            buffers[slot] = self.host_empty(numel, dtype)
+        return buffers[slot][:numel], slot
+
+    def staging_sent(self, dtype: torch.dtype, slot: int, copied: torch.cuda.Event) -> None:
+        self._staging_copied[dtype][slot] = copied
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for buffers in self._staging.values() for b in buffers if b is not None)
 
 
 class HostBuffers:
-    """The host side of one bucket's optimizer range: main parameters, the gradients the
-    optimizer reads, and the pinned staging buffer the new compute weights leave from."""
+    """The host side of one bucket's optimizer range: main parameters and the gradients the
+    optimizer reads, and the events of the copies in flight."""
 
-    def __init__(self, device_values: torch.Tensor, main_dtype: torch.dtype, pin_memory: bool) -> None:
+    def __init__(self, device_values: torch.Tensor, main_dtype: torch.dtype, transfers: OffloadTransfers) -> None:
         """``device_values``: the range's current weights on the device (copied once, now)."""
+        self.transfers = transfers
         self.device = device_values.device
-        self.on_cuda = self.device.type == "cuda"
-        self.pin_memory = pin_memory and self.on_cuda
-        self.compute_dtype = device_values.dtype
         self.main_params = device_values.to("cpu", main_dtype, copy=True)
         self._grads: torch.Tensor | None = None
-        self._staging: torch.Tensor | None = None
-        # Recorded on the side stream after each launched copy (CUDA only).
+        # Recorded on the offload stream after each launched copy (CUDA only).
         self._grads_copied: torch.cuda.Event | None = None
         self._weights_copied: torch.cuda.Event | None = None
 
-    def _host_empty(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(self.main_params.numel(), dtype=dtype, pin_memory=self.pin_memory)
-
     @property
     def host_bytes(self) -> int:
-        """Host bytes held: main parameters, gradients and staging (not the optimizer state)."""
-        held = (self.main_params, self._grads, self._staging)
+        """Host bytes held: main parameters and gradients (not the optimizer state)."""
+        held = (self.main_params, self._grads)
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     # -- gradients: device -> host ---------------------------------------------------------------
@@ -63,11 +91,11 @@ class HostBuffers:
         """Launches the copy of the fully reduced device gradients into the host gradients (cast
         to the main-parameter dtype on the device first, where they differ)."""
         if self._grads is None:
-            self._grads = self._host_empty(self.main_params.dtype)
-        if not self.on_cuda:
+            self._grads = self.transfers.host_empty(self.main_params.numel(), self.main_params.dtype)
+        stream = self.transfers.stream
+        if stream is None:
             self._grads.copy_(source)
             return
-        stream = _side_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the reduction wrote source there
         with torch.cuda.stream(stream):
             sent = source if source.dtype == self._grads.dtype else source.to(self._grads.dtype)
@@ -94,20 +122,18 @@ class HostBuffers:
     def send_weights(self, target: torch.Tensor) -> None:
         """Launches the copy of the main parameters, in ``target``'s dtype, into ``target`` (the
         compute-weight range on the device)."""
-        if not self.on_cuda:
+        stream = self.transfers.stream
+        if stream is None:
             target.copy_(self.main_params)
             return
-        if self._staging is None:
-            self._staging = self._host_empty(target.dtype)
-        elif self._weights_copied is not None:
-            self._weights_copied.synchronize()  # the last copy out of the staging buffer is done
-        self._staging.copy_(self.main_params)
-        stream = _side_stream(self.device)
+        staging, slot = self.transfers.staging(target.numel(), target.dtype)
+        staging.copy_(self.main_params)
         stream.wait_stream(torch.cuda.current_stream(self.device))  # work queued there may read target
         with torch.cuda.stream(stream):
-            target.copy_(self._staging, non_blocking=True)
+            target.copy_(staging, non_blocking=True)
             self._weights_copied = torch.cuda.Event()
             self._weights_copied.record(stream)
+        self.transfers.staging_sent(target.dtype, slot, self._weights_copied)
 
     def before_device_reads_weights(self) -> None:
         """The current stream is about to read the compute weights: the copy into them goes first
