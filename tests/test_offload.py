@@ -37,6 +37,9 @@ SETUPS = {
     "adamw-s3": Setup(strategy=3, optimizer="adamw_foreach", offload=True, steps=3),
     "sgd-s0": Setup(strategy=0, accum=2, optimizer="sgd", offload=True, steps=3),
     "bf16-s3": Setup(strategy=3, accum=2, dtype=torch.bfloat16, optimizer="sgd", offload=True, steps=3),
+    # HSDP: gradients reach the host after the dp_outer average; HFSDP: the host steps 1/outer.
+    "hsdp-s3": Setup(strategy=3, accum=2, hsdp=(2, 1), offload=True, steps=3),
+    "hfsdp-s3": Setup(strategy=3, accum=2, hsdp=(2, 1), outer_strategy="optim", offload=True, steps=3),
 }
 
 
