@@ -8,10 +8,10 @@ implementation: median step time over --steps timed steps after --warmup, tokens
 TFLOP/s/GPU, peak allocated and reserved memory, the final loss, and the host memory held
 (resident set, pinned bytes; with CPU offloading the optimizer lives there).
 
-``--largest`` searches the 8B config's family (its width, ``--layers`` deep) for the deepest
-model each implementation trains, in the given order of depths, stopping at the first that
-fails; depths whose host state would not fit in the host's available memory (offloaded runs:
-16 bytes per parameter) are skipped without trying, since the kernel would kill the run.
+``--layers 8,16`` runs --config's width at those depths; ``--largest`` goes through the depths
+in order (default 8..64) and stops at the first that fails: the deepest model each
+implementation trains. A depth whose offloaded state would not fit the host's available memory
+(16 bytes per parameter) is skipped without trying, since the kernel would kill the run.
 """
 
 from __future__ import annotations
@@ -144,6 +144,8 @@ def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.devic
     # them before measuring this one's memory.
     gc.collect()
     torch.cuda.empty_cache()
+    # Pinned blocks an offloaded run freed stay cached by torch's host allocator: give them back.
+    torch._C._host_emptyCache()
     leftover = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     model, optimizer, autocast = make(config, device)
@@ -215,27 +217,17 @@ def _host_bytes_available() -> int:
     return int(available.item())
 
 
-def _largest(name: str, config: GPTConfig, args, device: torch.device) -> list[dict]:
-    """Rows for ``name`` at each depth of ``--layers`` in turn, up to the first that fails."""
-    rows = []
-    for layers in [int(x) for x in args.layers.split(",")]:
-        sized = dataclasses.replace(config, layers=layers)
-        params = _parameters(sized)
-        # Offloaded main params, gradients and Adam's two moments: 16 bytes per parameter, split
-        # over the ranks of this host; 10% headroom for the rest of the process.
-        needed = 16 * params if "offload" in name else 0
-        available = _host_bytes_available()
-        base = {"implementation": name, "layers": layers, "parameters_b": params / 1e9}
-        if needed > 0.9 * available:
-            rows.append({**base, "error": f"skipped: needs ~{needed / 2**30:.0f} GiB of host memory, {available / 2**30:.0f} GiB available"})
-        else:
-            row = _run_or_oom(name, sized, args, device)
-            rows.append({**base, **row})
-        if dist.get_rank() == 0:
-            print(json.dumps(rows[-1]), flush=True)
-        if "error" in rows[-1]:
-            break
-    return rows
+def _at_depth(name: str, config: GPTConfig, args, device: torch.device) -> dict:
+    """The row of ``name`` on ``config``, or why it did not run."""
+    params = _parameters(config)
+    base = {"implementation": name, "layers": config.layers, "parameters_b": params / 1e9}
+    # Offloaded main params, gradients and Adam's two moments: 16 bytes per parameter, split
+    # over the ranks of this host; 10% headroom for the rest of the process.
+    needed = 16 * params if "offload" in name else 0
+    available = _host_bytes_available()
+    if needed > 0.9 * available:
+        return {**base, "error": f"skipped: needs ~{needed / 2**30:.0f} GiB of host memory, {available / 2**30:.0f} GiB available"}
+    return {**base, **_run_or_oom(name, config, args, device)}
 
 
 def _run_or_oom(name: str, config: GPTConfig, args, device: torch.device) -> dict:
@@ -247,6 +239,7 @@ def _run_or_oom(name: str, config: GPTConfig, args, device: torch.device) -> dic
         where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"
         gc.collect()
         torch.cuda.empty_cache()
+        torch._C._host_emptyCache()
         return {"implementation": name, "error": "out of memory", "where": where,
                 "message": str(error).split("See documentation")[0].strip()}
 
@@ -271,10 +264,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--impls", default="all", help="comma-separated names (exact, else substrings) or 'all'")
     parser.add_argument("--out", default=None, help="write rows and setting as JSON here")
+    parser.add_argument("--layers", default=None,
+                        help="comma-separated depths to run --config's width at (default: its own depth)")
     parser.add_argument("--largest", action="store_true",
-                        help="find the deepest model of --config's width each implementation trains (see above)")
-    parser.add_argument("--layers", default="8,16,20,24,28,32,40,48,56,64",
-                        help="--largest: the depths to try, in order, up to the first that fails")
+                        help="go through --layers (default 8,16,20,24,28,32,40,48,56,64) up to the first that fails")
     args = parser.parse_args()
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -283,14 +276,15 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=device)
     config = GPTConfig(**{**CONFIGS[args.config].__dict__, "seq_len": args.seq_len})
     wanted = _wanted(args.impls)
+    depths = args.layers or ("8,16,20,24,28,32,40,48,56,64" if args.largest else str(config.layers))
     rows = []
     for name in wanted:
-        if args.largest:
-            rows += _largest(name, config, args, device)
-            continue
-        rows.append(_run_or_oom(name, config, args, device))
-        if dist.get_rank() == 0:
-            print(json.dumps(rows[-1]), flush=True)
+        for layers in [int(depth) for depth in depths.split(",")]:
+            rows.append(_at_depth(name, dataclasses.replace(config, layers=layers), args, device))
+            if dist.get_rank() == 0:
+                print(json.dumps(rows[-1]), flush=True)
+            if args.largest and "error" in rows[-1]:
+                break
     if dist.get_rank() == 0:
         _report(rows, args, config)
     dist.destroy_process_group()
@@ -305,6 +299,7 @@ def _report(rows: list[dict], args, config: GPTConfig) -> None:
         "date": datetime.date.today().isoformat(),
         "config": args.config,
         "model": config.__dict__,
+        "largest": args.largest,
         "micro_batch": args.micro_batch,
         "seq_len": args.seq_len,
         "timed_steps": args.steps,
