@@ -5,12 +5,19 @@ floor, on the same GPT (examples/gpt_model.py), data and seed, in one run.
 
 Every implementation computes in bf16 with fp32 master weights and AdamW. Reported per
 implementation: median step time over --steps timed steps after --warmup, tokens/s/GPU, model
-TFLOP/s/GPU, peak allocated and reserved memory, and the final loss.
+TFLOP/s/GPU, peak allocated and reserved memory, the final loss, and the host memory held
+(resident set, pinned bytes; with CPU offloading the optimizer lives there).
+
+``--layers 8,16`` runs --config's width at those depths; ``--largest`` goes through the depths
+in order (default 8..64) and stops at the first that fails: the deepest model each
+implementation trains. A depth whose offloaded state would not fit the host's available memory
+(16 bytes per parameter) is skipped without trying, since the kernel would kill the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -43,28 +50,35 @@ def _build(config: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
     return model.to(dtype)
 
 
-def _megatron(strategy: int, comm: torch.dtype, double_buffer: bool = False, nccl_ub: bool = False) -> Callable:
+def _megatron(
+    strategy: int, comm: torch.dtype, double_buffer: bool = False, nccl_ub: bool = False, offload: bool = False
+) -> Callable:
     def make(config, device):
         model = _build(config, device, torch.bfloat16)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32, grad_comm_dtype=comm)
         return megatron_fsdp.fully_shard(
             model, optimizer, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=strategy, mixed_precision_policy=policy,
-            fsdp_double_buffer=double_buffer, nccl_ub=nccl_ub,
+            fsdp_double_buffer=double_buffer, nccl_ub=nccl_ub, cpu_offload=offload,
         ) + (False,)
 
     return make
 
 
-def _fsdp2(config, device):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _fsdp2_with(offload: bool) -> Callable:
+    def make(config, device):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    model = _build(config, device, torch.float32)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), False
+        model = _build(config, device, torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        offload_policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy, offload_policy=offload_policy)
+        fully_shard(model, mp_policy=policy, offload_policy=offload_policy)
+        # Offloaded, the parameters are on the host: torch's fused AdamW has a CPU kernel too.
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), False
+
+    return make
 
 
 def _compiled(make: Callable) -> Callable:
@@ -100,8 +114,10 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "megatron_fsdp optim_grads_params fp32-comm nccl-ub": _megatron(3, torch.float32, nccl_ub=True),
     "megatron_fsdp optim_grads fp32-comm": _megatron(2, torch.float32),
     "megatron_fsdp optim fp32-comm": _megatron(1, torch.float32),
-    "torch FSDP2": _fsdp2,
-    "torch FSDP2 compiled": _compiled(_fsdp2),
+    "megatron_fsdp optim_grads_params fp32-comm cpu-offload": _megatron(3, torch.float32, offload=True),
+    "torch FSDP2": _fsdp2_with(offload=False),
+    "torch FSDP2 compiled": _compiled(_fsdp2_with(offload=False)),
+    "torch FSDP2 cpu-offload": _fsdp2_with(offload=True),
     "torch DDP": _ddp,
     "single GPU (no communication)": _single,
 }
@@ -128,6 +144,8 @@ def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.devic
     # them before measuring this one's memory.
     gc.collect()
     torch.cuda.empty_cache()
+    # Pinned blocks an offloaded run freed stay cached by torch's host allocator: give them back.
+    torch._C._host_emptyCache()
     leftover = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     model, optimizer, autocast = make(config, device)
@@ -157,10 +175,73 @@ def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.devic
         "final_loss": final_loss.item() / dist.get_world_size(),
         # Memory still allocated by earlier implementations when this one started (should be ~0).
         "leftover_gib": leftover / 2**30,
+        **_host_memory(model, optimizer),
     }
     # The last loss's graph reaches the parameters (and through their hooks, the whole model).
     del model, optimizer, losses, loss
     return row
+
+
+def _host_memory(model, optimizer) -> dict:
+    """Host memory this process holds now (resident set and its high-water mark), pinned bytes
+    of torch's host allocator, the optimizer state on the host, and megatron_fsdp's own
+    offloaded buffers."""
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    host_state = sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu"
+    )
+    row = {
+        "host_rss_gib": int(status["VmRSS"].split()[0]) / 2**20,
+        "host_peak_rss_gib": int(status["VmHWM"].split()[0]) / 2**20,
+        "host_optimizer_state_gib": host_state / 2**30,
+        "host_pinned_gib": torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) / 2**30,
+    }
+    if isinstance(model, megatron_fsdp.MegatronFSDP):
+        row["offloaded_buffers_gib"] = model.offloaded_host_bytes() / 2**30
+    return row
+
+
+def _parameters(config: GPTConfig) -> int:
+    per_layer = 4 * config.hidden * config.hidden + 3 * config.hidden * config.ffn + 2 * config.hidden
+    return config.layers * per_layer + (2 * config.vocab_size + config.seq_len + 1) * config.hidden
+
+
+def _host_bytes_available() -> int:
+    """MemAvailable of this host, the same on every rank (the smallest any rank read)."""
+    meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines())
+    available = torch.tensor(int(meminfo["MemAvailable"].split()[0]) * 1024, device="cuda")
+    dist.all_reduce(available, op=dist.ReduceOp.MIN)
+    return int(available.item())
+
+
+def _at_depth(name: str, config: GPTConfig, args, device: torch.device) -> dict:
+    """The row of ``name`` on ``config``, or why it did not run."""
+    params = _parameters(config)
+    base = {"implementation": name, "layers": config.layers, "parameters_b": params / 1e9}
+    # Offloaded main params, gradients and Adam's two moments: 16 bytes per parameter, split
+    # over the ranks of this host; 10% headroom for the rest of the process.
+    needed = 16 * params if "offload" in name else 0
+    available = _host_bytes_available()
+    if needed > 0.9 * available:
+        return {**base, "error": f"skipped: needs ~{needed / 2**30:.0f} GiB of host memory, {available / 2**30:.0f} GiB available"}
+    return {**base, **_run_or_oom(name, config, args, device)}
+
+
+def _run_or_oom(name: str, config: GPTConfig, args, device: torch.device) -> dict:
+    try:
+        return _run(name, IMPLEMENTATIONS[name], config, args, device)
+    except torch.OutOfMemoryError as error:
+        # Where it ran out (the innermost frame of ours or the benchmark's) and how much was held.
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if "torch/" not in f.filename]
+        where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch._C._host_emptyCache()
+        return {"implementation": name, "error": "out of memory", "where": where,
+                "message": str(error).split("See documentation")[0].strip()}
 
 
 def _wanted(impls: str) -> list[str]:
@@ -183,6 +264,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--impls", default="all", help="comma-separated names (exact, else substrings) or 'all'")
     parser.add_argument("--out", default=None, help="write rows and setting as JSON here")
+    parser.add_argument("--layers", default=None,
+                        help="comma-separated depths to run --config's width at (default: its own depth)")
+    parser.add_argument("--largest", action="store_true",
+                        help="go through --layers (default 8,16,20,24,28,32,40,48,56,64) up to the first that fails")
     args = parser.parse_args()
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -191,20 +276,15 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=device)
     config = GPTConfig(**{**CONFIGS[args.config].__dict__, "seq_len": args.seq_len})
     wanted = _wanted(args.impls)
+    depths = args.layers or ("8,16,20,24,28,32,40,48,56,64" if args.largest else str(config.layers))
     rows = []
     for name in wanted:
-        try:
-            rows.append(_run(name, IMPLEMENTATIONS[name], config, args, device))
-        except torch.OutOfMemoryError as error:
-            # Where it ran out (the innermost frame of ours or the benchmark's) and how much was held.
-            frames = [f for f in traceback.extract_tb(error.__traceback__) if "torch/" not in f.filename]
-            where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"
-            rows.append({"implementation": name, "error": "out of memory", "where": where,
-                         "message": str(error).split("See documentation")[0].strip()})
-            gc.collect()
-            torch.cuda.empty_cache()
-        if dist.get_rank() == 0:
-            print(json.dumps(rows[-1]), flush=True)
+        for layers in [int(depth) for depth in depths.split(",")]:
+            rows.append(_at_depth(name, dataclasses.replace(config, layers=layers), args, device))
+            if dist.get_rank() == 0:
+                print(json.dumps(rows[-1]), flush=True)
+            if args.largest and "error" in rows[-1]:
+                break
     if dist.get_rank() == 0:
         _report(rows, args, config)
     dist.destroy_process_group()
@@ -219,24 +299,33 @@ def _report(rows: list[dict], args, config: GPTConfig) -> None:
         "date": datetime.date.today().isoformat(),
         "config": args.config,
         "model": config.__dict__,
+        "largest": args.largest,
         "micro_batch": args.micro_batch,
         "seq_len": args.seq_len,
         "timed_steps": args.steps,
         "warmup": args.warmup,
     }
-    fsdp2 = next((r for r in rows if r["implementation"] == "torch FSDP2" and "error" not in r), None)
+    # Each row against FSDP2 on the same model: the offloaded FSDP2 for offloaded rows.
+    fsdp2 = {
+        (r["implementation"], r.get("layers")): r for r in rows if r["implementation"].startswith("torch FSDP2") and "error" not in r
+    }
     print(f"\n{setting['device']} x{setting['gpus']}, torch {setting['torch']}, NCCL {setting['nccl']}, {setting['date']}; "
           f"{args.config}, micro-batch {args.micro_batch}, seq {args.seq_len}, median of {args.steps} steps")
-    print("| implementation | step ms | vs FSDP2 | tokens/s/GPU | TFLOP/s/GPU | peak alloc GiB | peak reserved GiB | vs FSDP2 reserved | final loss |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| implementation | layers | params (B) | step ms | vs FSDP2 | tokens/s/GPU | TFLOP/s/GPU | peak alloc GiB | "
+          "peak reserved GiB | vs FSDP2 reserved | host RSS GiB | host pinned GiB | final loss |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
+        layers = r.get("layers", config.layers)
+        params = r.get("parameters_b", _parameters(config) / 1e9)
         if "error" in r:
-            print(f"| {r['implementation']} | {r['error']} | | | | | | | |")
+            print(f"| {r['implementation']} | {layers} | {params:.1f} | {r['error']} | | | | | | | | | |")
             continue
-        step_ratio = f"{r['median_step_s'] / fsdp2['median_step_s']:.2f}" if fsdp2 else "-"
-        mem_ratio = f"{r['peak_reserved_gib'] / fsdp2['peak_reserved_gib']:.2f}" if fsdp2 else "-"
-        print(f"| {r['implementation']} | {r['median_step_s'] * 1e3:.1f} | {step_ratio} | {r['tokens_per_s_per_gpu']:,.0f} | "
-              f"{r['tflops_per_gpu']:.0f} | {r['peak_allocated_gib']:.1f} | {r['peak_reserved_gib']:.1f} | {mem_ratio} | {r['final_loss']:.4f} |")
+        other = fsdp2.get(("torch FSDP2 cpu-offload" if "offload" in r["implementation"] else "torch FSDP2", r.get("layers")))
+        step_ratio = f"{r['median_step_s'] / other['median_step_s']:.2f}" if other else "-"
+        mem_ratio = f"{r['peak_reserved_gib'] / other['peak_reserved_gib']:.2f}" if other else "-"
+        print(f"| {r['implementation']} | {layers} | {params:.1f} | {r['median_step_s'] * 1e3:.1f} | {step_ratio} | "
+              f"{r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | {r['peak_allocated_gib']:.1f} | "
+              f"{r['peak_reserved_gib']:.1f} | {mem_ratio} | {r['host_rss_gib']:.1f} | {r['host_pinned_gib']:.1f} | {r['final_loss']:.4f} |")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump({"setting": setting, "rows": rows}, handle, indent=2)

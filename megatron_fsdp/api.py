@@ -10,13 +10,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import OffloadPolicy
 
 from megatron_fsdp.argument_types import check_argument_types
 from megatron_fsdp.config import MixedPrecisionPolicy, ShardingStrategy
 from megatron_fsdp.distributed_index import FSDPDistributedIndex
 from megatron_fsdp.module import MegatronFSDP
 from megatron_fsdp.optimizer import distribute_optimizer
-from megatron_fsdp.plan import check_strategies, check_timeout, check_upstream_options, plan_sharding, resolve_policy
+from megatron_fsdp.plan import (
+    check_strategies,
+    check_timeout,
+    check_upstream_options,
+    plan_sharding,
+    resolve_offload,
+    resolve_policy,
+)
 
 
 def fully_shard_model(
@@ -57,6 +65,8 @@ def fully_shard_model(
     preserve_fp32_weights: bool | None = None,
     check_for_nan_in_grad: bool = False,
     collective_timeout: float | None = None,
+    cpu_offload: bool = False,
+    offload_policy: OffloadPolicy | None = None,
 ) -> MegatronFSDP:
     """Shards ``module`` over the data-parallel group and returns the :class:`MegatronFSDP`
     wrapper. The keywords are upstream megatron-fsdp 0.6's, in its order, then megatron_fsdp's
@@ -111,6 +121,13 @@ def fully_shard_model(
       process group's timeout (``init_process_group(timeout=...)``) does, and its error is
       re-raised with the same names. Bounds CPU (gloo) waits; on CUDA a wait only orders
       streams, and NCCL's watchdog with the process group's timeout catches a hang.
+    - ``cpu_offload`` (default False), or FSDP2's ``offload_policy=CPUOffloadPolicy(pin_memory=True)``
+      (``torch.distributed.fsdp``; ``OffloadPolicy()`` means no offloading): each rank's main
+      parameters, the gradients the optimizer reads and the optimizer state live in host memory
+      and the optimizer steps there (torch.optim.Adam/AdamW/SGD through megatron_fsdp's host
+      op, any other optimizer through its own step); compute weights and gathered buckets stay
+      on the device. ``pin_memory=False`` leaves the transfer buffers pageable. See
+      docs/offloading.md.
 
     Before any collective, the ranks check that they shard the same model the same way and
     all raise the same ``ValueError`` if not (megatron_fsdp/consistency.py).
@@ -147,6 +164,7 @@ def fully_shard_model(
         nccl_ub=nccl_ub,
         calculate_per_token_loss=calculate_per_token_loss,
         collective_timeout=None if collective_timeout is None else float(collective_timeout),
+        **resolve_offload(cpu_offload, offload_policy),
     )
     plan = plan_sharding(module, dist_index, strategy, outer, unit_classes, device, init_model_with_meta_device, settings)
     return MegatronFSDP.from_plan(module, plan)

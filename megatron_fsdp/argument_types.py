@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import OffloadPolicy
 
 from megatron_fsdp.config import MixedPrecisionPolicy
 
@@ -38,6 +39,7 @@ _FLAGS = (
     "use_decoupled_grad",
     "cuda_graph_mode",
     "maxpool_double_buffer",
+    "cpu_offload",
 )
 _OPTIONAL_FLAGS = ("grad_reduce_in_fp32", "preserve_fp32_weights")
 _OPTIONAL_MESHES = ("device_mesh", "expt_device_mesh")
@@ -67,6 +69,12 @@ def check_argument_types(arguments: dict[str, Any]) -> None:
     policy = arguments.get("mixed_precision_policy")
     if policy is not None and not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mixed_precision_policy must be a megatron_fsdp.MixedPrecisionPolicy or None, got {policy!r}")
+    offload_policy = arguments.get("offload_policy")
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            "offload_policy must be torch.distributed.fsdp's CPUOffloadPolicy(pin_memory=...) or OffloadPolicy() "
+            f"(no offloading) or None, got {offload_policy!r}; or pass cpu_offload=True"
+        )
     units = arguments.get("fsdp_unit_modules")
     if units is not None and (isinstance(units, (str, type)) or not isinstance(units, Sequence)):
         raise TypeError(

@@ -4,7 +4,8 @@ The compute weights live in one flat buffer (sharded for ``optim_grads_params``,
 pooled bucket when used) and every parameter's ``.data`` is a view into it. Gradients are added
 into a pooled un-reduced buffer, reduced once per bucket, and accumulated into the main gradient
 (sharded for strategies 1..3). Trainable buckets also hold the fp32 main parameters that the
-optimizer steps, one tensor per parameter covering this rank's piece of it.
+optimizer steps, one tensor per parameter covering this rank's piece of it; with CPU offloading
+those and the gradients the optimizer reads live on the host (offload.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStr
 from megatron_fsdp.dtensor_params import ParamExtent, local_tensor, param_extent
 from megatron_fsdp.layout import BucketLayout, alignment_in_elements, build_bucket_layout
 from megatron_fsdp.mesh import DataParallelGroup
+from megatron_fsdp.offload import HostBuffers, OffloadTransfers
 from megatron_fsdp.piece_dtensor import FlatLayout
 from megatron_fsdp.sharded_params import MeshCache, ShardedParam, shard_spec
 
@@ -50,7 +52,9 @@ class Bucket:
         pool: torch.ScriptObject,
         pool_role: str,
         grad_divisor: int | None = None,
+        transfers: OffloadTransfers | None = None,
     ) -> None:
+        """``transfers``: the model's offload stream and staging buffers, given when it offloads."""
         self.names = names
         # Pool keys are "<purpose>/<role>": buckets of the same role in different units take
         # turns on the same persistent blocks under fsdp_double_buffer.
@@ -73,6 +77,9 @@ class Bucket:
         self.dtypes = settings.mixed_precision.resolve(self.dtype)
         self.device = self.locals[0].device
         self.requires_grad = params[0].requires_grad
+        # Offloaded: the main parameters and the gradients the optimizer reads live on the host.
+        self.offloaded = transfers is not None and self.requires_grad
+        self.host: HostBuffers | None = None
         # The DTensor parameters users see, one per parameter (set by add_faces).
         self.faces: list[ShardedParam] = []
         self.shapes = [t.shape for t in self.locals]
@@ -90,12 +97,13 @@ class Bucket:
         # Under optim_grads_params with main params of another dtype, the compute-weight shard
         # would only copy the main shard: each gather casts the main shard instead (as FSDP2
         # casts its shard), saving a shard of compute weights. HFSDP keeps the shard, which
-        # its outer all-gather fills.
+        # its outer all-gather fills; so does offloading, whose main shard is on the host.
         self.gathers_from_main = (
             self.strategy.shards_weights
             and self.requires_grad
             and self.dtypes.main_params != self.dtype
             and not self.splits_shard
+            and not self.offloaded
         )
         self._gather_input: torch.Tensor | None = None
         if self.strategy.shards_weights:
@@ -124,7 +132,7 @@ class Bucket:
             torch.zeros(len(params), dtype=torch.bool, device=self.device) if settings.report_nan_in_param_grad else None
         )
         if self.requires_grad:
-            self._init_main_state()
+            self._init_main_state(transfers)
         if self.strategy.shards_weights:
             # Everything needed was copied out of the full parameters: let them go.
             for local in self.locals:
@@ -147,7 +155,7 @@ class Bucket:
         lo = min(max(slot.offset, start), end)
         return lo, max(min(slot.end, end), lo)
 
-    def _init_main_state(self) -> None:
+    def _init_main_state(self, transfers: OffloadTransfers | None) -> None:
         # Strategy 0 steps the whole bucket on every rank; the others step this rank's shard,
         # and under HFSDP only this outer rank's 1/outer of it.
         if self.strategy is ShardingStrategy.NO_SHARD:
@@ -160,8 +168,11 @@ class Bucket:
             self.main_start = self.shard_start + self.outer.rank * piece
             self.main_end = self.main_start + piece
         # Main params in the compute dtype are the weights themselves: nothing to copy.
-        self.main_params_alias_weights = self.dtypes.main_params == self.dtype
-        if self.gathers_from_main:
+        self.main_params_alias_weights = self.dtypes.main_params == self.dtype and not self.offloaded
+        if self.offloaded:
+            self.host = HostBuffers(self._main_weight_target(), self.dtypes.main_params, transfers)
+            self.main_params = self.host.main_params
+        elif self.gathers_from_main:
             self.main_params = self._local_pieces(self.main_start, self.main_end, self.dtypes.main_params)
         elif self.main_params_alias_weights:
             self.main_params = self._main_weight_target()
@@ -180,6 +191,8 @@ class Bucket:
         # main gradients themselves when the dtypes agree), shown once per change.
         self.optimizer_grads: torch.Tensor | None = None
         self._grads_shown = True
+        # Offloaded: whether the host gradients were (or are being) copied from the current ones.
+        self._grads_sent = False
         for index in range(len(self.params)):
             lo, hi = self._piece(index, self.main_start, self.main_end)
             self.optim_ranges.append((lo - self.main_start, hi - self.main_start))
@@ -199,6 +212,8 @@ class Bucket:
     def start_unshard(self, async_op: bool) -> dist.Work | None:
         """Fills the pooled bucket and launches the all-gather of the weight shards into it."""
         self.pool.fill(self.full_weight, self._pool_key("weights"))
+        if self.host is not None:
+            self.host.before_device_reads_weights()
         shard = self.weight_shard
         if self.gathers_from_main:
             shard = self._gather_input = self.pool.fetch(
@@ -291,16 +306,24 @@ class Bucket:
         self.pool.release(unreduced)
         return comm
 
+    def _grads_changing(self) -> None:
+        """The reduced gradients are about to change: shown and offloaded copies become stale, and
+        a copy to the host still reading them goes first."""
+        self._grads_shown = False
+        self._grads_sent = False
+        if self.host is not None:
+            self.host.before_device_grads_change()
+
     def _main_grad_to_write(self) -> tuple[torch.Tensor, bool]:
         """The main gradient, and whether it is fresh: created (uninitialised) by the first
         reduction since it was released, which writes it instead of adding to zeros."""
+        self._grads_changing()
         if self.main_grad is None:
             self.main_grad = torch.empty(self.grad_end - self.grad_start, dtype=self.dtypes.main_grads, device=self.device)
             return self.main_grad, True
         return self.main_grad, False
 
     def _accumulate(self, reduced: torch.Tensor, scale: float) -> None:
-        self._grads_shown = False
         main_grad, fresh = self._main_grad_to_write()
         if fresh:
             torch.mul(reduced, scale, out=main_grad)
@@ -333,7 +356,6 @@ class Bucket:
             self.pool.release(comm)  # sent: a main gradient created now can take its memory
             main_grad, fresh = self._main_grad_to_write()
             _ops.promoting_reduce(chunks, main_grad, scale=1.0 / self.grad_divisor, accumulate=not fresh)
-            self._grads_shown = False
         self.pool.release(received)
 
     def finish_reduction(self, pending: PendingReduction) -> None:
@@ -349,6 +371,7 @@ class Bucket:
         again later is harmless: the part already averaged is equal on every outer rank."""
         if not self.outer_sync_due:
             return
+        self._grads_changing()
         if self.splits_shard:
             if self.outer_grad is None:
                 self.outer_grad = torch.empty(self.main_end - self.main_start, dtype=self.dtypes.main_grads, device=self.device)
@@ -358,7 +381,6 @@ class Bucket:
         if self.outer_divisor != 1:
             self.optimizer_grad_source().div_(self.outer_divisor)
         self.outer_sync_due = False
-        self._grads_shown = False
 
     def optimizer_grad_source(self) -> torch.Tensor | None:
         """The fully reduced gradients of the range the optimizer steps; None when no gradient
@@ -375,6 +397,7 @@ class Bucket:
                 face.show_grad(None)
             self._grads_shown = True
         else:
+            self._wait_for_grad_copies()
             for grad in (self.main_grad, self.outer_grad, self.optimizer_grads):
                 if grad is not None:
                     grad.zero_()
@@ -382,9 +405,27 @@ class Bucket:
     def scale_grads(self, factor: float) -> None:
         """Multiplies every gradient this bucket holds by ``factor``: held back un-reduced, the
         main gradient, the outer-reduced one and the optimizer's cast copy (each once)."""
+        self._wait_for_grad_copies()
         held = (self.unreduced_grad, self.main_grad, self.outer_grad, self.optimizer_grads)
         for grad in {id(g): g for g in held if g is not None}.values():
             grad.mul_(factor)
+
+    def _wait_for_grad_copies(self) -> None:
+        """Before device and host gradients are changed in place alike: the copy between them
+        has landed (else it would carry the change twice or not at all)."""
+        if self.host is not None:
+            self.host.before_device_grads_change()
+            if self._grads_sent:
+                self.host.grads()
+
+    def offload_grads(self) -> None:
+        """Offloaded: launches the copy of the fully reduced gradients to the host, once per
+        change of them; the gradient sync waits for it. Not while an outer (HSDP) average is due."""
+        source = self.optimizer_grad_source()
+        if self.host is None or self._grads_sent or self.outer_sync_due or source is None:
+            return
+        self.host.send_grads(source)
+        self._grads_sent = True
 
     # -- optimizer ----------------------------------------------------------------------------
 
@@ -399,6 +440,9 @@ class Bucket:
         main_dtype = self.main_params.dtype
         if source is None:
             self.optimizer_grads = None
+        elif self.host is not None:
+            self.offload_grads()
+            self.optimizer_grads = self.host.grads()
         else:
             self.optimizer_grads = source if source.dtype == main_dtype else source.to(main_dtype)
         for optim_param, face, (lo, hi) in zip(self.optim_params, self.faces, self.optim_ranges):
@@ -412,7 +456,12 @@ class Bucket:
         full weights but stepped only its shard (strategies 1 and 2), gathers the others'."""
         if self.gathers_from_main:
             return  # the next gather casts the new main params
-        if not self.main_params_alias_weights:
+        if self.host is not None:
+            self.host.send_weights(self._main_weight_target())
+            if self.strategy.shards_weights and not self.splits_shard:
+                return  # the unit's next all-gather waits for the copy
+            self.host.before_device_reads_weights()
+        elif not self.main_params_alias_weights:
             self._main_weight_target().copy_(self.main_params)
         if self.splits_shard:
             # A copy: not every backend (gloo) accepts an input that aliases the output.
@@ -480,8 +529,12 @@ class Bucket:
             groups.append(self.dp.group)
         if self.outer is not None and not (self.splits_shard and self.requires_grad):
             groups.append(self.outer.group)
+        # Offloaded main params are broadcast through a device copy (the backend may be NCCL).
+        on_device = source.to(self.device)
         for group in groups:
-            dist.broadcast(source, src=dist.get_global_rank(group, 0), group=group)
+            dist.broadcast(on_device, src=dist.get_global_rank(group, 0), group=group)
+        if on_device is not source:
+            source.copy_(on_device)
         self.sync_after_load()
 
     def sync_after_load(self) -> None:
@@ -493,7 +546,8 @@ class Bucket:
 
     def gather_full(self, source: torch.Tensor) -> torch.Tensor:
         """A copy of the whole bucket of a per-rank tensor that is full, this rank's shard, or
-        (HFSDP) this outer rank's piece of the shard."""
+        (HFSDP) this outer rank's piece of the shard; on the device (offloaded sources move there)."""
+        source = source.to(self.device)
         if source.numel() == self.layout.padded_numel:
             return source.clone()
         if self.splits_shard and source.numel() == self.main_end - self.main_start:

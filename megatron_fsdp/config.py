@@ -128,3 +128,8 @@ class FSDPSettings:
     # Seconds a wait for an asynchronous gather or reduction may take before it raises naming the
     # unit and bucket; None leaves it to the process group's own timeout.
     collective_timeout: float | None = None
+    # CPU offloading (docs/offloading.md): main parameters, the gradients the optimizer reads and
+    # the optimizer state live on the host, which runs the step; the buffers that the copy engine
+    # reads or writes are pinned when ``offload_pin_memory`` (and a GPU is used).
+    cpu_offload: bool = False
+    offload_pin_memory: bool = True

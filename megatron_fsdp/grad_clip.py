@@ -42,15 +42,17 @@ def total_grad_norm(model: MegatronFSDP, norm_type: float = 2.0) -> torch.Tensor
                 copies.append(face.spec.copies)
     device = model.compute_device
     if pieces:
+        # On the gradients' device (the host, when offloaded); the sum then travels on the model's.
         per_piece = _ops.multi_tensor_norm(pieces, float(norm_type)).double()
     else:
         per_piece = torch.zeros(0, dtype=torch.float64, device=device)
     if math.isinf(norm_type):
         local = per_piece.max() if pieces else torch.zeros((), dtype=torch.float64, device=device)
+        local = local.to(device)
         dist.all_reduce(local, op=dist.ReduceOp.MAX)
         return local.float()
-    weights = torch.tensor([1.0 / c for c in copies], dtype=torch.float64, device=device)
-    local = (per_piece * weights).sum()
+    weights = torch.tensor([1.0 / c for c in copies], dtype=torch.float64, device=per_piece.device)
+    local = (per_piece * weights).sum().to(device)
     dist.all_reduce(local)
     return local.pow(1.0 / norm_type).float()
 
@@ -77,5 +79,5 @@ def clip_grad_norm_(
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = [b.optimizer_grads for b in model.trainable_buckets() if b.optimizer_grads is not None]
     if grads:
-        torch._foreach_mul_(grads, scale)
+        torch._foreach_mul_(grads, scale.to(grads[0].device))
     return total

@@ -68,6 +68,8 @@ class DistributedDataParallelConfig:
       double buffer already serves units of different sizes).
     - ``fsdp_all_gather_in_start_param_sync`` (default True): whether ``start_param_sync()``
       prefetches the first unit.
+    - ``cpu_offload`` (default False; megatron_fsdp's own field, set by ``--cpu-offloading``):
+      ``fully_shard(cpu_offload=True)``, main parameters and optimizer state on the host.
     - ``fp8_param_gather`` and ``megatron_fsdp_use_decoupled_grad`` must stay False (no FP8
       compute weights; gradients are ``param.grad``).
     - ``bucket_size``, ``gradient_reduce_div_fusion``, ``suggested_communication_unit_size``,
@@ -105,6 +107,7 @@ class DistributedDataParallelConfig:
     megatron_fsdp_cuda_graph_mode: bool = False
     megatron_fsdp_enable_fine_grained_param_gather: bool = False
     megatron_fsdp_max_pool_double_buffer: bool = False
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         inner = ShardingStrategy.parse(self.data_parallel_sharding_strategy, "data_parallel_sharding_strategy")
@@ -196,6 +199,7 @@ class DistributedDataParallelConfig:
             fsdp_double_buffer=self.fsdp_double_buffer,
             nccl_ub=self.nccl_ub,
             init_model_with_meta_device=self.init_model_with_meta_device,
+            cpu_offload=self.cpu_offload,
         )
         if not self.is_hybrid:
             if device_mesh is not None:
@@ -254,11 +258,13 @@ def add_megatron_fsdp_args(parser: argparse.ArgumentParser) -> argparse.Argument
                        help="checkpoint format; Megatron-FSDP saves fsdp_dtensor (DTensor state dicts through DCP)")
     group.add_argument("--init-model-with-meta-device", action="store_true",
                        help="the model is built on the meta device and initialised unit by unit while sharding")
-    # Present for the validity checks Megatron-LM makes together with Megatron-FSDP.
-    group.add_argument("--cpu-offloading", action="store_true", help="offload activations/weights to the CPU")
+    group.add_argument("--cpu-offloading", action="store_true",
+                       help="main params, optimizer state and the step on the host (fully_shard(cpu_offload=True)); "
+                       "Megatron Bridge's rules: pipeline-parallel size 1, no recomputation")
     if "--clip-grad" not in parser._option_string_actions:  # Megatron-LM's own parser already has it
         group.add_argument("--clip-grad", type=float, default=1.0,
                            help="clip the global gradient norm to this with megatron_fsdp.clip_grad_norm_; 0 turns it off")
+    # Present for the validity checks Megatron-LM makes together with Megatron-FSDP.
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     group.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                        help="activation recomputation")
@@ -287,8 +293,6 @@ def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelCon
             f"--cpu-offloading works only without activation recomputation, got --recompute-granularity "
             f"{args.recompute_granularity}: drop one of them"
         )
-    if args.cpu_offloading:
-        raise NotImplementedError("megatron_fsdp does not offload to the CPU yet: drop --cpu-offloading")
     if args.pipeline_model_parallel_size != 1:
         raise NotImplementedError(
             "megatron_fsdp shards data parallelism only; pipeline parallelism needs Megatron-LM: "
@@ -307,6 +311,7 @@ def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelCon
         fsdp_double_buffer=args.fsdp_double_buffer,
         nccl_ub=args.use_nccl_ub,
         init_model_with_meta_device=args.init_model_with_meta_device,
+        cpu_offload=args.cpu_offloading,
     )
 
 
@@ -330,6 +335,7 @@ def args_from_ddp_config(config: DistributedDataParallelConfig) -> list[str]:
         "--fsdp-double-buffer": config.fsdp_double_buffer,
         "--use-nccl-ub": config.nccl_ub,
         "--init-model-with-meta-device": config.init_model_with_meta_device,
+        "--cpu-offloading": config.cpu_offload,
     }
     return flags + [flag for flag, on in switches.items() if on]
 
@@ -350,4 +356,5 @@ def ddp_config_from_settings(settings: FSDPSettings, dist_index: FSDPDistributed
         check_for_nan_in_grad=settings.check_for_nan_in_grad,
         fsdp_double_buffer=settings.fsdp_double_buffer,
         nccl_ub=settings.nccl_ub,
+        cpu_offload=settings.cpu_offload,
     )

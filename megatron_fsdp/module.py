@@ -19,6 +19,7 @@ from megatron_fsdp.config import MixedPrecisionPolicy
 from megatron_fsdp.distributed_index import FSDPDistributedIndex
 from megatron_fsdp.megatron_config import ddp_config_from_settings
 from megatron_fsdp.meta_init import materialize_unit_by_unit
+from megatron_fsdp.offload import OffloadTransfers
 from megatron_fsdp.plan import ShardingPlan, check_upstream_options, plan_from_upstream_arguments
 from megatron_fsdp.schedule import StepScheduler, StepState
 from megatron_fsdp.sharded_params import MeshCache, ShardedParam
@@ -143,13 +144,16 @@ class MegatronFSDP(nn.Module):
         self.pool = _ops.new_bucket_pool(settings.fsdp_double_buffer)
         unit_modules = find_unit_modules(module, plan.unit_classes)
         assignment = assign_params_to_units(module, [m for _, m in unit_modules])
+        # Where the buffers will live: the meta-device target, else where the model is.
+        device = plan.meta_init_device or next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.offload_transfers = OffloadTransfers(device, settings.offload_pin_memory) if settings.cpu_offload else None
         module_names = {m: name for name, m in unit_modules}
 
         def build_unit(owner: nn.Module | None) -> FSDPUnit:
             name = ROOT_UNIT_NAME if owner is None else module_names[owner]
             # Looked up now: meta-device init replaces parameter objects as it materialises them.
             named = dict(module.named_parameters())
-            return FSDPUnit(name, [(n, named[n]) for n in assignment[owner]], dp, settings, self.pool)
+            return FSDPUnit(name, [(n, named[n]) for n in assignment[owner]], dp, settings, self.pool, self.offload_transfers)
 
         # Peak bytes of initialised, not yet sharded parameters during meta-device init.
         self.meta_init_peak_bytes: int | None = None
@@ -529,6 +533,15 @@ class MegatronFSDP(nn.Module):
 
     # -- inspection ---------------------------------------------------------------------------
 
+    def offloaded_host_bytes(self) -> int:
+        """With ``cpu_offload``: host bytes of the main parameters, the gradients the optimizer
+        reads and the staging buffers (the optimizer state, also on the host, is the
+        optimizer's); 0 without."""
+        if self.offload_transfers is None:
+            return 0
+        held = sum(bucket.host.host_bytes for bucket in self.trainable_buckets())
+        return held + self.offload_transfers.staging_bytes
+
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter's full value by name (a collective: call on every rank). Trainable
@@ -547,6 +560,9 @@ class MegatronFSDP(nn.Module):
         full = {}
         for bucket in self.trainable_buckets():
             source = bucket.optimizer_grad_source()
+            if bucket.host is not None and bucket.optimizer_grads is not None:
+                # Offloaded: what the host step reads, where a clip scaled them.
+                source = bucket.optimizer_grads.to(bucket.dtypes.main_grads)
             if source is None:  # nothing reduced since zero_grad
                 source = torch.zeros(bucket.main_end - bucket.main_start, dtype=bucket.dtypes.main_grads, device=bucket.device)
             full.update(zip(bucket.names, bucket.split_full(bucket.gather_full(source))))

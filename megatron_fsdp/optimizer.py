@@ -1,6 +1,6 @@
 """The distributed optimizer: any elementwise torch optimizer over the model's DTensor faces,
 stepping only this rank's fp32 main-parameter pieces, then installing them into the compute
-weights."""
+weights. With CPU offloading the pieces are on the host, stepped there (host_optimizer.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp import checkpoint
+from megatron_fsdp.host_optimizer import host_step_for
 from megatron_fsdp.module import MegatronFSDP
 from megatron_fsdp.sharded_params import sharded_dtensor
 
@@ -210,9 +211,15 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) 
         shown so far (the caller synced them); ``install_optimized_model_weights=False`` leaves
         the compute weights to ``model.install_optimized_model_weights()``."""
         model.prepare_optimizer_step(sync_grads=sync_grad_before_optimizer_step)
+        # Offloaded, the host ops step Adam/AdamW/SGD and install bucket by bucket (no closure).
+        host_step = host_step_for(optimizer, model.trainable_buckets()) if model.settings.cpu_offload else None
         with swap.pieces(optimizer):
-            result = original_step(*args, **kwargs)
-        model.install_optimizer_step(install_weights=install_optimized_model_weights)
+            if host_step is not None and not args and not kwargs:
+                host_step(install_optimized_model_weights)
+                result, installed = None, install_optimized_model_weights
+            else:
+                result, installed = original_step(*args, **kwargs), False
+        model.install_optimizer_step(install_weights=install_optimized_model_weights and not installed)
         return result
 
     @functools.wraps(original_zero_grad)

@@ -74,17 +74,19 @@ class PieceDTensor(DTensor):
         """The whole tensor on every rank (a collective over the mesh)."""
         if self._flat_layout is None:
             return super().full_tensor(grad_placements=grad_placements)
-        local = _gather_flat(self._local_tensor.detach(), self._flat_layout, self.device_mesh).view(
-            self._flat_layout.local_shape
-        )
+        # A piece offloaded to the host is gathered on the mesh's device (NCCL has no CPU
+        # tensors) and the result returned where the piece lives.
+        home = self._local_tensor.device
+        piece = self._local_tensor.detach().to(_mesh_device(self.device_mesh))
+        local = _gather_flat(piece, self._flat_layout, self.device_mesh).view(self._flat_layout.local_shape)
         rest = self.placements[self._flat_layout.dp_dims :]
-        if not rest:
-            return local
-        names = self.device_mesh.mesh_dim_names
-        submesh = self.device_mesh[names[self._flat_layout.dp_dims :]]
-        return DTensor.from_local(
-            local, submesh, rest, run_check=False, shape=self.shape, stride=contiguous_strides(self.shape)
-        ).full_tensor()
+        if rest:
+            names = self.device_mesh.mesh_dim_names
+            submesh = self.device_mesh[names[self._flat_layout.dp_dims :]]
+            local = DTensor.from_local(
+                local, submesh, rest, run_check=False, shape=self.shape, stride=contiguous_strides(self.shape)
+            ).full_tensor()
+        return local.to(home)
 
     def redistribute(
         self, device_mesh: DeviceMesh | None = None, placements: tuple[Placement, ...] | None = None, **kwargs: Any
@@ -226,6 +228,14 @@ def as_parameter(tensor: PieceDTensor, requires_grad: bool) -> torch.nn.Paramete
     tensor.requires_grad_(requires_grad)
     tensor._is_param = True
     return tensor
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device a mesh's collectives run on: this process's current one of its type."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
 
 
 def _gather_flat(piece: torch.Tensor, layout: FlatLayout, mesh: DeviceMesh) -> torch.Tensor:

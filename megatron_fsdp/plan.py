@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
@@ -77,6 +78,21 @@ def resolve_policy(
         main_params_dtype=torch.float32 if preserve_fp32_weights in (None, True) else None,
         main_grads_dtype=torch.float32 if grad_reduce_in_fp32 else None,
     )
+
+
+def resolve_offload(cpu_offload: bool, offload_policy: OffloadPolicy | None) -> dict[str, bool]:
+    """The offload settings from ``cpu_offload`` and/or FSDP2's ``offload_policy``
+    (``CPUOffloadPolicy(pin_memory=...)`` offloads, ``OffloadPolicy()`` does not); they may not
+    contradict each other."""
+    if offload_policy is None:
+        return {"cpu_offload": cpu_offload, "offload_pin_memory": True}
+    offloads = isinstance(offload_policy, CPUOffloadPolicy)
+    if cpu_offload and not offloads:
+        raise ValueError(
+            f"cpu_offload=True contradicts offload_policy={offload_policy!r} (no offloading): pass only one, "
+            "e.g. offload_policy=CPUOffloadPolicy(pin_memory=True)"
+        )
+    return {"cpu_offload": offloads, "offload_pin_memory": offloads and offload_policy.pin_memory}
 
 
 def check_outer_strategy(value: int | str, strategy: ShardingStrategy, dp_outer_dim: str | None) -> ShardingStrategy:
@@ -229,6 +245,7 @@ def plan_from_upstream_arguments(
         options = dict(
             strategy="optim_grads_params", outer="no_shard", overlap_grad_reduce=True, overlap_param_gather=True,
             check_for_nan_in_grad=False, nccl_ub=nccl_ub, fsdp_double_buffer=fsdp_double_buffer, maxpool=False,
+            cpu_offload=False,
         )
         policy = mixed_precision_policy or MixedPrecisionPolicy()
     else:
@@ -247,6 +264,8 @@ def plan_from_upstream_arguments(
             nccl_ub=bool(getattr(ddp_config, "nccl_ub", False)),
             fsdp_double_buffer=bool(getattr(ddp_config, "fsdp_double_buffer", False)),
             maxpool=bool(getattr(ddp_config, "megatron_fsdp_max_pool_double_buffer", False)),
+            # megatron_fsdp's own field (megatron-core's config has none): --cpu-offloading.
+            cpu_offload=bool(getattr(ddp_config, "cpu_offload", False)),
         )
         policy = mixed_precision_policy or _policy_from_ddp_config(ddp_config)
     if dist_index is None:
@@ -264,5 +283,6 @@ def plan_from_upstream_arguments(
         fsdp_double_buffer=options["fsdp_double_buffer"] or options["nccl_ub"] or options["maxpool"],
         nccl_ub=options["nccl_ub"],
         calculate_per_token_loss=calculate_per_token_loss,
+        cpu_offload=options["cpu_offload"],
     )
     return plan_sharding(module, dist_index, strategy, outer, unit_classes, device, init_model_with_meta_device, settings)

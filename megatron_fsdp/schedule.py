@@ -126,6 +126,10 @@ class StepScheduler:
     def _finish_oldest(self) -> None:
         pending = self._pending.popleft()
         pending.bucket.finish_reduction(pending)
+        if self.state is StepState.BACKWARD and self.auto_sync:
+            # This backward shows the gradients: an offloaded bucket's go to the host now,
+            # overlapping the rest of backward.
+            pending.bucket.offload_grads()
 
     def _end_backward(self) -> None:
         reduces = self._reduces_now()

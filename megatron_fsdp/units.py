@@ -14,6 +14,7 @@ from megatron_fsdp.collectives import wait_for
 from megatron_fsdp.config import FSDPSettings
 from megatron_fsdp.dtensor_params import is_expert_param
 from megatron_fsdp.mesh import DataParallelGroup
+from megatron_fsdp.offload import OffloadTransfers
 
 ROOT_UNIT_NAME = "<root>"
 
@@ -96,6 +97,7 @@ class FSDPUnit:
         dp: DataParallelGroup,
         settings: FSDPSettings,
         pool: torch.ScriptObject,
+        transfers: OffloadTransfers | None = None,
     ) -> None:
         self.name = name
         self.settings = settings
@@ -108,7 +110,8 @@ class FSDPUnit:
             key = (owner, param.dtype, param.requires_grad, is_expert_param(param))
             groups.setdefault(key, []).append((param_name, param))
         self.buckets = [
-            self._bucket(members, dp, settings, pool, self._pool_role(key), key[3]) for key, members in groups.items()
+            self._bucket(members, dp, settings, pool, self._pool_role(key), key[3], transfers)
+            for key, members in groups.items()
         ]
         self.trainable_buckets = [b for b in self.buckets if b.requires_grad]
         # Frozen weights are still read in backward, but no gradient says when they are done:
@@ -135,13 +138,14 @@ class FSDPUnit:
         pool: torch.ScriptObject,
         pool_role: str,
         expert: bool,
+        transfers: OffloadTransfers | None,
     ) -> Bucket:
         names, params = [n for n, _ in members], [p for _, p in members]
         if not expert:
-            return Bucket(names, params, dp, settings, pool, pool_role)
+            return Bucket(names, params, dp, settings, pool, pool_role, transfers=transfers)
         # Expert gradients hold the contributions of every rank whose tokens reached the expert:
         # summed over the expert-data-parallel group, they average over the dense one.
-        return Bucket(names, params, dp.expert, settings, pool, pool_role, grad_divisor=dp.dense_size)
+        return Bucket(names, params, dp.expert, settings, pool, pool_role, grad_divisor=dp.dense_size, transfers=transfers)
 
     @property
     def is_root(self) -> bool:

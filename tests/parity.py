@@ -39,6 +39,8 @@ class Setup:
     # model.parameters()) or "fused" (megatron_fsdp.clip_grad_norm_); MAX_NORM is small enough
     # that every step clips.
     clip: str | None = None
+    # CPU offloading (cpu_offload=True): main params, optimizer grads and state on the host.
+    offload: bool = False
 
     def build_model(self):
         return make_model(seed=0, dtype=self.dtype, **dict(self.model_options))
@@ -125,6 +127,7 @@ def sharded_run(rank: int, world: int, setup: Setup, device: str = "cpu") -> Res
         sync_model_each_microbatch=setup.sync_each_microbatch,
         mixed_precision_policy=setup.policy,
         fsdp_double_buffer=setup.double_buffer,
+        cpu_offload=setup.offload,
     )
     result = Result()
     for step in range(setup.steps):

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import OffloadPolicy
 
 import megatron_fsdp
 from megatron_fsdp.megatron_config import args_from_ddp_config
@@ -39,6 +40,11 @@ SETUP_ERRORS = {
     "tp dim without a mesh": (dict(tp_dim="tp"), ValueError, "tp_dim='tp' needs a device_mesh holding that dim"),
     "unknown device string": (dict(device="gpu0"), ValueError, "device='gpu0' is not a device torch knows"),
     "device of another type": (dict(device=1.5), TypeError, "device must be a torch.device"),
+    "offload flag that is not a bool": (dict(cpu_offload="yes"), TypeError, "cpu_offload must be True or False"),
+    "offload policy of another type": (dict(offload_policy=True), TypeError, "offload_policy must be torch.distributed.fsdp's"),
+    "offload flag against a no-offload policy": (
+        dict(cpu_offload=True, offload_policy=OffloadPolicy()), ValueError, "cpu_offload=True contradicts offload_policy=OffloadPolicy()",
+    ),
 }
 
 

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
 import megatron_fsdp
 from models import Block, make_batch, make_model
@@ -41,6 +42,9 @@ VALID = {
     "grad_reduce_in_fp32": [None, None, None, None, True, False],  # deprecated; not with a policy
     "preserve_fp32_weights": [None, None, None, None, True, False],
     "collective_timeout": [None, 30, 0.5],
+    # CPU offloading: the flag, FSDP2's policies, or both agreeing
+    "cpu_offload": [False, False, True],
+    "offload_policy": [None, None, None, CPUOffloadPolicy(), CPUOffloadPolicy(pin_memory=False), OffloadPolicy()],
     # upstream megatron-fsdp's keywords: performance-only ones change nothing, a per-token loss
     # on one rank sums over one rank, maxpool_double_buffer is a double buffer
     "average_in_collective": [True, False],
@@ -78,6 +82,8 @@ BOGUS = {
     "grad_reduce_in_fp32": ["yes"],
     "preserve_fp32_weights": [0],
     "collective_timeout": [0, -1, "10", float("nan")],
+    "cpu_offload": ["yes", None, 1],
+    "offload_policy": [True, "cpu", CPUOffload(offload_params=True)],
     "average_in_collective": ["yes", None],
     "calculate_per_token_loss": [1],
     "use_decoupled_grad": [True, "no"],

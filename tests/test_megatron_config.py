@@ -53,7 +53,6 @@ FLAG_ERRORS = {
         ["--use-megatron-fsdp", "--cpu-offloading", "--recompute-granularity", "full"],
         ValueError, "--cpu-offloading works only without activation recomputation, got --recompute-granularity full",
     ),
-    "cpu offload": (["--use-megatron-fsdp", "--cpu-offloading"], NotImplementedError, "does not offload to the CPU yet"),
     "pipeline parallelism": (
         ["--use-megatron-fsdp", "--pipeline-model-parallel-size", "4"], NotImplementedError, "use --pipeline-model-parallel-size 1",
     ),
@@ -123,6 +122,7 @@ def test_config_maps_onto_fully_shard_arguments() -> None:
         fsdp_double_buffer=False,  # fully_shard turns it on for nccl_ub
         nccl_ub=True,
         init_model_with_meta_device=False,
+        cpu_offload=False,
     )
 
 
@@ -136,10 +136,11 @@ ROUND_TRIP_CONFIGS = [
         init_model_with_meta_device=True,
     ),
     DistributedDataParallelConfig(data_parallel_sharding_strategy="no_shard", megatron_fsdp_main_params_dtype=torch.float16, nccl_ub=True),
+    DistributedDataParallelConfig(data_parallel_sharding_strategy="optim", cpu_offload=True),
 ]
 
 
-@pytest.mark.parametrize("config", ROUND_TRIP_CONFIGS, ids=["defaults", "hfsdp-mixed", "no_shard-ub"])
+@pytest.mark.parametrize("config", ROUND_TRIP_CONFIGS, ids=["defaults", "hfsdp-mixed", "no_shard-ub", "optim-offload"])
 def test_flags_round_trip_to_the_same_config(config: DistributedDataParallelConfig) -> None:
     flags = args_from_ddp_config(config)
     assert _config(*flags) == config, flags
@@ -172,6 +173,11 @@ E2E_CASES = {
         dict(zero_dp_strategy="no_shard", check_for_nan_in_grad=True, overlap_grad_reduce=False, overlap_param_gather=False,
              mixed_precision_policy=MixedPrecisionPolicy(main_params_dtype=None)),
         torch.bfloat16,
+    ),
+    "optim_grads_params-cpu-offloading": (
+        ["--use-megatron-fsdp", "--cpu-offloading", "--no-check-for-nan-in-loss-and-grad"],
+        dict(zero_dp_strategy=3, cpu_offload=True, overlap_grad_reduce=False, overlap_param_gather=False),
+        torch.float32,
     ),
 }
 

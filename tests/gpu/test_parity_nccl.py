@@ -38,6 +38,13 @@ for _strategy in (1, 3):
 # Clipping on CUDA: torch's clip on the DTensor gradients, and the fused norm's CUDA kernel.
 SETUPS["clip-torch-s3"] = Setup(strategy=3, accum=2, clip="torch", steps=4)
 SETUPS["clip-fused-s2"] = Setup(strategy=2, accum=2, clip="fused", steps=4)
+# CPU offloading: gradients and weights cross PCIe on the offload stream, the step on the host.
+# (torch's clip of host gradients needs a CPU backend in the process group: docs/offloading.md.)
+for _strategy in range(4):
+    SETUPS[f"offload-s{_strategy}"] = Setup(strategy=_strategy, accum=2, offload=True)
+SETUPS["offload-bf16-s3"] = Setup(strategy=3, accum=2, dtype=torch.bfloat16, optimizer="sgd", offload=True)
+SETUPS["offload-clip-fused-s3"] = Setup(strategy=3, accum=2, clip="fused", steps=4, offload=True)
+SETUPS["offload-deferred-sync-s3"] = Setup(strategy=3, accum=3, sync_each_microbatch=False, offload=True)
 
 
 @functools.cache

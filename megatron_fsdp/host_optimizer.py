@@ -1,0 +1,144 @@
+"""The optimizer step of a CPU-offloaded model, on the host.
+
+``torch.optim.Adam``, ``AdamW`` and ``SGD`` (the classes themselves, with options the ops
+implement) are stepped by megatron_fsdp's C++ host ops (``adam_step_`` / ``sgd_step_``),
+one call per main-parameter piece with its param group's hyper-parameters (so per-group
+learning rates and LR schedulers apply), bucket by bucket: each bucket's new weights start for
+the device as soon as it is stepped, while the host steps the next one. The state stays torch's
+(same entries, dtypes and step counts), so checkpoints do not depend on which way stepped.
+Every other optimizer runs its own ``step`` over the host pieces (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron_fsdp import _ops
+from megatron_fsdp.buffer import Bucket
+
+logger = logging.getLogger(__name__)
+
+_ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _ops_available() -> bool:
+    """Whether this build has the host optimizer ops (wrapper and compiled kernel)."""
+    return hasattr(_ops, "adam_step_") and hasattr(_ops, "sgd_step_") and hasattr(_ops._ops, "adam_step_")
+
+
+def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the host ops cannot step ``optimizer`` (None: they can)."""
+    if not _ops_available():
+        return "this build of megatron_fsdp has no host optimizer op"
+    kind = type(optimizer)
+    if kind not in (*_ADAM_CLASSES, torch.optim.SGD):
+        return f"{kind.__qualname__} is not torch.optim.Adam, AdamW or SGD"
+    for index, group in enumerate(optimizer.param_groups):
+        for option in ("capturable", "differentiable"):
+            if group.get(option):
+                return f"param group {index} sets {option}=True"
+        numbers = [group["lr"], group.get("eps", 0.0), group["weight_decay"], *group.get("betas", ())]
+        if any(isinstance(value, torch.Tensor) and value.numel() != 1 for value in numbers):
+            return f"param group {index} holds a hyper-parameter tensor of more than one element"
+    return None
+
+
+class HostStep:
+    """Steps an optimizer's host pieces with the C++ ops (see the module docstring). Call
+    :meth:`step` inside ``PieceSwap.pieces``, where the param groups hold the pieces."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket]) -> None:
+        self.optimizer = optimizer
+        self.buckets = buckets
+        self.is_adam = isinstance(optimizer, _ADAM_CLASSES)
+        # torch's own hooks and profiler range around the step, as its optimizers have.
+        self._hooked_step = torch.optim.Optimizer.profile_hook_step(HostStep._step_all)
+
+    def step(self, install: bool) -> None:
+        """One step of every piece; with ``install``, each bucket's weights leave for the device
+        right after its pieces are stepped."""
+        self._hooked_step(self.optimizer, self, install)
+
+    @staticmethod
+    @torch.no_grad()
+    def _step_all(optimizer: torch.optim.Optimizer, self: HostStep, install: bool) -> None:
+        group_of = {piece: group for group in optimizer.param_groups for piece in group["params"]}
+        for bucket in self.buckets:
+            for piece in bucket.optim_params:
+                group = group_of.get(piece)
+                if group is not None and piece.grad is not None:
+                    self._step_piece(piece, group, optimizer.state[piece])
+            if install:
+                bucket.install_main_params()
+
+    def _step_piece(self, piece: nn.Parameter, group: dict[str, Any], state: dict[str, Any]) -> None:
+        if self.is_adam:
+            self._adam(piece, group, state)
+        else:
+            self._sgd(piece, group, state)
+
+    def _adam(self, piece: nn.Parameter, group: dict[str, Any], state: dict[str, Any]) -> None:
+        names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        if not state:
+            # torch.optim.Adam's initial state: a float32 step count and zeroed moments.
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            for name in names:
+                state[name] = torch.zeros_like(piece, memory_format=torch.preserve_format)
+        buffers = [_as_flat_fp32(state, name, piece) for name in names]
+        state["step"] += 1
+        if piece.numel() == 0:
+            return
+        beta1, beta2 = group["betas"]
+        _ops.adam_step_(
+            piece.view(-1), piece.grad.view(-1), buffers[0], buffers[1],
+            step=int(state["step"].item()), lr=float(group["lr"]), betas=(float(beta1), float(beta2)),
+            eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+            decoupled_weight_decay=bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))),
+            amsgrad=bool(group["amsgrad"]), max_exp_avg_sq=buffers[2] if group["amsgrad"] else None,
+            maximize=bool(group["maximize"]),
+        )
+
+    def _sgd(self, piece: nn.Parameter, group: dict[str, Any], state: dict[str, Any]) -> None:
+        momentum = float(group["momentum"])
+        buffer, first_step = None, False
+        if momentum != 0.0:
+            # torch.optim.SGD keeps a momentum buffer only once it has stepped with momentum.
+            first_step = state.get("momentum_buffer") is None
+            if first_step:
+                state["momentum_buffer"] = torch.empty_like(piece)
+            buffer = _as_flat_fp32(state, "momentum_buffer", piece)
+        if piece.numel() == 0:
+            return
+        _ops.sgd_step_(
+            piece.view(-1), piece.grad.view(-1), buffer, lr=float(group["lr"]), momentum=momentum,
+            dampening=float(group["dampening"]), weight_decay=float(group["weight_decay"]),
+            nesterov=bool(group["nesterov"]), maximize=bool(group["maximize"]), first_step=first_step,
+        )
+
+
+def _as_flat_fp32(state: dict[str, Any], name: str, piece: torch.Tensor) -> torch.Tensor:
+    """A state entry as the ops take it (contiguous float32 on the piece's device, viewed flat);
+    an entry loaded in another form is converted once, in the state itself."""
+    value = state[name]
+    if value.dtype != torch.float32 or value.device != piece.device or not value.is_contiguous():
+        value = state[name] = value.to(piece.device, torch.float32).contiguous()
+    return value.view(-1)
+
+
+def host_step_for(optimizer: torch.optim.Optimizer, buckets: Iterable[Bucket]) -> Callable[[bool], None] | None:
+    """The fast host step for ``optimizer`` over ``buckets``, or None (logged once per optimizer)
+    when torch's own step must run on the host pieces instead."""
+    reason = unsupported_reason(optimizer)
+    if reason is not None:
+        if not getattr(optimizer, "_megatron_fsdp_fallback_logged", False):
+            optimizer._megatron_fsdp_fallback_logged = True
+            logger.warning(
+                "megatron_fsdp: cpu_offload steps this optimizer with its own step on the host (slower): %s", reason
+            )
+        return None
+    return HostStep(optimizer, list(buckets)).step

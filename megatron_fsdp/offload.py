@@ -1,0 +1,142 @@
+"""CPU offloading: each offloaded bucket's host side and the copies between it and the device.
+
+An offloaded bucket keeps its main parameters (what the optimizer steps, in the main-parameter
+dtype) and the gradients the optimizer reads in host memory; its compute weights and every
+gathered or reduced buffer stay on the device. What moves when (docs/offloading.md):
+
+- gradients, device to host: once a bucket's gradients are fully reduced, on the model's
+  offload stream, overlapping the rest of backward; the host waits for them only when it reads
+  them (when the gradient sync shows them as ``.grad``);
+- weights, host to device: after the host step of the bucket, cast on the host into one of two
+  pinned staging buffers of the compute dtype (half the bytes of fp32 for bf16) and copied into
+  the bucket's compute-weight range on the offload stream; the device waits for them only where
+  it reads that range (the unit's next all-gather).
+
+The host gradients (the copy engine writes them) and the two staging buffers (it reads them)
+are pinned; the main parameters are ordinary host memory that no copy touches, so the host may
+rewrite them (the optimizer step, a checkpoint load) at any time. On a CPU device the same calls
+copy synchronously.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OffloadTransfers:
+    """One model's offload stream and its two staging buffers per compute dtype (each as large
+    as the largest bucket range sent so far), taken in turn: casting the next bucket overlaps
+    the copy of the one before."""
+
+    SLOTS = 2
+
+    def __init__(self, device: torch.device, pin_memory: bool) -> None:
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        self.pin_memory = pin_memory and self.on_cuda
+        self.stream = torch.cuda.Stream(device) if self.on_cuda else None
+        self._staging: dict[torch.dtype, list[torch.Tensor | None]] = {}
+        self._staging_copied: dict[torch.dtype, list[torch.cuda.Event | None]] = {}
+        self._next: dict[torch.dtype, int] = {}
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Host memory the copy engine reads or writes: pinned when asked for (and on a GPU)."""
+        return torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
+
+    def staging(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """The next staging buffer (its first ``numel`` elements) and its slot, once the copy that
+        last read it has landed."""
+        buffers = self._staging.setdefault(dtype, [None] * self.SLOTS)
+        events = self._staging_copied.setdefault(dtype, [None] * self.SLOTS)
+        slot = self._next.get(dtype, 0)
+        self._next[dtype] = (slot + 1) % self.SLOTS
+        if events[slot] is not None:
+            events[slot].synchronize()
+            events[slot] = None
+        if buffers[slot] is None or buffers[slot].numel() < numel:
+            buffers[slot] = self.host_empty(numel, dtype)
+        return buffers[slot][:numel], slot
+
+    def staging_sent(self, dtype: torch.dtype, slot: int, copied: torch.cuda.Event) -> None:
+        self._staging_copied[dtype][slot] = copied
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for buffers in self._staging.values() for b in buffers if b is not None)
+
+
+class HostBuffers:
+    """The host side of one bucket's optimizer range: main parameters and the gradients the
+    optimizer reads, and the events of the copies in flight."""
+
+    def __init__(self, device_values: torch.Tensor, main_dtype: torch.dtype, transfers: OffloadTransfers) -> None:
+        """``device_values``: the range's current weights on the device (copied once, now)."""
+        self.transfers = transfers
+        self.device = device_values.device
+        self.main_params = device_values.to("cpu", main_dtype, copy=True)
+        self._grads: torch.Tensor | None = None
+        # Recorded on the offload stream after each launched copy (CUDA only).
+        self._grads_copied: torch.cuda.Event | None = None
+        self._weights_copied: torch.cuda.Event | None = None
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes held: main parameters and gradients (not the optimizer state)."""
+        held = (self.main_params, self._grads)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    # -- gradients: device -> host ---------------------------------------------------------------
+
+    def send_grads(self, source: torch.Tensor) -> None:
+        """Launches the copy of the fully reduced device gradients into the host gradients (cast
+        to the main-parameter dtype on the device first, where they differ)."""
+        if self._grads is None:
+            self._grads = self.transfers.host_empty(self.main_params.numel(), self.main_params.dtype)
+        stream = self.transfers.stream
+        if stream is None:
+            self._grads.copy_(source)
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the reduction wrote source there
+        with torch.cuda.stream(stream):
+            sent = source if source.dtype == self._grads.dtype else source.to(self._grads.dtype)
+            self._grads.copy_(sent, non_blocking=True)
+            self._grads_copied = torch.cuda.Event()
+            self._grads_copied.record(stream)
+        # The main gradient may be released on its own stream while the copy still reads it.
+        source.record_stream(stream)
+
+    def grads(self) -> torch.Tensor:
+        """The host gradients, once the last copy into them has landed (a host wait)."""
+        if self._grads_copied is not None:
+            self._grads_copied.synchronize()
+            self._grads_copied = None
+        return self._grads
+
+    def before_device_grads_change(self) -> None:
+        """The device gradients are about to be written: a copy still reading them goes first."""
+        if self._grads_copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._grads_copied)
+
+    # -- weights: host -> device -----------------------------------------------------------------
+
+    def send_weights(self, target: torch.Tensor) -> None:
+        """Launches the copy of the main parameters, in ``target``'s dtype, into ``target`` (the
+        compute-weight range on the device)."""
+        stream = self.transfers.stream
+        if stream is None:
+            target.copy_(self.main_params)
+            return
+        staging, slot = self.transfers.staging(target.numel(), target.dtype)
+        staging.copy_(self.main_params)
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # work queued there may read target
+        with torch.cuda.stream(stream):
+            target.copy_(staging, non_blocking=True)
+            self._weights_copied = torch.cuda.Event()
+            self._weights_copied.record(stream)
+        self.transfers.staging_sent(target.dtype, slot, self._weights_copied)
+
+    def before_device_reads_weights(self) -> None:
+        """The current stream is about to read the compute weights: the copy into them goes first
+        (a wait on the device; the host goes on)."""
+        if self._weights_copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._weights_copied)
