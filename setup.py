@@ -28,15 +28,24 @@ def _sources(with_cuda: bool) -> list[str]:
 
 def _extension():
     with_cuda = _cuda_build_possible()
-    cxx_flags = ["-O3", "-std=c++17"]
+    # OpenMP: at::parallel_for in the host kernels is an `omp parallel` region compiled into this
+    # library; without -fopenmp it runs on one thread. It binds to the libgomp torch loaded.
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+    link_flags = ["-fopenmp"]
     if with_cuda:
         nvcc_flags = ["-O3", "-std=c++17", "-lineinfo"]
         return CUDAExtension(
             "megatron_fsdp._C",
             _sources(True),
             extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+            extra_link_args=link_flags,
         )
-    return CppExtension("megatron_fsdp._C", _sources(False), extra_compile_args={"cxx": cxx_flags})
+    return CppExtension(
+        "megatron_fsdp._C",
+        _sources(False),
+        extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
+    )
 
 
 setup(

@@ -31,6 +31,23 @@ TORCH_LIBRARY(megatron_fsdp, m) {
   // whose bytes are on the host.
   m.def("crc32c(Tensor data, int seed=0) -> Tensor");
 
+  // One torch.optim.Adam step (AdamW's with decoupled_weight_decay) over flat buffers, in place:
+  // fp32 param and states, grad in fp32, bf16 or fp16 (upcast first); step counts this step
+  // (>= 1); max_exp_avg_sq is given exactly when amsgrad. Rounds like torch.optim's update on
+  // the same device.
+  m.def(
+      "adam_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+      "Tensor(d!)? max_exp_avg_sq, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, int step, bool decoupled_weight_decay, bool amsgrad, "
+      "bool maximize) -> ()");
+
+  // One torch.optim.SGD step over flat buffers, in place, with the same dtype rules; the momentum
+  // buffer is given exactly when momentum != 0, and on first_step it is set to the gradient.
+  m.def(
+      "sgd_step_(Tensor(a!) param, Tensor grad, Tensor(b!)? momentum_buffer, float lr, "
+      "float momentum, float dampening, float weight_decay, bool nesterov, bool maximize, "
+      "bool first_step) -> ()");
+
   m.class_<megatron_fsdp::BucketPool>("BucketPool")
       .def(torch::init<bool>())
       .def("placeholder", &megatron_fsdp::BucketPool::placeholder)

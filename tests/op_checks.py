@@ -343,3 +343,313 @@ def check_crc32c_matches_a_reference(device: str) -> None:
         else:
             raise AssertionError(f"crc32c must reject input that {message}")
     torch.library.opcheck(torch.ops.megatron_fsdp.crc32c.default, (buffer[:100], 5))
+
+
+# Optimizer steps (adam_step_, sgd_step_). (size, offset) cases: odd sizes, one that the CPU kernel
+# splits over several threads (tasks of 2**16 elements), and buffers starting one element into their
+# storage, which the CUDA kernel cannot load in 16-byte vectors.
+STEP_CASES = [(n, 0) for n in ODD_SIZES + [2**17 + 5]] + [(4099, 1)]
+GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+F32_ROUNDOFF = UNIT_ROUNDOFF[torch.float32]
+# A float32 result below the smallest normal is off by up to half the subnormal spacing.
+F32_SUBNORMAL_ROUNDOFF = 2.0**-150
+
+
+def _step_buffer(n: int, offset: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
+    return _random(n + offset, dtype, device, seed)[offset:]
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to float32, as ATen rounds a Python float scalar for a float32 kernel."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+class _Bounded:
+    """A float64 tensor and a bound on the distance of the op's float32 result from it. Every
+    float32 operation rounds its result to within ``u * |result|``; earlier errors carry through
+    (products of errors included). A fused multiply-add rounds once where this counts two roundings,
+    so the bound holds for fused and unfused kernels alike."""
+
+    def __init__(self, value: torch.Tensor, err: torch.Tensor | None = None) -> None:
+        self.value = value
+        self.err = torch.zeros_like(value) if err is None else err
+
+    @staticmethod
+    def rounded(value: torch.Tensor, err: torch.Tensor) -> "_Bounded":
+        return _Bounded(value, err + F32_ROUNDOFF * (value.abs() + err) + F32_SUBNORMAL_ROUNDOFF)
+
+    @staticmethod
+    def of(x: "_Bounded | float") -> "_Bounded":
+        return x if isinstance(x, _Bounded) else _Bounded(torch.tensor(float(x), dtype=torch.float64))
+
+    def __neg__(self) -> "_Bounded":
+        return _Bounded(-self.value, self.err)
+
+    def __add__(self, other: "_Bounded | float") -> "_Bounded":
+        other = _Bounded.of(other)
+        return _Bounded.rounded(self.value + other.value, self.err + other.err)
+
+    def __sub__(self, other: "_Bounded | float") -> "_Bounded":
+        return self + (-_Bounded.of(other))
+
+    def __mul__(self, other: "_Bounded | float") -> "_Bounded":
+        other = _Bounded.of(other)
+        err = self.value.abs() * other.err + other.value.abs() * self.err + self.err * other.err
+        return _Bounded.rounded(self.value * other.value, err)
+
+    def __truediv__(self, other: "_Bounded | float") -> "_Bounded":
+        other = _Bounded.of(other)
+        quotient = self.value / other.value
+        err = (self.err + quotient.abs() * other.err) / (other.value.abs() - other.err)
+        return _Bounded.rounded(quotient, err)
+
+    def sqrt(self) -> "_Bounded":
+        root = self.value.sqrt()
+        # |sqrt(a) - sqrt(b)| <= |a - b| / sqrt(a), and <= sqrt(|a - b|) near 0.
+        relative = torch.where(root > 0, self.err / root, torch.full_like(root, float("inf")))
+        return _Bounded.rounded(root, torch.minimum(relative, self.err.sqrt()))
+
+    def maximum(self, other: "_Bounded") -> "_Bounded":
+        return _Bounded(torch.maximum(self.value, other.value), torch.maximum(self.err, other.err))
+
+
+def _assert_within(got: torch.Tensor, expected: _Bounded, what: str) -> None:
+    err = (got.cpu().double() - expected.value).abs()
+    worst = int((err - expected.err).argmax()) if err.numel() else 0
+    assert torch.all(err <= expected.err), f"{what}: element {worst} got {got.flatten()[worst].item()}, expected {expected.value[worst].item()} +- {expected.err[worst].item():.3g}"
+
+
+ADAM_CONFIGS = [
+    {},
+    {"weight_decay": 0.1},
+    {"weight_decay": 0.1, "decoupled_weight_decay": True},
+    {"maximize": True},
+    {"amsgrad": True, "weight_decay": 0.1},
+    {"betas": (0.3, 0.99)},  # 1 - beta1 >= 0.5: ATen's lerp takes its other form
+]
+
+
+def _adam_reference(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False, amsgrad=False, maximize=False) -> dict[str, _Bounded]:
+    """torch.optim.Adam's single-tensor update in float64 with an error bound: its scalars are
+    computed in double and rounded to float32 once, as ATen receives them."""
+    beta1, beta2 = betas
+    p, g, m, v = (_Bounded(t.cpu().double()) for t in (param, grad, exp_avg, exp_avg_sq))
+    if maximize:
+        g = -g
+    if weight_decay != 0 and decoupled_weight_decay:
+        p = p * _f32(1 - lr * weight_decay)
+    elif weight_decay != 0:
+        g = g + p * _f32(weight_decay)
+    weight = _f32(1 - beta1)
+    diff = g - m
+    m = m + diff * weight if weight < 0.5 else g + diff * (weight - 1.0)
+    v = v * _f32(beta2) + g * _f32(1 - beta2) * g
+    second_moment = v
+    result = {}
+    if amsgrad:
+        second_moment = _Bounded(max_exp_avg_sq.cpu().double()).maximum(v)
+        result["max_exp_avg_sq"] = second_moment
+    denom = second_moment.sqrt() / _f32((1 - beta2**step) ** 0.5) + _f32(eps)
+    p = p + m * _f32(-(lr / (1 - beta1**step))) / denom
+    result.update(param=p, exp_avg=m, exp_avg_sq=v)
+    return result
+
+
+def check_adam_step_matches_float64(device: str) -> None:
+    for grad_dtype in GRAD_DTYPES:
+        for config in ADAM_CONFIGS:
+            for n, offset in STEP_CASES:
+                for step in (1, 7):
+                    param = _step_buffer(n, offset, torch.float32, device, seed=n)
+                    grad = _step_buffer(n, offset, grad_dtype, device, seed=n + 1)
+                    exp_avg = _step_buffer(n, offset, torch.float32, device, seed=n + 2).mul_(0.1)
+                    exp_avg_sq = _step_buffer(n, offset, torch.float32, device, seed=n + 3).square_().mul_(0.01)
+                    max_exp_avg_sq = _step_buffer(n, offset, torch.float32, device, seed=n + 4).square_().mul_(0.02) if config.get("amsgrad") else None
+                    states = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq}
+                    expected = _adam_reference(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr=0.01, **config)
+                    _ops.adam_step_(param, grad, exp_avg, exp_avg_sq, step=step, lr=0.01, max_exp_avg_sq=max_exp_avg_sq, **config)
+                    for name, bounded in expected.items():
+                        _assert_within(states[name], bounded, f"adam {config} grad {grad_dtype} n {n} offset {offset} step {step} {name}")
+    param, exp_avg, exp_avg_sq, max_exp_avg_sq = (torch.rand(33, device=device) for _ in range(4))
+    for grad in (torch.randn(33, device=device), torch.randn(33, device=device, dtype=torch.bfloat16)):
+        for max_sq, amsgrad in ((None, False), (max_exp_avg_sq, True)):
+            args = (param, grad, exp_avg, exp_avg_sq, max_sq, 1e-3, 0.9, 0.999, 1e-8, 0.01, 3, True, amsgrad, False)
+            torch.library.opcheck(torch.ops.megatron_fsdp.adam_step_.default, args)
+
+
+SGD_CONFIGS = [
+    {},
+    {"weight_decay": 0.1},
+    {"momentum": 0.9},
+    {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+    {"momentum": 0.8, "dampening": 0.3, "weight_decay": 0.1, "maximize": True},
+]
+
+
+def _sgd_reference(param, grad, momentum_buffer, first_step, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False) -> dict[str, _Bounded]:
+    """torch.optim.SGD's single-tensor update in float64 with an error bound."""
+    p, g = _Bounded(param.cpu().double()), _Bounded(grad.cpu().double())
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        g = g + p * _f32(weight_decay)
+    result = {}
+    if momentum != 0:
+        buf = g if first_step else _Bounded(momentum_buffer.cpu().double()) * _f32(momentum) + g * _f32(1 - dampening)
+        result["momentum_buffer"] = buf
+        g = g + buf * _f32(momentum) if nesterov else buf
+    result["param"] = p + g * _f32(-lr)
+    return result
+
+
+def check_sgd_step_matches_float64(device: str) -> None:
+    for grad_dtype in GRAD_DTYPES:
+        for config in SGD_CONFIGS:
+            for n, offset in STEP_CASES:
+                for first_step in (True, False):
+                    param = _step_buffer(n, offset, torch.float32, device, seed=n)
+                    grad = _step_buffer(n, offset, grad_dtype, device, seed=n + 1)
+                    buffer = _step_buffer(n, offset, torch.float32, device, seed=n + 2) if config.get("momentum") else None
+                    states = {"param": param, "momentum_buffer": buffer}
+                    expected = _sgd_reference(param, grad, buffer, first_step, lr=0.1, **config)
+                    _ops.sgd_step_(param, grad, buffer, lr=0.1, first_step=first_step, **config)
+                    for name, bounded in expected.items():
+                        _assert_within(states[name], bounded, f"sgd {config} grad {grad_dtype} n {n} offset {offset} first {first_step} {name}")
+    param, buffer = torch.randn(33, device=device), torch.randn(33, device=device)
+    for grad in (torch.randn(33, device=device), torch.randn(33, device=device, dtype=torch.float16)):
+        torch.library.opcheck(torch.ops.megatron_fsdp.sgd_step_.default, (param, grad, buffer, 0.1, 0.9, 0.0, 0.01, True, False, False))
+        torch.library.opcheck(torch.ops.megatron_fsdp.sgd_step_.default, (param, grad, None, 0.1, 0.0, 0.0, 0.0, False, True, True))
+
+
+# Parameters of a small model, flattened into one buffer for the ops; the last spans several CPU
+# tasks, so thread splits fall inside it.
+PARITY_SHAPES = [(37, 13), (129,), (7,), (2**17 + 5,)]
+PARITY_STEPS = 5
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    """The float32 spacing at |x|, in float64."""
+    magnitude = x.float().abs()
+    return (torch.nextafter(magnitude, torch.full_like(magnitude, float("inf"))) - magnitude).double()
+
+
+def _assert_ulps(got: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor, ulps: int, what: str) -> None:
+    """|got - expected| <= ulps float32 ulps of |scale|."""
+    err = (got.double() - expected.double()).abs() / _ulp(scale)
+    worst = int(err.argmax())
+    assert err[worst] <= ulps, f"{what}: element {worst} got {got[worst].item()}, torch {expected[worst].item()}: {err[worst].item():g} ulps > {ulps}"
+
+
+def _parity_setup(device: str, grad_dtype: torch.dtype) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.randn(shape, generator=generator).to(device) for shape in PARITY_SHAPES]
+    grads = [[torch.randn(shape, generator=generator).to(grad_dtype).to(device) for shape in PARITY_SHAPES] for _ in range(PARITY_STEPS)]
+    return params, grads
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def check_adam_step_follows_torch_adam(device: str) -> None:
+    """Step by step from torch.optim.Adam's (AdamW's) state, on the same gradients; torch sees a
+    low-precision gradient upcast. On the CPU the states come out bit-identical (measured). The
+    parameter differs where ATen's CPU sqrt (MKL's, one ulp off in about a fifth of its results)
+    differs from the op's correctly rounded one: that ulp carries through the division by
+    sqrt(1 - beta2^t), the eps add and the update's division (at most one more ulp each) into the
+    update, and the final add rounds once: 4 ulps of the larger of parameter and update (measured:
+    3). On CUDA both sides round sqrt correctly; the states are allowed one ulp until measured."""
+    state_ulps = 0 if torch.device(device).type == "cpu" else 1
+    for grad_dtype in GRAD_DTYPES:
+        initial, grads = _parity_setup(device, grad_dtype)
+        for config in ADAM_CONFIGS:
+            params = [p.clone().requires_grad_() for p in initial]
+            decoupled = config.get("decoupled_weight_decay", False)
+            torch_config = {k: v for k, v in config.items() if k != "decoupled_weight_decay"}
+            optimizer = (torch.optim.AdamW if decoupled else torch.optim.Adam)(params, lr=0.01, **torch_config)
+            param = _flat(params)
+            state_names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if config.get("amsgrad") else [])
+            states = {name: torch.zeros_like(param) for name in state_names}
+            for step, step_grads in enumerate(grads, start=1):
+                before = _flat(params)
+                for p, g in zip(params, step_grads):
+                    p.grad = g.float()
+                optimizer.step()
+                _ops.adam_step_(param, _flat(step_grads), states["exp_avg"], states["exp_avg_sq"], step=step, lr=0.01, max_exp_avg_sq=states.get("max_exp_avg_sq"), **config)
+                expected = _flat(params)
+                what = f"adam {config} grad {grad_dtype} step {step}"
+                for name, state in states.items():
+                    torch_state = _flat([optimizer.state[p][name] for p in params])
+                    _assert_ulps(state, torch_state, torch_state, state_ulps, f"{what} {name}")
+                    state.copy_(torch_state)
+                _assert_ulps(param, expected, torch.maximum(expected.abs(), (expected - before).abs()), 4, f"{what} param")
+                param.copy_(expected)
+
+
+def check_sgd_step_follows_torch_sgd(device: str) -> None:
+    """Step by step from torch.optim.SGD's state, on the same gradients: bit-identical on the CPU
+    (measured, ATen's default and AVX2/AVX512 kernels alike); one ulp allowed on CUDA until measured."""
+    ulps = 0 if torch.device(device).type == "cpu" else 1
+    for grad_dtype in GRAD_DTYPES:
+        initial, grads = _parity_setup(device, grad_dtype)
+        for config in SGD_CONFIGS:
+            params = [p.clone().requires_grad_() for p in initial]
+            optimizer = torch.optim.SGD(params, lr=0.1, **config)
+            param = _flat(params)
+            # NaN: the first step must overwrite the buffer, never read it.
+            buffer = torch.full_like(param, float("nan")) if config.get("momentum") else None
+            for step, step_grads in enumerate(grads, start=1):
+                for p, g in zip(params, step_grads):
+                    p.grad = g.float()
+                optimizer.step()
+                _ops.sgd_step_(param, _flat(step_grads), buffer, lr=0.1, first_step=step == 1, **config)
+                expected = _flat(params)
+                what = f"sgd {config} grad {grad_dtype} step {step}"
+                _assert_ulps(param, expected, expected, ulps, f"{what} param")
+                param.copy_(expected)
+                if buffer is not None:
+                    torch_buffer = _flat([optimizer.state[p]["momentum_buffer"] for p in params])
+                    _assert_ulps(buffer, torch_buffer, torch_buffer, ulps, f"{what} momentum_buffer")
+                    buffer.copy_(torch_buffer)
+
+
+def _expect_error(fn, message: str) -> None:
+    try:
+        fn()
+    except RuntimeError as error:
+        assert message in str(error), f"{message!r} not in {str(error)!r}"
+    else:
+        raise AssertionError(f"expected an error saying {message!r}")
+
+
+def check_optimizer_steps_reject_bad_input(device: str) -> None:
+    def buffers(n: int = 8) -> list[torch.Tensor]:
+        return [torch.zeros(n, device=device) for _ in range(4)]
+
+    def adam(param, grad, exp_avg, exp_avg_sq, **kwargs):
+        return lambda: _ops.adam_step_(param, grad, exp_avg, exp_avg_sq, **{"step": 1, **kwargs})
+
+    p, g, m, v = buffers()
+    cases = [
+        (adam(p.bfloat16(), g, m, v), "adam_step_: param must be float32 (the fp32 main weights), got BFloat16"),
+        (adam(p, g.double(), m, v), "adam_step_: grad must be float32, bfloat16 or float16, got Double"),
+        (adam(p, g, m.half(), v), "adam_step_: exp_avg must be float32 like param, got Half"),
+        (adam(p, g, m, torch.zeros(9, device=device)), "adam_step_: exp_avg_sq has 9 elements but param has 8; every buffer must cover the same elements"),
+        (adam(p, torch.zeros(16, device=device)[::2], m, v), "adam_step_: grad must be a contiguous 1-D tensor (a flat buffer)"),
+        (adam(p.view(2, 4), g, m, v), "adam_step_: param must be a contiguous 1-D tensor (a flat buffer), got shape [2, 4]"),
+        (adam(p, g, m, v, step=0), "adam_step_: step must be >= 1"),
+        (adam(p, g, m, v, amsgrad=True), "adam_step_: amsgrad=True needs max_exp_avg_sq"),
+        (adam(p, g, m, v, max_exp_avg_sq=torch.zeros(8, device=device)), "adam_step_: max_exp_avg_sq is only read with amsgrad=True"),
+        (adam(p, g, m, v, betas=(1.0, 0.999)), "adam_step_: beta1 must be in [0, 1), got 1"),
+        (adam(p, g, m, v, lr=-1.0), "adam_step_: lr must be >= 0, got -1"),
+        (adam(p, g, m, m), "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory location"),
+        (lambda: _ops.sgd_step_(p, g, lr=0.1, momentum=0.9), "sgd_step_: momentum=0.9 needs momentum_buffer"),
+        (lambda: _ops.sgd_step_(p, g, m, lr=0.1), "sgd_step_: momentum_buffer is only used with momentum != 0"),
+        (lambda: _ops.sgd_step_(p, g, m, momentum=0.9, dampening=0.1, nesterov=True), "sgd_step_: nesterov=True needs momentum > 0 and dampening == 0"),
+        (lambda: _ops.sgd_step_(p, g.double()), "sgd_step_: grad must be float32, bfloat16 or float16, got Double"),
+        (lambda: _ops.sgd_step_(p, torch.zeros(7, device=device)), "sgd_step_: grad has 7 elements but param has 8"),
+    ]
+    if torch.device(device).type != "cpu":
+        cases.append((adam(p, g.cpu(), m, v), "adam_step_: grad is on cpu but param is on"))
+    for fn, message in cases:
+        _expect_error(fn, message)

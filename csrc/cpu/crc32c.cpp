@@ -147,8 +147,7 @@ at::Tensor crc32c_cpu(const at::Tensor& data, int64_t seed) {
     const uint32_t start = i == 0 ? static_cast<uint32_t>(seed) : 0u;
     crcs[i] = ~update(~start, bytes + i * piece_bytes, piece_length(i));
   };
-  // Threads of its own: at::parallel_for compiles to a serial loop in a library built without
-  // OpenMP, as this one is.
+  // One thread per piece; the calling thread takes the first.
   std::vector<std::thread> workers;
   for (int64_t i = 1; i < pieces; ++i) {
     workers.emplace_back(checksum_piece, i);
