@@ -94,7 +94,7 @@ def fully_shard_model(
       ``model.set_model_auto_sync(False)``) leaves both to the synchronising micro-batch,
       ``finish_grad_sync()`` or the optimizer step, and strategies 0/1 accumulate locally until then.
     - ``init_model_with_meta_device``: the model was built under ``torch.device("meta")``; each
-      module is materialised on the current CUDA device (else the CPU) and initialised with its
+      module is materialised on ``device`` (default: the current CUDA device, else the CPU) and initialised with its
       ``reset_parameters()``, and each unit is sharded as soon as it is initialised.
     - ``mixed_precision_policy``: see :class:`MixedPrecisionPolicy`; ``grad_reduce_in_fp32`` and
       ``preserve_fp32_weights`` are its deprecated predecessors.

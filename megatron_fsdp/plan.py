@@ -154,6 +154,7 @@ def _check_one_device(module: nn.Module) -> None:
 
 
 def _meta_init_device() -> torch.device:
+    """Where a meta-device model is materialised when ``device`` is not given."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -205,7 +206,7 @@ def plan_sharding(
     dp = dist_index.data_parallel
     description = describe_configuration(module, full_settings, unit_classes, dp)
     check_same_configuration_on_all_ranks(description, dp, full_settings.collective_timeout)
-    meta_device = _meta_init_device() if init_model_with_meta_device else None
+    meta_device = (torch.device(device) if device is not None else _meta_init_device()) if init_model_with_meta_device else None
     return ShardingPlan(dist_index, full_settings, unit_classes, meta_device)
 
 

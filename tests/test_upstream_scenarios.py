@@ -132,7 +132,8 @@ def _shard(s: Scenario, seed: int = 0):
                       hybrid_fsdp_group=mesh["hsdp"].get_group(), outer_dp_sharding_strategy=s.hybrid)
     if s.meta_init_with_tp_dim:
         mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp_shard", "tp"))
-        kwargs.update(device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp", init_model_with_meta_device=True)
+        # device: materialised where this gloo test computes, also on a machine with a GPU.
+        kwargs.update(device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp", init_model_with_meta_device=True, device="cpu")
     module, units = upstream_models.build(s.kind, seed=seed, meta=s.meta_init_with_tp_dim, dtype=s.dtype)
     optimizer = _optimizer(module.parameters(), s.optimizer)
     if s.meta_init_with_tp_dim:
