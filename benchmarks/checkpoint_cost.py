@@ -72,7 +72,7 @@ import megatron_fsdp  # noqa: E402
 from gpt_model import GPT, GPTConfig, TransformerBlock  # noqa: E402
 from megatron_fsdp import _ops  # noqa: E402
 from megatron_fsdp.checkpoint_integrity import checksum_segments, verify_checkpoint  # noqa: E402
-from step_time import _fsdp2  # noqa: E402
+from step_time import _fsdp2_with  # noqa: E402
 
 CONFIGS = {
     "1.3B": GPTConfig(vocab_size=32000, seq_len=2048, layers=24, hidden=2048, heads=16, ffn=5632),
@@ -220,7 +220,7 @@ def _build_fsdp2(config: GPTConfig, device: torch.device):
     """torch FSDP2 as benchmarks/step_time.py builds it (fp32 parameters, fully_shard per block
     and on the root, bf16 compute, fp32 reduction, fused AdamW), the AdamW state made by one
     training step on 8 tokens: the state a training job would save."""
-    model, optimizer, _ = _fsdp2(config, device)
+    model, optimizer, _ = _fsdp2_with(offload=False)(config, device)
     tokens = torch.randint(0, config.vocab_size, (1, 9), device=device, generator=torch.Generator(device).manual_seed(0))
     logits = model(tokens[:, :-1])
     F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()

@@ -453,9 +453,10 @@ class MegatronFSDP(nn.Module):
         the main weights, whose ``.grad`` shows the reduced gradient after each gradient sync
         (docs/architecture.md, "The parameter contract"). ``self.module``'s own parameters are
         the compute weights forward and backward use. The faces belong to this wrapper, not to
-        the wrapped submodules, so ``recurse=False`` gives them too: torch's state-dict helpers
-        read each module's own parameters that way."""
-        for name, param in self.module.named_parameters(remove_duplicate=remove_duplicate):
+        the wrapped submodules, so ``recurse=False`` gives them too, under every name of a tied
+        weight: torch's state-dict helpers read each module's own parameters that way, and must
+        find the face behind each name the wrapped submodules' walk gave them."""
+        for name, param in self.module.named_parameters(remove_duplicate=remove_duplicate and recurse):
             yield (f"{prefix}.{name}" if prefix else name), self._faces[param].param
 
     # -- optimizer support --------------------------------------------------------------------

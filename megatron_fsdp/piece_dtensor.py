@@ -72,13 +72,16 @@ class PieceDTensor(DTensor):
 
     def full_tensor(self, *, grad_placements: Any = None) -> torch.Tensor:
         """The whole tensor on every rank (a collective over the mesh)."""
+        home = self._local_tensor.device
+        if home.type != self.device_mesh.device_type:
+            # A piece offloaded to the host is gathered on the mesh's device (NCCL has no CPU
+            # tensors) and the result returned where the piece lives.
+            return self.to(_mesh_device(self.device_mesh)).full_tensor(grad_placements=grad_placements).to(home)
         if self._flat_layout is None:
             return super().full_tensor(grad_placements=grad_placements)
-        # A piece offloaded to the host is gathered on the mesh's device (NCCL has no CPU
-        # tensors) and the result returned where the piece lives.
-        home = self._local_tensor.device
-        piece = self._local_tensor.detach().to(_mesh_device(self.device_mesh))
-        local = _gather_flat(piece, self._flat_layout, self.device_mesh).view(self._flat_layout.local_shape)
+        local = _gather_flat(self._local_tensor.detach(), self._flat_layout, self.device_mesh).view(
+            self._flat_layout.local_shape
+        )
         rest = self.placements[self._flat_layout.dp_dims :]
         if rest:
             names = self.device_mesh.mesh_dim_names
@@ -86,12 +89,15 @@ class PieceDTensor(DTensor):
             local = DTensor.from_local(
                 local, submesh, rest, run_check=False, shape=self.shape, stride=contiguous_strides(self.shape)
             ).full_tensor()
-        return local.to(home)
+        return local
 
     def redistribute(
         self, device_mesh: DeviceMesh | None = None, placements: tuple[Placement, ...] | None = None, **kwargs: Any
     ) -> DTensor:
-        """To ``Replicate``/``Shard`` placements on the same mesh: a plain (row-sharded) DTensor."""
+        """To ``Replicate``/``Shard`` placements on the same mesh: a plain (row-sharded) DTensor
+        (on the mesh's device, also for a piece offloaded to the host)."""
+        if self._local_tensor.device.type != self.device_mesh.device_type:
+            return self.to(_mesh_device(self.device_mesh)).redistribute(device_mesh, placements, **kwargs)
         if self._flat_layout is None:
             return super().redistribute(device_mesh, placements, **kwargs)
         mesh = device_mesh or self.device_mesh
@@ -218,8 +224,14 @@ def piece_dtensor(
     """A DTensor of global ``shape`` over ``piece`` (its storage, no copy): the flat range
     ``layout`` describes, or (None) the whole local tensor in its local shape."""
     with torch.no_grad():
-        plain = DTensor.from_local(piece, mesh, placements, run_check=False, shape=shape, stride=contiguous_strides(shape))
-    return PieceDTensor.wrap(plain, layout)
+        # The spec from a meta stand-in: from_local would copy a piece that lives on another
+        # device than the mesh's (an offloaded piece on the host) instead of viewing it.
+        spec = DTensor.from_local(
+            piece.to("meta"), mesh, placements, run_check=False, shape=shape, stride=contiguous_strides(shape)
+        )._spec
+    out = PieceDTensor(piece, spec, requires_grad=False)
+    out._flat_layout = layout
+    return out
 
 
 def as_parameter(tensor: PieceDTensor, requires_grad: bool) -> torch.nn.Parameter:

@@ -1,7 +1,9 @@
 """The state-dict DTensors on NCCL (2 GPUs, 1 on a one-GPU machine): ``full_tensor()`` of the
 model state dict, torch's ``get_model_state_dict(full_state_dict=True)`` (on the GPU and
 offloaded) and ``get_optimizer_state_dict(full_state_dict=True)`` give the values megatron_fsdp's
-own gathers give, and ``set_model_state_dict`` of a full state dict restores them exactly."""
+own gathers give, and ``set_model_state_dict`` of a full state dict restores them exactly; with
+CPU offloading the faces and the optimizer state are views of the host buffers (not device
+copies that would go stale)."""
 
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ from models import Block, make_batch, make_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _state_dicts(rank: int, world: int, strategy: int) -> dict:
+def _state_dicts(rank: int, world: int, strategy: int, offload: bool) -> dict:
     torch.cuda.set_device(rank)
     module = make_model(seed=0).cuda()
     model, optimizer = megatron_fsdp.fully_shard(
-        module, torch.optim.AdamW(module.parameters(), lr=1e-2), fsdp_unit_modules=[Block], zero_dp_strategy=strategy
+        module, torch.optim.AdamW(module.parameters(), lr=1e-2), fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
+        cpu_offload=offload,
     )
     for step in range(2):
         tokens, targets = make_batch(step, 2 * world)
@@ -35,8 +38,13 @@ def _state_dicts(rank: int, world: int, strategy: int) -> dict:
         optimizer.zero_grad()
     full = model.full_parameters()
     bad = []
+    if offload:
+        where = {v._local_tensor.device.type for e in optimizer.state.values() for v in e.values() if isinstance(v, DTensor)}
+        where |= {p._local_tensor.device.type for p in model.parameters()}
+        if where != {"cpu"}:
+            bad.append(f"offloaded faces and optimizer state live on {where}, not only on the host")
     for name, value in model.state_dict().items():
-        if name in full and not torch.equal(value.full_tensor(), full[name]):
+        if name in full and not torch.equal(value.full_tensor().cpu(), full[name].cpu()):
             bad.append(f"state_dict()[{name!r}].full_tensor()")
     for offload in (False, True):
         helper = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
@@ -50,7 +58,7 @@ def _state_dicts(rank: int, world: int, strategy: int) -> dict:
     }
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))["state"]
     for name, entries in expected_state.items():
-        bad += [f"optimizer {name}.{k}" for k, v in entries.items() if not torch.equal(optimizer_state[name][k], v)]
+        bad += [f"optimizer {name}.{k}" for k, v in entries.items() if not torch.equal(optimizer_state[name][k].cpu(), v.cpu())]
     kept = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     kept = {k: v.clone() for k, v in kept.items()}
     tokens, targets = make_batch(7, 2 * world)
@@ -62,8 +70,8 @@ def _state_dicts(rank: int, world: int, strategy: int) -> dict:
     return {"bad": bad, "compared": len(full)}
 
 
-@pytest.mark.parametrize("strategy", [0, 3])
-def test_full_state_dicts_on_nccl_give_the_parameters(strategy: int) -> None:
-    for rank, result in enumerate(run_distributed(_state_dicts, nccl_world(), strategy, backend="nccl", timeout=300)):
+@pytest.mark.parametrize("strategy,offload", [(0, False), (3, False), (3, True)])
+def test_full_state_dicts_on_nccl_give_the_parameters(strategy: int, offload: bool) -> None:
+    for rank, result in enumerate(run_distributed(_state_dicts, nccl_world(), strategy, offload, backend="nccl", timeout=300)):
         assert result["compared"] > 0
         assert result["bad"] == [], f"rank {rank}, strategy {strategy}: {result['bad']}"
