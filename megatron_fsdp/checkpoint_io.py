@@ -46,11 +46,18 @@ def _step_dir(checkpoint_dir: str, step: int) -> str:
 
 def latest_checkpoint_step(checkpoint_dir: str) -> int | None:
     """The step of the newest complete checkpoint in ``checkpoint_dir``, or None."""
+    path = os.path.join(checkpoint_dir, LATEST)
     try:
-        with open(os.path.join(checkpoint_dir, LATEST)) as handle:
-            return int(handle.read().strip())
+        with open(path) as handle:
+            text = handle.read().strip()
     except FileNotFoundError:
         return None
+    if not text.isdigit():
+        raise ValueError(
+            f"{path} holds {text!r}, not a step number: write the step of a complete checkpoint "
+            f"into it (save_checkpoint replaces it atomically), or delete it to start afresh"
+        )
+    return int(text)
 
 
 def _training_state(
@@ -164,12 +171,9 @@ def load_checkpoint(
     skipped, renames those to ``step_<N>.corrupt`` and points ``latest`` at the one it loaded."""
     if fallback and not verify:
         raise ValueError("load_checkpoint: fallback=True needs verify=True (without checksums nothing is found corrupt)")
-    newest = latest_checkpoint_step(checkpoint_dir) if step is None else step
-    if newest is None:
+    candidates = _candidate_steps(checkpoint_dir, step, fallback)
+    if not candidates:
         return None
-    candidates = [newest]
-    if fallback:
-        candidates += [s for s in reversed(_committed_steps(checkpoint_dir)) if s < newest]
     rank = dist.get_rank()
     skipped: list[CheckpointCorruptError] = []
     for candidate in candidates:
@@ -193,6 +197,27 @@ def load_checkpoint(
         newest_error.step, newest_error.path, newest_error.file, newest_error.rank, newest_error.reason,
         advice=f"No older checkpoint in {checkpoint_dir} verifies either (tried steps {candidates}): restore one or start afresh",
     )
+
+
+def _candidate_steps(checkpoint_dir: str, step: int | None, fallback: bool) -> list[int]:
+    """The steps to try, newest first, as rank 0 reads them: every rank must load the same step,
+    and ``latest`` may be replaced between two ranks' reads. A malformed ``latest`` raises on
+    every rank."""
+    decided: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            newest = latest_checkpoint_step(checkpoint_dir) if step is None else step
+            if newest is None:
+                decided[0] = []
+            else:
+                older = [s for s in reversed(_committed_steps(checkpoint_dir)) if s < newest] if fallback else []
+                decided[0] = [newest] + older
+        except (OSError, ValueError) as error:
+            decided[0] = error
+    dist.broadcast_object_list(decided, src=0)
+    if isinstance(decided[0], Exception):
+        raise decided[0]
+    return decided[0]
 
 
 def _set_aside(checkpoint_dir: str, corrupt_steps: list[int], loaded_step: int) -> None:

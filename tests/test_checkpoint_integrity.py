@@ -190,6 +190,16 @@ def _scenario(rank: int, world: int, root: str) -> dict:
     results["legacy"] = megatron_fsdp.load_checkpoint(legacy, model, optimizer)
     results["legacy_not_at_2"] = _differing(at_2, model.full_parameters())
     results["legacy_warnings"] = list(warnings.messages)
+
+    # A `latest` that names no step: rank 0 reads it, every rank raises.
+    if rank == 0:
+        with open(os.path.join(legacy, "latest"), "w") as handle:
+            handle.write("step 2")
+    try:
+        megatron_fsdp.load_checkpoint(legacy, model, optimizer)
+        results["malformed_latest"] = None
+    except ValueError as error:
+        results["malformed_latest"] = str(error)
     return results
 
 
@@ -235,6 +245,12 @@ def test_fallback_without_an_intact_checkpoint_raises_naming_every_step_tried(re
     assert "checkpoint step 3 (" in message and "No older checkpoint" in message and "tried steps [3, 2]" in message, message
     skipped = results[0]["all_damaged_warnings"]
     assert any(m.startswith("skipping checkpoint step 2: rank ") and " found .metadata: it cannot be read" in m for m in skipped), skipped
+
+
+def test_a_malformed_latest_raises_on_every_rank_saying_what_it_holds(results) -> None:
+    messages = [r["malformed_latest"] for r in results]
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    assert "holds 'step 2', not a step number" in messages[0], messages[0]
 
 
 def test_fallback_needs_verification(tmp_path) -> None:

@@ -133,8 +133,9 @@ def _save_one_way_load_the_other(rank: int, world: int, path: str) -> dict:
     resumed["saved by save_checkpoint, loaded by the helpers"] = model.full_parameters()
 
     model, optimizer = _shard(3, seed=5)
-    with open(os.path.join(path, "theirs", "latest"), "w") as handle:
-        handle.write("2")
+    if rank == 0:
+        with open(os.path.join(path, "theirs", "latest"), "w") as handle:
+            handle.write("2")
     step, _ = megatron_fsdp.load_checkpoint(os.path.join(path, "theirs"), model, optimizer, verify=False)
     _train(model, optimizer, rank, world, range(step, 4))
     resumed["saved by dcp.save of the helpers, loaded by load_checkpoint"] = model.full_parameters()
