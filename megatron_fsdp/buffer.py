@@ -182,6 +182,7 @@ class Bucket:
         # averaged over it when synced: in place (HSDP) or reduce-scattered into outer_grad (HFSDP).
         # Both exist only from the first reduction after zero_grad(set_to_none=True) until the
         # next one, as torch's own .grad: forward, which holds the activations, runs without them.
+        # Offloaded, only until they are sent to the host, which accumulates from then on.
         self.main_grad: torch.Tensor | None = None
         self.outer_grad: torch.Tensor | None = None
         self.outer_sync_due = False
@@ -191,8 +192,6 @@ class Bucket:
         # main gradients themselves when the dtypes agree), shown once per change.
         self.optimizer_grads: torch.Tensor | None = None
         self._grads_shown = True
-        # Offloaded: whether the host gradients were (or are being) copied from the current ones.
-        self._grads_sent = False
         for index in range(len(self.params)):
             lo, hi = self._piece(index, self.main_start, self.main_end)
             self.optim_ranges.append((lo - self.main_start, hi - self.main_start))
@@ -307,12 +306,8 @@ class Bucket:
         return comm
 
     def _grads_changing(self) -> None:
-        """The reduced gradients are about to change: shown and offloaded copies become stale, and
-        a copy to the host still reading them goes first."""
+        """The reduced gradients are about to change: what the parameters show becomes stale."""
         self._grads_shown = False
-        self._grads_sent = False
-        if self.host is not None:
-            self.host.before_device_grads_change()
 
     def _main_grad_to_write(self) -> tuple[torch.Tensor, bool]:
         """The main gradient, and whether it is fresh: created (uninitialised) by the first
@@ -392,40 +387,41 @@ class Bucket:
         what the optimizer's pieces and the parameters' faces show."""
         if set_to_none:
             self.main_grad = self.outer_grad = self.optimizer_grads = None
+            if self.host is not None:
+                self.host.clear_grads()
             for optim_param, face in zip(self.optim_params, self.faces):
                 optim_param.grad = None
                 face.show_grad(None)
             self._grads_shown = True
         else:
-            self._wait_for_grad_copies()
-            for grad in (self.main_grad, self.outer_grad, self.optimizer_grads):
-                if grad is not None:
-                    grad.zero_()
+            for grad in self._held_grads():
+                grad.zero_()
 
     def scale_grads(self, factor: float) -> None:
         """Multiplies every gradient this bucket holds by ``factor``: held back un-reduced, the
-        main gradient, the outer-reduced one and the optimizer's cast copy (each once)."""
-        self._wait_for_grad_copies()
-        held = (self.unreduced_grad, self.main_grad, self.outer_grad, self.optimizer_grads)
-        for grad in {id(g): g for g in held if g is not None}.values():
+        main gradient, the outer-reduced one, the optimizer's cast copy and the host's (each
+        once)."""
+        for grad in self._held_grads(include_unreduced=True):
             grad.mul_(factor)
 
-    def _wait_for_grad_copies(self) -> None:
-        """Before device and host gradients are changed in place alike: the copy between them
-        has landed (else it would carry the change twice or not at all)."""
+    def _held_grads(self, include_unreduced: bool = False) -> list[torch.Tensor]:
+        """Every distinct gradient tensor this bucket holds; offloaded, the host's complete
+        (a copy in flight to them has landed, or it would carry a change twice or not at all)."""
+        held = [self.unreduced_grad] if include_unreduced else []
+        held += [self.main_grad, self.outer_grad, self.optimizer_grads]
         if self.host is not None:
-            self.host.before_device_grads_change()
-            if self._grads_sent:
-                self.host.grads()
+            held.append(self.host.grads())
+        return list({id(g): g for g in held if g is not None}.values())
 
     def offload_grads(self) -> None:
-        """Offloaded: launches the copy of the fully reduced gradients to the host, once per
-        change of them; the gradient sync waits for it. Not while an outer (HSDP) average is due."""
+        """Offloaded: launches the copy of the fully reduced device gradients to the host and
+        releases them (the host adds later ones to what it holds); the gradient sync waits for
+        the copy. Not while an outer (HSDP) average is due."""
         source = self.optimizer_grad_source()
-        if self.host is None or self._grads_sent or self.outer_sync_due or source is None:
+        if self.host is None or self.outer_sync_due or source is None:
             return
         self.host.send_grads(source)
-        self._grads_sent = True
+        self.main_grad = self.outer_grad = None
 
     # -- optimizer ----------------------------------------------------------------------------
 
@@ -436,15 +432,13 @@ class Bucket:
         torch's optimizers skip them, as for any ``.grad``."""
         if self._grads_shown:
             return
-        source = self.optimizer_grad_source()
-        main_dtype = self.main_params.dtype
-        if source is None:
-            self.optimizer_grads = None
-        elif self.host is not None:
+        if self.host is not None:
             self.offload_grads()
             self.optimizer_grads = self.host.grads()
         else:
-            self.optimizer_grads = source if source.dtype == main_dtype else source.to(main_dtype)
+            source = self.optimizer_grad_source()
+            main_dtype = self.main_params.dtype
+            self.optimizer_grads = None if source is None else source if source.dtype == main_dtype else source.to(main_dtype)
         for optim_param, face, (lo, hi) in zip(self.optim_params, self.faces, self.optim_ranges):
             piece = None if self.optimizer_grads is None else self.optimizer_grads[lo:hi]
             optim_param.grad = piece

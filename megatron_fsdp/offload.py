@@ -5,15 +5,17 @@ dtype) and the gradients the optimizer reads in host memory; its compute weights
 gathered or reduced buffer stay on the device. What moves when (docs/offloading.md):
 
 - gradients, device to host: once a bucket's gradients are fully reduced, on the model's
-  offload stream, overlapping the rest of backward; the host waits for them only when it reads
-  them (when the gradient sync shows them as ``.grad``);
+  offload stream, overlapping the rest of backward; the device gradients are released as soon
+  as the copy has read them, and a later micro-batch's gradients are added to the host ones
+  (through one of two pinned landing buffers); the host waits for them only when it reads them
+  (when the gradient sync shows them as ``.grad``);
 - weights, host to device: after the host step of the bucket, cast on the host into one of two
   pinned staging buffers of the compute dtype (half the bytes of fp32 for bf16) and copied into
   the bucket's compute-weight range on the offload stream; the device waits for them only where
   it reads that range (the unit's next all-gather).
 
-The host gradients (the copy engine writes them) and the two staging buffers (it reads them)
-are pinned; the main parameters are ordinary host memory that no copy touches, so the host may
+The host gradients and the two landing buffers (the copy engine writes them) and the two
+staging buffers (it reads them) are pinned; the main parameters are ordinary host memory that no copy touches, so the host may
 rewrite them (the optimizer step, a checkpoint load) at any time. On a CPU device the same calls
 copy synchronously.
 """
@@ -38,6 +40,11 @@ class OffloadTransfers:
         self._staging: dict[torch.dtype, list[torch.Tensor | None]] = {}
         self._staging_copied: dict[torch.dtype, list[torch.cuda.Event | None]] = {}
         self._next: dict[torch.dtype, int] = {}
+        # Landing buffers of gradients added to host gradients that already hold some: each slot
+        # with the bucket whose addition from it is still due.
+        self._landing: list[torch.Tensor | None] = [None] * self.SLOTS
+        self._landing_owner: list[HostBuffers | None] = [None] * self.SLOTS
+        self._next_landing = 0
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Host memory the copy engine reads or writes: pinned when asked for (and on a GPU)."""
@@ -60,9 +67,28 @@ class OffloadTransfers:
     def staging_sent(self, dtype: torch.dtype, slot: int, copied: torch.cuda.Event) -> None:
         self._staging_copied[dtype][slot] = copied
 
+    def landing(self, numel: int, dtype: torch.dtype, owner: HostBuffers) -> torch.Tensor:
+        """The next landing buffer (its first ``numel`` elements) for ``owner``'s incoming
+        gradients, once the bucket that used it last has added what landed there."""
+        slot = self._next_landing
+        self._next_landing = (slot + 1) % self.SLOTS
+        previous = self._landing_owner[slot]
+        if previous is not None:
+            previous.settle_grads()
+        buffer = self._landing[slot]
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
+            buffer = self._landing[slot] = self.host_empty(numel, dtype)
+        self._landing_owner[slot] = owner
+        return buffer[:numel]
+
+    def landed(self, owner: HostBuffers) -> None:
+        """``owner`` has added what landed for it: its slot is free."""
+        self._landing_owner = [None if o is owner else o for o in self._landing_owner]
+
     @property
     def staging_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for buffers in self._staging.values() for b in buffers if b is not None)
+        buffers = [b for slots in self._staging.values() for b in slots] + self._landing
+        return sum(b.numel() * b.element_size() for b in buffers if b is not None)
 
 
 class HostBuffers:
@@ -75,6 +101,10 @@ class HostBuffers:
         self.device = device_values.device
         self.main_params = device_values.to("cpu", main_dtype, copy=True)
         self._grads: torch.Tensor | None = None
+        # Whether the host gradients hold what was sent since they were last cleared, and the
+        # landing buffer of a sent part still to be added to them.
+        self.holds_grads = False
+        self._incoming: torch.Tensor | None = None
         # Recorded on the offload stream after each launched copy (CUDA only).
         self._grads_copied: torch.cuda.Event | None = None
         self._weights_copied: torch.cuda.Event | None = None
@@ -88,34 +118,49 @@ class HostBuffers:
     # -- gradients: device -> host ---------------------------------------------------------------
 
     def send_grads(self, source: torch.Tensor) -> None:
-        """Launches the copy of the fully reduced device gradients into the host gradients (cast
-        to the main-parameter dtype on the device first, where they differ)."""
+        """Launches the copy of the device gradients reduced since the last send (cast to the
+        main-parameter dtype on the device first, where they differ) to the host, where they are
+        added to the gradients held, or become them. ``source`` may be released right after."""
         if self._grads is None:
             self._grads = self.transfers.host_empty(self.main_params.numel(), self.main_params.dtype)
+        accumulate, self.holds_grads = self.holds_grads, True
         stream = self.transfers.stream
         if stream is None:
-            self._grads.copy_(source)
+            self._grads.add_(source) if accumulate else self._grads.copy_(source)
             return
+        self.settle_grads()  # the part sent before is added first
+        target = self.transfers.landing(self._grads.numel(), self._grads.dtype, self) if accumulate else self._grads
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the reduction wrote source there
         with torch.cuda.stream(stream):
-            sent = source if source.dtype == self._grads.dtype else source.to(self._grads.dtype)
-            self._grads.copy_(sent, non_blocking=True)
+            sent = source if source.dtype == target.dtype else source.to(target.dtype)
+            target.copy_(sent, non_blocking=True)
             self._grads_copied = torch.cuda.Event()
             self._grads_copied.record(stream)
-        # The main gradient may be released on its own stream while the copy still reads it.
+        # The caller releases source on its own stream while the copy may still read it.
         source.record_stream(stream)
+        if accumulate:
+            self._incoming = target
 
-    def grads(self) -> torch.Tensor:
-        """The host gradients, once the last copy into them has landed (a host wait)."""
+    def settle_grads(self) -> None:
+        """Waits for the last copy to land (a host wait) and adds what landed in a landing buffer."""
         if self._grads_copied is not None:
             self._grads_copied.synchronize()
             self._grads_copied = None
-        return self._grads
+        if self._incoming is not None:
+            self._grads.add_(self._incoming)
+            self._incoming = None
+            self.transfers.landed(self)
 
-    def before_device_grads_change(self) -> None:
-        """The device gradients are about to be written: a copy still reading them goes first."""
-        if self._grads_copied is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._grads_copied)
+    def grads(self) -> torch.Tensor | None:
+        """The host gradients, complete (None when none were sent since they were cleared)."""
+        self.settle_grads()
+        return self._grads if self.holds_grads else None
+
+    def clear_grads(self) -> None:
+        """Forgets the host gradients (``zero_grad(set_to_none=True)``); their memory is kept for
+        the next send, which a copy still in flight precedes on the offload stream."""
+        self.settle_grads()
+        self.holds_grads = False
 
     # -- weights: host -> device -----------------------------------------------------------------
 

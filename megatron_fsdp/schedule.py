@@ -230,12 +230,17 @@ class StepScheduler:
 
     def check_reduced_grads_finite(self, step: int) -> None:
         """Raises on every rank when any rank's reduced gradient shard holds NaN/Inf."""
-        sources = (b.optimizer_grad_source() for unit in self.units for b in unit.trainable_buckets)
+        buckets = [b for unit in self.units for b in unit.trainable_buckets]
+        # Offloaded, the gradients are on the host by now (shown by the sync before the step).
+        sources = (b.optimizer_grads if b.host is not None else b.optimizer_grad_source() for b in buckets)
         # Buckets without gradients are the same on every rank (nothing reduced since zero_grad).
         grads = [g for g in sources if g is not None]
         if not grads:
             return
-        found = _ops.find_non_finite(grads).any().to(torch.int32).reshape(1)
+        on_host = [g for g in grads if g.device != buckets[0].device]
+        on_device = [g for g in grads if g.device == buckets[0].device]
+        flags = [_ops.find_non_finite(group).any().to(buckets[0].device) for group in (on_host, on_device) if group]
+        found = torch.stack(flags).any().to(torch.int32).reshape(1)
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.dp.group)
         if found.item():
             raise FloatingPointError(

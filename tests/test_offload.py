@@ -220,3 +220,24 @@ def test_offloaded_main_params_are_a_copy_that_each_step_installs(single_rank_gr
     _train(model, optimizer, 0, 1, range(2))
     for name, param in model.module.named_parameters():
         assert torch.equal(param.detach(), model.face_of(param).to_local().view(param.shape)), name
+
+
+def test_device_gradients_are_released_once_on_the_host_which_accumulates(single_rank_group) -> None:
+    """Each backward's reduced gradients leave the device; the host holds their sum, which is
+    what a device-resident run holds after the same micro-batches."""
+    runs = {offload: _shard(offload) for offload in (True, False)}
+    for offload, (model, _) in runs.items():
+        for micro_batch in range(2):
+            tokens, targets = make_batch(micro_batch, 2)
+            model(tokens, targets).backward()
+            if offload:
+                assert all(b.main_grad is None and b.outer_grad is None for b in model.trainable_buckets())
+    grads = {offload: model.full_gradients() for offload, (model, _) in runs.items()}
+    assert grads[True].keys() == grads[False].keys()
+    for name in grads[True]:
+        # The same fp32 additions in the same order, on the host instead of the device.
+        assert torch.equal(grads[True][name], grads[False][name]), name
+    model, optimizer = runs[True]
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    assert model.full_gradients() and all(not g.any() for g in model.full_gradients().values())
