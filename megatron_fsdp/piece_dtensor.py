@@ -187,6 +187,13 @@ def _keep_layout(func: Any, args: tuple, kwargs: dict | None, out: Any) -> Any:
     """``out`` with every DTensor of an input PieceDTensor's layout re-wrapped with it; raises
     (from metadata alone, so on every rank) where a result keeps a data-parallel ``Shard`` but
     cannot keep the flat layout."""
+    # This runs for every op and attribute access on a face (``param.grad = ...`` included):
+    # results that hold no plain DTensor return before the arguments are walked.
+    if isinstance(out, (tuple, list)):
+        if not any(isinstance(v, (DTensor, tuple, list)) and not isinstance(v, PieceDTensor) for v in out):
+            return out
+    elif not isinstance(out, DTensor) or isinstance(out, PieceDTensor):
+        return out
     inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, PieceDTensor)]
     if not inputs:
         return out
