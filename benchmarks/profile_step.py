@@ -4,6 +4,10 @@ runtime calls. Same model, data and implementations as step_time.py.
 
     torchrun --standalone --nproc_per_node 1 benchmarks/profile_step.py --config 1.3B --micro-batch 4 --seq-len 2048
 
+All rows run in this one process, so a megatron_fsdp row is profiled only where its package is
+the one imported: NVIDIA's megatron-fsdp with the directory it was installed into first on
+PYTHONPATH (``PYTHONPATH=/tmp/nv-site:$PYTHONPATH torchrun ... --impls NVIDIA``), ours without.
+
 The GPU is busy when any kernel, copy or memset runs on any stream; idle time is the rest of the
 step's wall time. Communication that overlaps compute adds kernel time but no wall time, so
 "exposed" communication shows as wall time beyond compute, not in the communication column.
@@ -25,7 +29,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import CONFIGS, IMPLEMENTATIONS, batch, train_step  # noqa: E402  (puts examples/ on the path)
+from step_time import CONFIGS, IMPLEMENTATIONS, batch, imports_here, train_step  # noqa: E402  (puts examples/ on the path)
 from gpt_model import GPTConfig  # noqa: E402
 
 # First match wins; names as CUDA kernels of torch 2.11 / cuBLAS / NCCL are spelled.
@@ -119,7 +123,10 @@ def main() -> None:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     config = GPTConfig(**{**CONFIGS[args.config].__dict__, "seq_len": args.seq_len})
-    wanted = [n for n in IMPLEMENTATIONS if any(w in n for w in args.impls.split(","))]
+    matching = [n for n in IMPLEMENTATIONS if any(w in n for w in args.impls.split(","))]
+    wanted = [n for n in matching if imports_here(n)]
+    if dist.get_rank() == 0 and len(wanted) < len(matching):
+        print(f"not profiled, as this process imports the other megatron_fsdp: {sorted(set(matching) - set(wanted))}")
     rows = [_profile(name, config, args, device) for name in wanted]
     if dist.get_rank() == 0:
         kinds = sorted({kind for row in rows for kind in row["kernel_ms"]})
