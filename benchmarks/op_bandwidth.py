@@ -53,7 +53,8 @@ def _split(numel: int, pieces: int) -> list[int]:
 
 def _optimizer_rows(numel: int, iters: int, device: torch.device, record: Callable[[str, int, float], None]) -> None:
     """adam_step_ and sgd_step_ over one flat buffer, and torch.optim.Adam on a buffer of the same
-    size. Bytes: the gradient read, the parameter and each state read and written."""
+    size. Bytes: the gradient read, the parameter and each state read and written; with bf16
+    weights, also those written (weights_out) or the parameter read again and cast (copy_)."""
     param = torch.randn(numel, device=device)
     exp_avg, exp_avg_sq, momentum_buffer = (torch.zeros_like(param) for _ in range(3))
     grad32 = torch.randn(numel, device=device)
@@ -62,6 +63,11 @@ def _optimizer_rows(numel: int, iters: int, device: torch.device, record: Callab
     for name, grad in (("fp32", grad32), ("bf16", grad_bf16)):
         record(f"adam_step_ {name} grad", (24 + grad.element_size()) * numel,
                _median_ms(lambda: _ops.adam_step_(param, grad, exp_avg, exp_avg_sq, step=next(steps), lr=1e-6), iters, device))
+    weights = torch.empty(numel, device=device, dtype=torch.bfloat16)
+    record("adam_step_ bf16 grad, then param cast into bf16 weights", 32 * numel,
+           _median_ms(lambda: (_ops.adam_step_(param, grad_bf16, exp_avg, exp_avg_sq, step=next(steps), lr=1e-6), weights.copy_(param)), iters, device))
+    record("adam_step_ bf16 grad, bf16 weights_out", 28 * numel,
+           _median_ms(lambda: _ops.adam_step_(param, grad_bf16, exp_avg, exp_avg_sq, step=next(steps), lr=1e-6, weights_out=weights), iters, device))
     record("sgd_step_ momentum bf16 grad", 18 * numel,
            _median_ms(lambda: _ops.sgd_step_(param, grad_bf16, momentum_buffer, lr=1e-6, momentum=0.9), iters, device))
     reference = param.clone().requires_grad_(True)

@@ -34,19 +34,21 @@ TORCH_LIBRARY(megatron_fsdp, m) {
   // One torch.optim.Adam step (AdamW's with decoupled_weight_decay) over flat buffers, in place:
   // fp32 param and states, grad in fp32, bf16 or fp16 (upcast first); step counts this step
   // (>= 1); max_exp_avg_sq is given exactly when amsgrad. Rounds like torch.optim's update on
-  // the same device.
+  // the same device. weights_out (fp32, bf16 or fp16, like param otherwise), when given, also
+  // receives the updated param cast as Tensor.to casts it: the compute weights, in the same pass.
   m.def(
       "adam_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? max_exp_avg_sq, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, int step, bool decoupled_weight_decay, bool amsgrad, "
-      "bool maximize) -> ()");
+      "bool maximize, Tensor(e!)? weights_out=None) -> ()");
 
-  // One torch.optim.SGD step over flat buffers, in place, with the same dtype rules; the momentum
-  // buffer is given exactly when momentum != 0, and on first_step it is set to the gradient.
+  // One torch.optim.SGD step over flat buffers, in place, with the same dtype rules and
+  // weights_out; the momentum buffer is given exactly when momentum != 0, and on first_step it is
+  // set to the gradient.
   m.def(
       "sgd_step_(Tensor(a!) param, Tensor grad, Tensor(b!)? momentum_buffer, float lr, "
       "float momentum, float dampening, float weight_decay, bool nesterov, bool maximize, "
-      "bool first_step) -> ()");
+      "bool first_step, Tensor(c!)? weights_out=None) -> ()");
 
   m.class_<megatron_fsdp::BucketPool>("BucketPool")
       .def(torch::init<bool>())

@@ -58,12 +58,12 @@ def _crc32c_fake(data, seed):
 
 
 @torch.library.register_fake("megatron_fsdp::adam_step_")
-def _adam_step_fake(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, decoupled_weight_decay, amsgrad, maximize):
+def _adam_step_fake(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, decoupled_weight_decay, amsgrad, maximize, weights_out=None):
     return None
 
 
 @torch.library.register_fake("megatron_fsdp::sgd_step_")
-def _sgd_step_fake(param, grad, momentum_buffer, lr, momentum, dampening, weight_decay, nesterov, maximize, first_step):
+def _sgd_step_fake(param, grad, momentum_buffer, lr, momentum, dampening, weight_decay, nesterov, maximize, first_step, weights_out=None):
     return None
 
 
@@ -133,9 +133,11 @@ def adam_step_(
     amsgrad: bool = False,
     max_exp_avg_sq: torch.Tensor | None = None,
     maximize: bool = False,
+    weights_out: torch.Tensor | None = None,
 ) -> None:
     """One ``torch.optim.Adam`` step (``AdamW``'s with ``decoupled_weight_decay=True``) over flat
-    buffers, in place: updates ``param``, ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq``.
+    buffers, in place: updates ``param``, ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq``, and
+    writes the updated ``param`` into ``weights_out`` when given.
 
     ``param``, ``exp_avg``, ``exp_avg_sq``: contiguous 1-D float32 tensors of one size on one device
     (CPU or CUDA), not sharing memory; the states start at zero, as torch.optim's. ``grad``: the
@@ -144,7 +146,11 @@ def adam_step_(
     (default 1e-3), ``betas`` (default (0.9, 0.999), each in [0, 1)), ``eps`` (1e-8) and
     ``weight_decay`` (0.0): torch.optim.Adam's hyperparameters and rules. ``amsgrad`` (False) needs
     ``max_exp_avg_sq``, a float32 buffer like ``exp_avg_sq`` starting at zero, given only then.
-    ``maximize`` (False) ascends the gradient.
+    ``maximize`` (False) ascends the gradient. ``weights_out`` (None): a contiguous 1-D float32,
+    bfloat16 or float16 tensor of ``param``'s size on its device, not sharing memory with the
+    other buffers; it receives the updated ``param`` cast exactly as ``param.to(weights_out.dtype)``
+    would (round to nearest even), in the same pass over memory as the step: the compute weights
+    of a mixed-precision model without reading the main weights again.
 
     The CPU kernel follows torch.optim's single-tensor update operation by operation and runs on
     ``torch.get_num_threads()`` threads; the CUDA kernel follows torch's default (foreach) path on
@@ -156,7 +162,7 @@ def adam_step_(
     beta1, beta2 = betas
     _ops.adam_step_(
         param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, float(lr), float(beta1), float(beta2), float(eps),
-        float(weight_decay), int(step), bool(decoupled_weight_decay), bool(amsgrad), bool(maximize),
+        float(weight_decay), int(step), bool(decoupled_weight_decay), bool(amsgrad), bool(maximize), weights_out,
     )
 
 
@@ -172,9 +178,10 @@ def sgd_step_(
     nesterov: bool = False,
     maximize: bool = False,
     first_step: bool = False,
+    weights_out: torch.Tensor | None = None,
 ) -> None:
     """One ``torch.optim.SGD`` step over flat buffers, in place: updates ``param`` and
-    ``momentum_buffer``.
+    ``momentum_buffer``, and writes the updated ``param`` into ``weights_out`` when given.
 
     ``param``: a contiguous 1-D float32 tensor on the CPU or a GPU; ``grad``: the same size, float32,
     bfloat16 or float16 (upcast to float32 first). ``momentum_buffer``: a float32 buffer like
@@ -182,13 +189,14 @@ def sgd_step_(
     history yet and is set to the gradient, whatever it held (torch's rule for a parameter without
     momentum state); pass True on the first step. ``lr`` (default 1e-3), ``momentum`` (0.0),
     ``dampening`` (0.0), ``weight_decay`` (0.0), ``nesterov`` (False, needs momentum > 0 and
-    dampening 0) and ``maximize`` (False): torch.optim.SGD's hyperparameters and rules. On the CPU,
+    dampening 0) and ``maximize`` (False): torch.optim.SGD's hyperparameters and rules.
+    ``weights_out`` (None): as for :func:`adam_step_`, the updated ``param`` cast. On the CPU,
     from the same inputs, the results are bit-identical to torch.optim.SGD's; the CUDA kernel
     follows torch's default (foreach) path on CUDA.
     """
     _ops.sgd_step_(
         param, grad, momentum_buffer, float(lr), float(momentum), float(dampening), float(weight_decay),
-        bool(nesterov), bool(maximize), bool(first_step),
+        bool(nesterov), bool(maximize), bool(first_step), weights_out,
     )
 
 

@@ -23,7 +23,7 @@ from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStr
 from megatron_fsdp.dtensor_params import ParamExtent, local_tensor, param_extent
 from megatron_fsdp.layout import BucketLayout, alignment_in_elements, build_bucket_layout
 from megatron_fsdp.mesh import DataParallelGroup
-from megatron_fsdp.offload import HostBuffers, OffloadTransfers
+from megatron_fsdp.offload import HostBuffers, OffloadTransfers, StagedWeights
 from megatron_fsdp.piece_dtensor import FlatLayout
 from megatron_fsdp.sharded_params import MeshCache, ShardedParam, shard_spec
 
@@ -445,13 +445,27 @@ class Bucket:
             face.show_grad(piece)
         self._grads_shown = True
 
-    def install_main_params(self) -> None:
+    def stage_main_params(self) -> StagedWeights | None:
+        """Offloaded: host memory for the stepped main params in the compute dtype (``buffer``,
+        one element per main param, ``optim_ranges`` holding each piece's), for a host step that
+        writes them there as it steps them, instead of a second pass casting them; then give it to
+        :meth:`install_main_params`. None when the bucket is not offloaded."""
+        if self.host is None:
+            return None
+        return self.host.stage_weights(self._main_weight_target())
+
+    def install_main_params(self, staged: StagedWeights | None = None) -> None:
         """Writes the stepped main params into the compute weights and, where every rank holds
-        full weights but stepped only its shard (strategies 1 and 2), gathers the others'."""
+        full weights but stepped only its shard (strategies 1 and 2), gathers the others'.
+        ``staged``: from :meth:`stage_main_params`, filled with every main param cast (sent as it
+        is); without it, an offloaded bucket casts the main params now."""
         if self.gathers_from_main:
             return  # the next gather casts the new main params
         if self.host is not None:
-            self.host.send_weights(self._main_weight_target())
+            if staged is None:
+                self.host.send_weights(self._main_weight_target())
+            else:
+                self.host.send_staged_weights(staged)
             if self.strategy.shards_weights and not self.splits_shard:
                 return  # the unit's next all-gather waits for the copy
             self.host.before_device_reads_weights()

@@ -4,7 +4,9 @@
 implement) are stepped by megatron_fsdp's C++ host ops (``adam_step_`` / ``sgd_step_``),
 one call per main-parameter piece with its param group's hyper-parameters (so per-group
 learning rates and LR schedulers apply), bucket by bucket: each bucket's new weights start for
-the device as soon as it is stepped, while the host steps the next one. The state stays torch's
+the device as soon as it is stepped, while the host steps the next one. The op writes them, cast
+to the compute dtype, into the bucket's staging buffer in the same pass as the step, so the
+updated main parameters are not read a second time to cast them. The state stays torch's
 (same entries, dtypes and step counts), so checkpoints do not depend on which way stepped.
 Every other optimizer runs its own ``step`` over the host pieces (logged once).
 """
@@ -24,6 +26,8 @@ from megatron_fsdp.buffer import Bucket
 logger = logging.getLogger(__name__)
 
 _ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
+# Compute dtypes the ops can write the new weights in (weights_out).
+_WEIGHTS_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _ops_available() -> bool:
@@ -69,20 +73,30 @@ class HostStep:
     def _step_all(optimizer: torch.optim.Optimizer, self: HostStep, install: bool) -> None:
         group_of = {piece: group for group in optimizer.param_groups for piece in group["params"]}
         for bucket in self.buckets:
-            for piece in bucket.optim_params:
+            staged = bucket.stage_main_params() if install and bucket.dtype in _WEIGHTS_OUT_DTYPES else None
+            stepped: list[tuple[int, int]] = []
+            for piece, (lo, hi) in zip(bucket.optim_params, bucket.optim_ranges):
                 group = group_of.get(piece)
                 if group is not None and piece.grad is not None:
-                    self._step_piece(piece, group, optimizer.state[piece])
+                    weights_out = None if staged is None else staged.buffer[lo:hi]
+                    self._step_piece(piece, group, optimizer.state[piece], weights_out)
+                    stepped.append((lo, hi))
+            if staged is not None:
+                _cast_unstepped(staged.buffer, bucket.main_params, stepped)
             if install:
-                bucket.install_main_params()
+                bucket.install_main_params(staged)
 
-    def _step_piece(self, piece: nn.Parameter, group: dict[str, Any], state: dict[str, Any]) -> None:
+    def _step_piece(
+        self, piece: nn.Parameter, group: dict[str, Any], state: dict[str, Any], weights_out: torch.Tensor | None
+    ) -> None:
         if self.is_adam:
-            self._adam(piece, group, state)
+            self._adam(piece, group, state, weights_out)
         else:
-            self._sgd(piece, group, state)
+            self._sgd(piece, group, state, weights_out)
 
-    def _adam(self, piece: nn.Parameter, group: dict[str, Any], state: dict[str, Any]) -> None:
+    def _adam(
+        self, piece: nn.Parameter, group: dict[str, Any], state: dict[str, Any], weights_out: torch.Tensor | None
+    ) -> None:
         names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
         if not state:
             # torch.optim.Adam's initial state: a float32 step count and zeroed moments.
@@ -100,10 +114,12 @@ class HostStep:
             eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
             decoupled_weight_decay=bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))),
             amsgrad=bool(group["amsgrad"]), max_exp_avg_sq=buffers[2] if group["amsgrad"] else None,
-            maximize=bool(group["maximize"]),
+            maximize=bool(group["maximize"]), weights_out=weights_out,
         )
 
-    def _sgd(self, piece: nn.Parameter, group: dict[str, Any], state: dict[str, Any]) -> None:
+    def _sgd(
+        self, piece: nn.Parameter, group: dict[str, Any], state: dict[str, Any], weights_out: torch.Tensor | None
+    ) -> None:
         momentum = float(group["momentum"])
         buffer, first_step = None, False
         if momentum != 0.0:
@@ -118,7 +134,19 @@ class HostStep:
             piece.view(-1), piece.grad.view(-1), buffer, lr=float(group["lr"]), momentum=momentum,
             dampening=float(group["dampening"]), weight_decay=float(group["weight_decay"]),
             nesterov=bool(group["nesterov"]), maximize=bool(group["maximize"]), first_step=first_step,
+            weights_out=weights_out,
         )
+
+
+def _cast_unstepped(staging: torch.Tensor, main_params: torch.Tensor, stepped: list[tuple[int, int]]) -> None:
+    """Casts into ``staging`` the main params the op did not write there: pieces it did not step
+    (no gradient, or not in the optimizer) and the padding between pieces. ``stepped``: the
+    disjoint ranges it wrote."""
+    start, end = 0, main_params.numel()
+    for lo, hi in [*sorted(stepped), (end, end)]:
+        if lo > start:
+            staging[start:lo].copy_(main_params[start:lo])
+        start = max(start, hi)
 
 
 def _as_flat_fp32(state: dict[str, Any], name: str, piece: torch.Tensor) -> torch.Tensor:

@@ -9,18 +9,22 @@ gathered or reduced buffer stay on the device. What moves when (docs/offloading.
   as the copy has read them, and a later micro-batch's gradients are added to the host ones
   (through one of two pinned landing buffers); the host waits for them only when it reads them
   (when the gradient sync shows them as ``.grad``);
-- weights, host to device: after the host step of the bucket, cast on the host into one of two
-  pinned staging buffers of the compute dtype (half the bytes of fp32 for bf16) and copied into
-  the bucket's compute-weight range on the offload stream; the device waits for them only where
-  it reads that range (the unit's next all-gather).
+- weights, host to device: cast on the host into one of two pinned staging buffers of the
+  compute dtype (half the bytes of fp32 for bf16) and copied into the bucket's compute-weight
+  range on the offload stream; the device waits for them only where it reads that range (the
+  unit's next all-gather). The host optimizer op writes them into the staging buffer as it steps
+  the bucket (``stage_weights``, then ``send_staged_weights``); any other step is followed by a
+  cast of the main parameters (``send_weights``).
 
 The host gradients and the two landing buffers (the copy engine writes them) and the two
-staging buffers (it reads them) are pinned; the main parameters are ordinary host memory that no copy touches, so the host may
-rewrite them (the optimizer step, a checkpoint load) at any time. On a CPU device the same calls
-copy synchronously.
+staging buffers (it reads them) are pinned; the main parameters are ordinary host memory that
+no copy touches, so the host may rewrite them (the optimizer step, a checkpoint load) at any
+time. On a CPU device the same calls copy synchronously.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -89,6 +93,17 @@ class OffloadTransfers:
     def staging_bytes(self) -> int:
         buffers = [b for slots in self._staging.values() for b in slots] + self._landing
         return sum(b.numel() * b.element_size() for b in buffers if b is not None)
+
+
+@dataclass(frozen=True)
+class StagedWeights:
+    """Host memory for one bucket range's new weights, in the compute dtype: ``buffer``, to be
+    filled with the main parameters cast, then sent into ``target`` on the device."""
+
+    buffer: torch.Tensor
+    target: torch.Tensor
+    # The staging slot ``buffer`` belongs to; None on a CPU device, where ``buffer`` is ``target``.
+    slot: int | None
 
 
 class HostBuffers:
@@ -166,19 +181,32 @@ class HostBuffers:
 
     def send_weights(self, target: torch.Tensor) -> None:
         """Launches the copy of the main parameters, in ``target``'s dtype, into ``target`` (the
-        compute-weight range on the device)."""
+        compute-weight range on the device): cast into a staging buffer first."""
+        staged = self.stage_weights(target)
+        staged.buffer.copy_(self.main_params)
+        self.send_staged_weights(staged)
+
+    def stage_weights(self, target: torch.Tensor) -> StagedWeights:
+        """Host memory for ``target``'s new weights, of its dtype and size: the next staging
+        buffer, once the copy that last read it has landed; on a CPU device ``target`` itself (the
+        weights are then written in place, and sending copies nothing)."""
+        if self.transfers.stream is None:
+            return StagedWeights(buffer=target, target=target, slot=None)
+        buffer, slot = self.transfers.staging(target.numel(), target.dtype)
+        return StagedWeights(buffer=buffer, target=target, slot=slot)
+
+    def send_staged_weights(self, staged: StagedWeights) -> None:
+        """Launches the copy of ``staged.buffer``, filled with every main parameter cast, into
+        its target."""
         stream = self.transfers.stream
         if stream is None:
-            target.copy_(self.main_params)
             return
-        staging, slot = self.transfers.staging(target.numel(), target.dtype)
-        staging.copy_(self.main_params)
         stream.wait_stream(torch.cuda.current_stream(self.device))  # work queued there may read target
         with torch.cuda.stream(stream):
-            target.copy_(staging, non_blocking=True)
+            staged.target.copy_(staged.buffer, non_blocking=True)
             self._weights_copied = torch.cuda.Event()
             self._weights_copied.record(stream)
-        self.transfers.staging_sent(target.dtype, slot, self._weights_copied)
+        self.transfers.staging_sent(staged.target.dtype, staged.slot, self._weights_copied)
 
     def before_device_reads_weights(self) -> None:
         """The current stream is about to read the compute weights: the copy into them goes first

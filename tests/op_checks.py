@@ -471,10 +471,12 @@ def check_adam_step_matches_float64(device: str) -> None:
                     for name, bounded in expected.items():
                         _assert_within(states[name], bounded, f"adam {config} grad {grad_dtype} n {n} offset {offset} step {step} {name}")
     param, exp_avg, exp_avg_sq, max_exp_avg_sq = (torch.rand(33, device=device) for _ in range(4))
+    weights_out = torch.empty(33, device=device, dtype=torch.bfloat16)
     for grad in (torch.randn(33, device=device), torch.randn(33, device=device, dtype=torch.bfloat16)):
         for max_sq, amsgrad in ((None, False), (max_exp_avg_sq, True)):
             args = (param, grad, exp_avg, exp_avg_sq, max_sq, 1e-3, 0.9, 0.999, 1e-8, 0.01, 3, True, amsgrad, False)
             torch.library.opcheck(torch.ops.megatron_fsdp.adam_step_.default, args)
+            torch.library.opcheck(torch.ops.megatron_fsdp.adam_step_.default, (*args, weights_out))
 
 
 SGD_CONFIGS = [
@@ -516,9 +518,114 @@ def check_sgd_step_matches_float64(device: str) -> None:
                     for name, bounded in expected.items():
                         _assert_within(states[name], bounded, f"sgd {config} grad {grad_dtype} n {n} offset {offset} first {first_step} {name}")
     param, buffer = torch.randn(33, device=device), torch.randn(33, device=device)
+    weights_out = torch.empty(33, device=device, dtype=torch.float16)
     for grad in (torch.randn(33, device=device), torch.randn(33, device=device, dtype=torch.float16)):
         torch.library.opcheck(torch.ops.megatron_fsdp.sgd_step_.default, (param, grad, buffer, 0.1, 0.9, 0.0, 0.01, True, False, False))
         torch.library.opcheck(torch.ops.megatron_fsdp.sgd_step_.default, (param, grad, None, 0.1, 0.0, 0.0, 0.0, False, True, True))
+        torch.library.opcheck(torch.ops.megatron_fsdp.sgd_step_.default, (param, grad, buffer, 0.1, 0.9, 0.0, 0.01, True, False, False, weights_out))
+
+
+WEIGHTS_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# (size, offset of the step's buffers, offset of weights_out): the step cases, plus weights_out
+# alone one element into its storage, which takes the CUDA kernel off its vector stores.
+WEIGHTS_CASES = [(n, offset, offset) for n, offset in STEP_CASES] + [(4099, 0, 1)]
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns, so that equal means bit-identical."""
+    return t.view(_BITS[t.dtype])
+
+
+def _assert_bit_identical(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    differ = _bits(got) != _bits(expected)
+    if differ.any():
+        first = int(differ.nonzero()[0])
+        raise AssertionError(f"{what}: element {first} got {got[first].item()!r}, expected {expected[first].item()!r} ({int(differ.sum())} differ)")
+
+
+def _assert_cast_like_tensor_to(weights_out: torch.Tensor, param: torch.Tensor, what: str) -> None:
+    """``weights_out`` is ``param.to(weights_out.dtype)`` bit for bit, except that a NaN may come
+    out with another payload (ATen's own vector and scalar conversions give different ones)."""
+    expected = param.to(weights_out.dtype)
+    nan = expected.isnan()
+    assert torch.equal(weights_out.isnan(), nan), f"{what}: NaNs differ from Tensor.to's"
+    _assert_bit_identical(torch.where(nan, expected, weights_out), expected, what)
+
+
+def _wide_param(n: int, offset: int, device: str, seed: int) -> torch.Tensor:
+    """Params of magnitude 2^-40..2^20: stepped with a small lr, their fp16 casts take in
+    subnormals, zeros and infinities as well as normal numbers."""
+    generator = torch.Generator().manual_seed(seed)
+    exponents = torch.randint(-40, 20, (n + offset,), generator=generator).double()
+    return (_random(n + offset, torch.float64, "cpu", seed) * exponents.exp2()).float().to(device)[offset:]
+
+
+def check_optimizer_steps_write_weights_out_like_tensor_to(device: str) -> None:
+    """With weights_out the step is unchanged (param and states bit-identical to a step without
+    it, and within the float64 reference's bound) and weights_out holds the updated param as
+    Tensor.to casts it, bit for bit, for every weights and grad dtype."""
+    adam_config = {"weight_decay": 0.1, "amsgrad": True}
+    sgd_config = {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}
+    for weights_dtype in WEIGHTS_DTYPES:
+        for grad_dtype in GRAD_DTYPES:
+            for n, offset, weights_offset in WEIGHTS_CASES:
+                what = f"weights {weights_dtype} grad {grad_dtype} n {n} offset {offset}/{weights_offset}"
+                param = _wide_param(n, offset, device, seed=n)
+                grad = _step_buffer(n, offset, grad_dtype, device, seed=n + 1)
+                adam_states = {
+                    "param": param,
+                    "exp_avg": _step_buffer(n, offset, torch.float32, device, seed=n + 2).mul_(0.1),
+                    "exp_avg_sq": _step_buffer(n, offset, torch.float32, device, seed=n + 3).square_().mul_(0.01),
+                    "max_exp_avg_sq": _step_buffer(n, offset, torch.float32, device, seed=n + 4).square_().mul_(0.02),
+                }
+                sgd_states = {"param": param.clone(), "momentum_buffer": _step_buffer(n, offset, torch.float32, device, seed=n + 5)}
+                for op, states in (("adam", adam_states), ("sgd", sgd_states)):
+                    without = {name: t.clone() for name, t in states.items()}
+                    weights_out = _step_buffer(n, weights_offset, weights_dtype, device, seed=n + 6)
+                    if op == "adam":
+                        expected = _adam_reference(states["param"], grad, states["exp_avg"], states["exp_avg_sq"], states["max_exp_avg_sq"], 3, lr=1e-6, **adam_config)
+                        for buffers, out in ((without, None), (states, weights_out)):
+                            _ops.adam_step_(buffers["param"], grad, buffers["exp_avg"], buffers["exp_avg_sq"], step=3, lr=1e-6, max_exp_avg_sq=buffers["max_exp_avg_sq"], weights_out=out, **adam_config)
+                    else:
+                        expected = _sgd_reference(states["param"], grad, states["momentum_buffer"], False, lr=1e-6, **sgd_config)
+                        for buffers, out in ((without, None), (states, weights_out)):
+                            _ops.sgd_step_(buffers["param"], grad, buffers["momentum_buffer"], lr=1e-6, weights_out=out, **sgd_config)
+                    for name, state in states.items():
+                        _assert_bit_identical(state, without[name], f"{op} {what} {name} with weights_out vs without")
+                        _assert_within(state, expected[name], f"{op} {what} {name}")
+                    _assert_cast_like_tensor_to(weights_out, states["param"], f"{op} {what} weights_out")
+
+
+# fp32 values whose casts are edge cases: ties (bf16 at 1 + 2^-8, fp16 at 1 + 2^-11, each
+# rounding to the even neighbour, down and up), fp16's largest finite, its overflow threshold and
+# beyond, fp16 subnormals and a tie to zero, an fp32 subnormal, fp32's largest (inf in bf16),
+# signed zeros, infinities and NaN.
+SPECIAL_VALUES = [
+    1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), -(1 + 3 * 2**-8),
+    1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), -(1 + 3 * 2**-11),
+    65504.0, 65519.0, 65520.0, 1e6, -1e6,
+    2**-20, 3 * 2**-25, 2**-25, -(2**-26), 2**-130, 3.4028234663852886e38,
+    0.0, -0.0, float("inf"), float("-inf"), float("nan"),
+]
+
+
+def check_weights_out_rounds_edge_cases_like_tensor_to(device: str) -> None:
+    """A step with lr 0 and a zero gradient leaves param as it is, so weights_out is param's cast:
+    the edge values of SPECIAL_VALUES, tiled over full vectors, partial ones and thread splits."""
+    n = 2**17 + 5
+    values = torch.tensor(SPECIAL_VALUES, dtype=torch.float32)
+    param = values.repeat(n // len(SPECIAL_VALUES) + 1)[:n].to(device)
+    for weights_dtype in WEIGHTS_DTYPES:
+        for op in ("adam", "sgd"):
+            weights_out = torch.empty(n, dtype=weights_dtype, device=device)
+            stepped, grad = param.clone(), torch.zeros(n, device=device)
+            if op == "adam":
+                _ops.adam_step_(stepped, grad, torch.zeros_like(stepped), torch.zeros_like(stepped), step=1, lr=0.0, weights_out=weights_out)
+            else:
+                _ops.sgd_step_(stepped, grad, lr=0.0, weights_out=weights_out)
+            _assert_bit_identical(stepped, param, f"{op} lr 0 param")
+            _assert_cast_like_tensor_to(weights_out, param, f"{op} {weights_dtype} weights_out")
 
 
 # Parameters of a small model, flattened into one buffer for the ops; the last spans several CPU
@@ -623,13 +730,14 @@ def _expect_error(fn, message: str) -> None:
 
 
 def check_optimizer_steps_reject_bad_input(device: str) -> None:
-    def buffers(n: int = 8) -> list[torch.Tensor]:
-        return [torch.zeros(n, device=device) for _ in range(4)]
-
     def adam(param, grad, exp_avg, exp_avg_sq, **kwargs):
         return lambda: _ops.adam_step_(param, grad, exp_avg, exp_avg_sq, **{"step": 1, **kwargs})
 
-    p, g, m, v = buffers()
+    # Nonzero contents, so that a step would change them.
+    p, g, m, v = (_random(8, torch.float32, device, seed) for seed in range(4))
+    out = torch.full((8,), 7.0, dtype=torch.bfloat16, device=device)
+    long_out, strided_out = torch.full((9,), 7.0, device=device), torch.full((16,), 7.0, dtype=torch.float16, device=device)
+    before = [t.clone() for t in (p, g, m, v, out, long_out, strided_out)]
     cases = [
         (adam(p.bfloat16(), g, m, v), "adam_step_: param must be float32 (the fp32 main weights), got BFloat16"),
         (adam(p, g.double(), m, v), "adam_step_: grad must be float32, bfloat16 or float16, got Double"),
@@ -648,8 +756,22 @@ def check_optimizer_steps_reject_bad_input(device: str) -> None:
         (lambda: _ops.sgd_step_(p, g, m, momentum=0.9, dampening=0.1, nesterov=True), "sgd_step_: nesterov=True needs momentum > 0 and dampening == 0"),
         (lambda: _ops.sgd_step_(p, g.double()), "sgd_step_: grad must be float32, bfloat16 or float16, got Double"),
         (lambda: _ops.sgd_step_(p, torch.zeros(7, device=device)), "sgd_step_: grad has 7 elements but param has 8"),
+        (adam(p, g, m, v, weights_out=out.double()), "adam_step_: weights_out must be float32, bfloat16 or float16 (the dtype the updated param is written in), got Double"),
+        (adam(p, g, m, v, weights_out=long_out), "adam_step_: weights_out has 9 elements but param has 8; every buffer must cover the same elements"),
+        (adam(p, g, m, v, weights_out=strided_out[::2]), "adam_step_: weights_out must be a contiguous 1-D tensor (a flat buffer), got shape [8] and strides [2]"),
+        (adam(p, g, m, v, weights_out=out.view(2, 4)), "adam_step_: weights_out must be a contiguous 1-D tensor (a flat buffer), got shape [2, 4]"),
+        (adam(p, g, m, v, weights_out=m), "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory location"),
+        (lambda: _ops.sgd_step_(p, g, lr=0.1, weights_out=out.int()), "sgd_step_: weights_out must be float32, bfloat16 or float16 (the dtype the updated param is written in), got Int"),
+        (lambda: _ops.sgd_step_(p, g, lr=0.1, weights_out=long_out), "sgd_step_: weights_out has 9 elements but param has 8"),
+        (lambda: _ops.sgd_step_(p, g, lr=0.1, weights_out=strided_out[::2]), "sgd_step_: weights_out must be a contiguous 1-D tensor (a flat buffer)"),
+        (lambda: _ops.sgd_step_(p, g, lr=0.1, weights_out=p), "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory location"),
     ]
     if torch.device(device).type != "cpu":
         cases.append((adam(p, g.cpu(), m, v), "adam_step_: grad is on cpu but param is on"))
+        cases.append((adam(p, g, m, v, weights_out=out.cpu()), "adam_step_: weights_out is on cpu but param is on"))
+        cases.append((lambda: _ops.sgd_step_(p, g, lr=0.1, weights_out=out.cpu()), "sgd_step_: weights_out is on cpu but param is on"))
     for fn, message in cases:
         _expect_error(fn, message)
+    # Every check runs before the kernel writes anything.
+    for got, expected in zip((p, g, m, v, out, long_out, strided_out), before):
+        _assert_bit_identical(got, expected, "a rejected step wrote into a buffer")

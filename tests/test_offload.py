@@ -2,7 +2,8 @@
 single process for every strategy with accumulation, clipping either way and a bf16 model;
 checkpoints that move between offloaded and device-resident runs (and across world sizes)
 restoring every value bit for bit; the host step through the C++ op for Adam/AdamW/SGD with
-param groups and an LR scheduler, and torch's own step (logged once) for anything else.
+param groups and an LR scheduler, writing the new compute weights as it steps, and torch's own
+step (logged once) for anything else.
 
 On a CPU device the transfers are synchronous copies through the same code as on a GPU, where
 they run on a side stream (tests/gpu/ and benchmarks/step_time.py --offload cover those).
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 import megatron_fsdp
 from _dist import run_distributed
 from megatron_fsdp.host_optimizer import unsupported_reason
+from megatron_fsdp.offload import HostBuffers
 from models import Block, make_batch, make_model
 from parity import Setup, compare, compare_low_precision, reference_run, sharded_runs
 
@@ -241,3 +243,33 @@ def test_device_gradients_are_released_once_on_the_host_which_accumulates(single
     optimizer.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     assert model.full_gradients() and all(not g.any() for g in model.full_gradients().values())
+
+
+@pytest.mark.skipif(not HOST_OP, reason="this build has no host optimizer op")
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_the_host_op_writes_the_new_weights_as_it_steps(strategy: str, single_rank_group, monkeypatch) -> None:
+    """No second pass casts the stepped main params (send_weights never runs in the step), and
+    every element of each bucket's weights is its main params' cast: pieces the optimizer does
+    not hold and the padding between pieces included."""
+    model = make_model(dtype=torch.bfloat16)
+    skipped = model.blocks[0].proj.weight
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p is not skipped], lr=1e-2)
+    model, optimizer = megatron_fsdp.fully_shard(
+        model, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, cpu_offload=True
+    )
+    casts = []
+    send_weights = HostBuffers.send_weights
+    monkeypatch.setattr(HostBuffers, "send_weights", lambda self, target: casts.append(target) or send_weights(self, target))
+    for step in range(2):
+        tokens, targets = make_batch(step, 2)
+        model(tokens, targets).backward()
+        with torch.no_grad():
+            for bucket in model.trainable_buckets():
+                bucket._main_weight_target().fill_(float("nan"))  # what the step leaves unwritten shows
+        optimizer.step()
+        optimizer.zero_grad()
+    assert not casts, f"{len(casts)} bucket ranges were cast after the step"
+    for bucket in model.trainable_buckets():
+        weights, main = bucket._main_weight_target(), bucket.main_params
+        assert weights.dtype == torch.bfloat16 and main.dtype == torch.float32
+        assert torch.equal(weights, main.to(weights.dtype)), f"{bucket.names}: {int((weights != main.to(weights.dtype)).sum())} elements differ"

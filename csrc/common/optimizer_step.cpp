@@ -44,6 +44,16 @@ void check_no_overlap(const std::vector<at::Tensor>& buffers) {
   }
 }
 
+// The updated param written again, cast: in a dtype the compute weights come in.
+void check_weights_out(const char* op, const at::Tensor& weights_out, const at::Tensor& param) {
+  const at::ScalarType w = weights_out.scalar_type();
+  TORCH_CHECK(w == at::kFloat || w == at::kBFloat16 || w == at::kHalf, op,
+              ": weights_out must be float32, bfloat16 or float16 (the dtype the updated param is "
+              "written in), got ",
+              w);
+  check_buffer(op, "weights_out", weights_out, param);
+}
+
 // `!(x >= 0)` also refuses NaN.
 void check_non_negative(const char* op, const char* name, double value) {
   TORCH_CHECK(value >= 0, op, ": ", name, " must be >= 0, got ", value);
@@ -56,7 +66,7 @@ AdamConstants check_adam_args(const at::Tensor& param, const at::Tensor& grad,
                               const std::optional<at::Tensor>& max_exp_avg_sq, double lr,
                               double beta1, double beta2, double eps, double weight_decay,
                               int64_t step, bool decoupled_weight_decay, bool amsgrad,
-                              bool maximize) {
+                              bool maximize, const std::optional<at::Tensor>& weights_out) {
   constexpr const char* op = "adam_step_";
   check_param_and_grad(op, param, grad);
   check_state(op, "exp_avg", exp_avg, param);
@@ -70,8 +80,10 @@ AdamConstants check_adam_args(const at::Tensor& param, const at::Tensor& grad,
     TORCH_CHECK(!max_exp_avg_sq.has_value(), op,
                 ": max_exp_avg_sq is only read with amsgrad=True; pass None or set amsgrad=True");
   }
+  if (weights_out.has_value()) check_weights_out(op, *weights_out, param);
   std::vector<at::Tensor> buffers{param, grad, exp_avg, exp_avg_sq};
   if (amsgrad) buffers.push_back(*max_exp_avg_sq);
+  if (weights_out.has_value()) buffers.push_back(*weights_out);
   check_no_overlap(buffers);
   // torch.optim.Adam's own rules for its hyperparameters.
   check_non_negative(op, "lr", lr);
@@ -107,7 +119,8 @@ AdamConstants check_adam_args(const at::Tensor& param, const at::Tensor& grad,
 SgdConstants check_sgd_args(const at::Tensor& param, const at::Tensor& grad,
                             const std::optional<at::Tensor>& momentum_buffer, double lr,
                             double momentum, double dampening, double weight_decay, bool nesterov,
-                            bool maximize, bool first_step) {
+                            bool maximize, bool first_step,
+                            const std::optional<at::Tensor>& weights_out) {
   constexpr const char* op = "sgd_step_";
   check_param_and_grad(op, param, grad);
   // torch.optim.SGD's own rules for its hyperparameters.
@@ -117,17 +130,22 @@ SgdConstants check_sgd_args(const at::Tensor& param, const at::Tensor& grad,
   TORCH_CHECK(!nesterov || (momentum > 0 && dampening == 0), op,
               ": nesterov=True needs momentum > 0 and dampening == 0, got momentum ", momentum,
               " and dampening ", dampening);
+  std::vector<at::Tensor> buffers{param, grad};
   if (momentum != 0) {
     TORCH_CHECK(momentum_buffer.has_value(), op, ": momentum=", momentum,
                 " needs momentum_buffer, a float32 buffer like param (any contents when "
                 "first_step=True)");
     check_state(op, "momentum_buffer", *momentum_buffer, param);
-    check_no_overlap({param, grad, *momentum_buffer});
+    buffers.push_back(*momentum_buffer);
   } else {
     TORCH_CHECK(!momentum_buffer.has_value(), op,
                 ": momentum_buffer is only used with momentum != 0; pass None or set momentum");
-    check_no_overlap({param, grad});
   }
+  if (weights_out.has_value()) {
+    check_weights_out(op, *weights_out, param);
+    buffers.push_back(*weights_out);
+  }
+  check_no_overlap(buffers);
 
   SgdConstants c{};
   c.maximize = maximize;

@@ -54,16 +54,19 @@ const Loops& loops() {
 void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
                    double lr, double beta1, double beta2, double eps, double weight_decay,
-                   int64_t step, bool decoupled_weight_decay, bool amsgrad, bool maximize) {
+                   int64_t step, bool decoupled_weight_decay, bool amsgrad, bool maximize,
+                   const std::optional<at::Tensor>& weights_out) {
   const AdamConstants c =
       check_adam_args(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lr, beta1, beta2, eps,
-                      weight_decay, step, decoupled_weight_decay, amsgrad, maximize);
+                      weight_decay, step, decoupled_weight_decay, amsgrad, maximize, weights_out);
   const AdamBuffers b{param.mutable_data_ptr<float>(),
                       grad.const_data_ptr(),
                       grad.scalar_type(),
                       exp_avg.mutable_data_ptr<float>(),
                       exp_avg_sq.mutable_data_ptr<float>(),
-                      amsgrad ? max_exp_avg_sq->mutable_data_ptr<float>() : nullptr};
+                      amsgrad ? max_exp_avg_sq->mutable_data_ptr<float>() : nullptr,
+                      weights_out ? weights_out->mutable_data_ptr() : nullptr,
+                      weights_out ? weights_out->scalar_type() : at::kFloat};
   const AdamRange range = loops().adam;
   at::parallel_for(0, param.numel(), kGrain,
                    [&](int64_t begin, int64_t end) { range(c, b, begin, end); });
@@ -72,11 +75,15 @@ void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Te
 void sgd_step_cpu(const at::Tensor& param, const at::Tensor& grad,
                   const std::optional<at::Tensor>& momentum_buffer, double lr, double momentum,
                   double dampening, double weight_decay, bool nesterov, bool maximize,
-                  bool first_step) {
+                  bool first_step, const std::optional<at::Tensor>& weights_out) {
   const SgdConstants c = check_sgd_args(param, grad, momentum_buffer, lr, momentum, dampening,
-                                        weight_decay, nesterov, maximize, first_step);
-  const SgdBuffers b{param.mutable_data_ptr<float>(), grad.const_data_ptr(), grad.scalar_type(),
-                     c.momentum ? momentum_buffer->mutable_data_ptr<float>() : nullptr};
+                                        weight_decay, nesterov, maximize, first_step, weights_out);
+  const SgdBuffers b{param.mutable_data_ptr<float>(),
+                     grad.const_data_ptr(),
+                     grad.scalar_type(),
+                     c.momentum ? momentum_buffer->mutable_data_ptr<float>() : nullptr,
+                     weights_out ? weights_out->mutable_data_ptr() : nullptr,
+                     weights_out ? weights_out->scalar_type() : at::kFloat};
   const SgdRange range = loops().sgd;
   at::parallel_for(0, param.numel(), kGrain,
                    [&](int64_t begin, int64_t end) { range(c, b, begin, end); });

@@ -7,6 +7,8 @@
 // Each element goes through torch.optim's single-tensor update operation by operation, rounded
 // to fp32 where ATen's vectorised CPU kernels round. A task's last partial vector runs the same
 // vector code on zero padding (never stored), so results do not depend on where tasks split.
+// Given weights_out, each updated param vector is also stored there, cast by at::vec's conversion
+// (round to nearest even, as Tensor.to's CPU kernel): one pass instead of a second cast.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -35,6 +37,8 @@ struct AdamBuffers {
   float* exp_avg;
   float* exp_avg_sq;
   float* max_exp_avg_sq;  // nullptr without amsgrad
+  void* weights_out;      // nullptr without weights_out
+  c10::ScalarType weights_dtype;  // Float, BFloat16 or Half (Float without weights_out)
 };
 
 struct SgdBuffers {
@@ -42,6 +46,8 @@ struct SgdBuffers {
   const void* grad;
   c10::ScalarType grad_dtype;  // Float, BFloat16 or Half
   float* momentum_buffer;      // nullptr without momentum
+  void* weights_out;           // nullptr without weights_out
+  c10::ScalarType weights_dtype;  // Float, BFloat16 or Half (Float without weights_out)
 };
 
 // Update elements [begin, end) of the buffers.
@@ -86,9 +92,27 @@ Vec load_grad(const grad_t* grad, int64_t count) {
   }
 }
 
-template <typename grad_t>
+// The updated param in the weights' dtype. Inlined: a call per vector costs more than the cast.
+template <typename weights_t>
+C10_ALWAYS_INLINE void store_weights(weights_t* data, const Vec& value, int64_t count) {
+  if constexpr (std::is_same_v<weights_t, float>) {
+    store(data, value, count);
+  } else {
+    // value fills the first half of a reduced-precision vector. A constant count lets the
+    // compiler store that half directly instead of through a buffer and memcpy.
+    const at::vec::Vectorized<weights_t> cast = at::vec::convert<weights_t>(value);
+    if (count == kVecSize) {
+      cast.store(data, kVecSize);
+    } else {
+      cast.store(data, static_cast<int>(count));
+    }
+  }
+}
+
+template <typename grad_t, typename weights_t>
 void adam_loop(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end) {
   const grad_t* grad = static_cast<const grad_t*>(b.grad);
+  weights_t* weights_out = static_cast<weights_t*>(b.weights_out);
   const Vec weight_decay(c.weight_decay), decay(c.decay), lerp_weight(c.lerp_weight),
       lerp_weight_minus_one(c.lerp_weight_minus_one), beta2(c.beta2),
       square_weight(c.square_weight), neg_step_size(c.neg_step_size),
@@ -120,14 +144,16 @@ void adam_loop(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int6
     const Vec denom = second_moment.sqrt() / bias_correction2_sqrt + eps;
     p = p + neg_step_size * m / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
     store(b.param + i, p, count);
+    if (weights_out != nullptr) store_weights(weights_out + i, p, count);
     store(b.exp_avg + i, m, count);
     store(b.exp_avg_sq + i, v, count);
   }
 }
 
-template <typename grad_t>
+template <typename grad_t, typename weights_t>
 void sgd_loop(const SgdConstants& c, const SgdBuffers& b, int64_t begin, int64_t end) {
   const grad_t* grad = static_cast<const grad_t*>(b.grad);
+  weights_t* weights_out = static_cast<weights_t*>(b.weights_out);
   const Vec weight_decay(c.weight_decay), momentum(c.momentum_factor), grad_weight(c.grad_weight),
       neg_lr(c.neg_lr);
   for (int64_t i = begin; i < end; i += kVecSize) {
@@ -147,30 +173,38 @@ void sgd_loop(const SgdConstants& c, const SgdBuffers& b, int64_t begin, int64_t
     }
     p = at::vec::fmadd(g, neg_lr, p);  // param.add_(grad, alpha=-lr)
     store(b.param + i, p, count);
+    if (weights_out != nullptr) store_weights(weights_out + i, p, count);
   }
 }
 
-// The op has checked that grad_dtype is one of the three.
-inline void adam_range(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end) {
-  switch (b.grad_dtype) {
+// Calls f with a value of the element type of dtype, one of the three a step reads or writes
+// besides its fp32 buffers (the op has checked that).
+template <typename F>
+void with_element_type(c10::ScalarType dtype, const F& f) {
+  switch (dtype) {
     case c10::ScalarType::BFloat16:
-      return adam_loop<c10::BFloat16>(c, b, begin, end);
+      return f(c10::BFloat16{});
     case c10::ScalarType::Half:
-      return adam_loop<c10::Half>(c, b, begin, end);
+      return f(c10::Half{});
     default:
-      return adam_loop<float>(c, b, begin, end);
+      return f(float{});
   }
+}
+
+inline void adam_range(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end) {
+  with_element_type(b.grad_dtype, [&](auto grad) {
+    with_element_type(b.weights_dtype, [&](auto weights) {
+      adam_loop<decltype(grad), decltype(weights)>(c, b, begin, end);
+    });
+  });
 }
 
 inline void sgd_range(const SgdConstants& c, const SgdBuffers& b, int64_t begin, int64_t end) {
-  switch (b.grad_dtype) {
-    case c10::ScalarType::BFloat16:
-      return sgd_loop<c10::BFloat16>(c, b, begin, end);
-    case c10::ScalarType::Half:
-      return sgd_loop<c10::Half>(c, b, begin, end);
-    default:
-      return sgd_loop<float>(c, b, begin, end);
-  }
+  with_element_type(b.grad_dtype, [&](auto grad) {
+    with_element_type(b.weights_dtype, [&](auto weights) {
+      sgd_loop<decltype(grad), decltype(weights)>(c, b, begin, end);
+    });
+  });
 }
 
 }  // namespace
