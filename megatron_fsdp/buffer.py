@@ -24,7 +24,7 @@ from megatron_fsdp.dtensor_params import ParamExtent, local_tensor, param_extent
 from megatron_fsdp.layout import BucketLayout, alignment_in_elements, build_bucket_layout
 from megatron_fsdp.mesh import DataParallelGroup
 from megatron_fsdp.offload import HostBuffers, OffloadTransfers, StagedWeights
-from megatron_fsdp.piece_dtensor import FlatLayout
+from megatron_fsdp.piece_dtensor import FlatLayout, plain_attribute_access
 from megatron_fsdp.sharded_params import MeshCache, ShardedParam, shard_spec
 
 def _released_placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -134,9 +134,11 @@ class Bucket:
         if self.requires_grad:
             self._init_main_state(transfers)
         if self.strategy.shards_weights:
-            # Everything needed was copied out of the full parameters: let them go.
+            # Everything needed was copied out of the full parameters: let them go. One empty
+            # tensor serves every reshard (no allocation per parameter and step).
+            self._placeholder = _released_placeholder(self.dtype, self.device)
             for local in self.locals:
-                local.data = _released_placeholder(self.dtype, self.device)
+                local.data = self._placeholder
 
     # -- construction -------------------------------------------------------------------------
 
@@ -214,6 +216,9 @@ class Bucket:
         if self.host is not None:
             self.host.before_device_reads_weights()
         shard = self.weight_shard
+        if self.gathers_from_main and self.dp.size == 1:
+            self.full_weight.copy_(self.main_params)  # the main shard is the whole bucket: cast it in place
+            return None
         if self.gathers_from_main:
             shard = self._gather_input = self.pool.fetch(
                 self.layout.shard_numel, self.dtype, self.device, self._pool_key("gather_input")
@@ -233,7 +238,7 @@ class Bucket:
 
     def reshard(self) -> None:
         for local in self.locals:
-            local.data = _released_placeholder(self.dtype, self.device)
+            local.data = self._placeholder
         self.pool.release(self.full_weight)
 
     # -- gradients ----------------------------------------------------------------------------
@@ -251,13 +256,21 @@ class Bucket:
         """Adds one parameter's gradient into the un-reduced buffer; True once every parameter
         of the bucket has delivered its gradient in this backward."""
         if self.unreduced_grad is None:
-            # Strategies 0/1 accumulate micro-batches locally: in the main-gradient dtype. 2/3
-            # hold one micro-batch: straight in the communication dtype.
-            dtype = self.dtypes.comm if self.strategy.shards_grads else self.dtypes.main_grads
-            self.unreduced_grad = self.pool.fetch(self.layout.padded_numel, dtype, self.device, self._pool_key("grads"))
-            if self.padding_index is not None:
-                self.unreduced_grad.index_fill_(0, self.padding_index, 0)
-            self.grads_written = [False] * len(self.params)
+            if self._reduces_in_place():
+                # The main gradient is the un-reduced buffer: a fresh one is written, one that
+                # holds earlier micro-batches is added to.
+                self.unreduced_grad, fresh = self._main_grad_to_write()
+                if fresh and self.padding_index is not None:
+                    self.unreduced_grad.index_fill_(0, self.padding_index, 0)
+                self.grads_written = [not fresh] * len(self.params)
+            else:
+                # Strategies 0/1 accumulate micro-batches locally: in the main-gradient dtype.
+                # 2/3 hold one micro-batch: straight in the communication dtype.
+                dtype = self.dtypes.comm if self.strategy.shards_grads else self.dtypes.main_grads
+                self.unreduced_grad = self.pool.fetch(self.layout.padded_numel, dtype, self.device, self._pool_key("grads"))
+                if self.padding_index is not None:
+                    self.unreduced_grad.index_fill_(0, self.padding_index, 0)
+                self.grads_written = [False] * len(self.params)
         slot = self.layout.slots[index]
         target = self.unreduced_grad[slot.offset : slot.end]
         if self.grads_written[index]:
@@ -269,6 +282,18 @@ class Bucket:
             self.nonfinite_flags[index : index + 1].logical_or_(_ops.find_non_finite([grad]))
         self.grads_received[index] = True
         return all(self.grads_received)
+
+    def _reduces_in_place(self) -> bool:
+        """Whether the reduction leaves each gradient as it is, so gradients go straight into
+        the main gradient: a group of one rank, nothing to divide by, no change of dtype, and a
+        buffer that lives one backward (strategies 2/3; 0/1 may hold theirs back past a
+        ``zero_grad``). Saves a bucket-sized buffer and a pass over it per micro-batch."""
+        return (
+            self.dp.size == 1
+            and self.grad_divisor == 1
+            and self.strategy.shards_grads
+            and self.dtypes.comm == self.dtypes.main_grads
+        )
 
     def end_backward(self) -> None:
         self.grads_received = [False] * len(self.params)
@@ -282,6 +307,8 @@ class Bucket:
             if not written:  # no gradient this backward: it contributes zeros
                 slot = self.layout.slots[index]
                 unreduced[slot.offset : slot.end].zero_()
+        if self._reduces_in_place():
+            return PendingReduction(self, None, lambda: None)  # already in the main gradient
         comm = self._in_comm_dtype(unreduced)
         group = self.dp.group
         if self.dtypes.promotes_reduction:
@@ -291,6 +318,8 @@ class Bucket:
         if self.strategy is ShardingStrategy.NO_SHARD:
             work = all_reduce_sum(comm, group, async_op=async_op)
             return PendingReduction(self, work, lambda: self._add_to_main_grad(comm, spent=None))
+        if self.dp.size == 1:  # this rank's shard of the sum is all of its own gradients
+            return PendingReduction(self, None, lambda: self._add_to_main_grad(comm, spent=None))
         reduced = self.pool.fetch(self.layout.shard_numel, comm.dtype, self.device, self._pool_key("reduced_grads"))
         work = reduce_scatter_sum(reduced, comm, group, async_op=async_op)
         return PendingReduction(self, work, lambda: self._add_to_main_grad(reduced, spent=comm))
@@ -389,9 +418,10 @@ class Bucket:
             self.main_grad = self.outer_grad = self.optimizer_grads = None
             if self.host is not None:
                 self.host.clear_grads()
-            for optim_param, face in zip(self.optim_params, self.faces):
-                optim_param.grad = None
-                face.show_grad(None)
+            with plain_attribute_access():
+                for optim_param, face in zip(self.optim_params, self.faces):
+                    optim_param.grad = None
+                    face.show_grad(None)
             self._grads_shown = True
         else:
             for grad in self._held_grads():
@@ -439,10 +469,11 @@ class Bucket:
             source = self.optimizer_grad_source()
             main_dtype = self.main_params.dtype
             self.optimizer_grads = None if source is None else source if source.dtype == main_dtype else source.to(main_dtype)
-        for optim_param, face, (lo, hi) in zip(self.optim_params, self.faces, self.optim_ranges):
-            piece = None if self.optimizer_grads is None else self.optimizer_grads[lo:hi]
-            optim_param.grad = piece
-            face.show_grad(piece)
+        with plain_attribute_access():
+            for optim_param, face, (lo, hi) in zip(self.optim_params, self.faces, self.optim_ranges):
+                piece = None if self.optimizer_grads is None else self.optimizer_grads[lo:hi]
+                optim_param.grad = piece
+                face.show_grad(piece)
         self._grads_shown = True
 
     def stage_main_params(self) -> StagedWeights | None:

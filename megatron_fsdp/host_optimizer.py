@@ -161,7 +161,8 @@ def _as_flat_fp32(state: dict[str, Any], name: str, piece: torch.Tensor) -> torc
 def host_step_for(optimizer: torch.optim.Optimizer, buckets: Iterable[Bucket]) -> Callable[[bool], None] | None:
     """The fast host step for ``optimizer`` over ``buckets``, or None (logged once per optimizer)
     when torch's own step must run on the host pieces instead."""
-    reason = unsupported_reason(optimizer)
+    buckets = list(buckets)
+    reason = unsupported_reason(optimizer) or _main_params_reason(buckets)
     if reason is not None:
         if not getattr(optimizer, "_megatron_fsdp_fallback_logged", False):
             optimizer._megatron_fsdp_fallback_logged = True
@@ -169,4 +170,13 @@ def host_step_for(optimizer: torch.optim.Optimizer, buckets: Iterable[Bucket]) -
                 "megatron_fsdp: cpu_offload steps this optimizer with its own step on the host (slower): %s", reason
             )
         return None
-    return HostStep(optimizer, list(buckets)).step
+    return HostStep(optimizer, buckets).step
+
+
+def _main_params_reason(buckets: list[Bucket]) -> str | None:
+    """Why the host ops cannot step these buckets' main params (they step float32 ones, and
+    torch.optim keeps the state of others in their own dtype)."""
+    dtypes = sorted({str(b.main_params.dtype) for b in buckets if b.main_params.dtype != torch.float32})
+    if dtypes:
+        return f"the main params are {', '.join(dtypes)}, not float32 (set main_params_dtype=torch.float32)"
+    return None

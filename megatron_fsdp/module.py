@@ -224,7 +224,11 @@ class MegatronFSDP(nn.Module):
 
     def _arm_pre_backward(self, unit: FSDPUnit | None, output: Any) -> bool:
         tensors = _tensors_requiring_grad(output) if torch.is_grad_enabled() else []
-        if tensors:
+        if len(tensors) == 1:
+            # The usual unit output: a plain tensor hook fires at the same point for a fraction
+            # of a multi-grad hook's cost.
+            tensors[0].register_hook(lambda grad: self.scheduler.before_unit_backward(unit))
+        elif tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grads: self.scheduler.before_unit_backward(unit), mode="any"
             )

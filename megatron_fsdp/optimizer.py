@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from megatron_fsdp import checkpoint
 from megatron_fsdp.host_optimizer import host_step_for
 from megatron_fsdp.module import MegatronFSDP
+from megatron_fsdp.piece_dtensor import plain_attribute_access
 from megatron_fsdp.sharded_params import sharded_dtensor
 
 
@@ -44,7 +45,8 @@ class PieceSwap:
     def pieces(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
         faces_per_group = [group["params"] for group in optimizer.param_groups]
         # Everything that can raise comes first: the optimizer is left as it was.
-        pieces_per_group = [[self._piece_with_grad(face) for face in faces] for faces in faces_per_group]
+        with plain_attribute_access():
+            pieces_per_group = [[self._piece_with_grad(face) for face in faces] for faces in faces_per_group]
         shown_state = optimizer.state
         plain_state = self._plain_state(shown_state)
         for group, pieces in zip(optimizer.param_groups, pieces_per_group):
@@ -227,7 +229,11 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) 
         """``zero_grad_buffer=False`` (upstream's keyword) keeps the main gradients."""
         if zero_grad_buffer:
             model.zero_grad_buffer(set_to_none)
-        original_zero_grad(set_to_none)
+        if set_to_none:
+            with plain_attribute_access():  # torch's zero_grad then only reads and clears .grad
+                original_zero_grad(set_to_none)
+        else:
+            original_zero_grad(set_to_none)
 
     # Bound methods, as LR schedulers re-wrap ``optimizer.step`` through its ``__func__``.
     optimizer.step = types.MethodType(step, optimizer)

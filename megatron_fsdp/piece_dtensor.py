@@ -21,6 +21,7 @@ index) raises the same error on every rank before it returns: its rows would be 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +182,14 @@ class PieceDTensor(DTensor):
         if func._schema.is_mutable and args and isinstance(args[0], PieceDTensor):
             return args[0]  # in place: the piece was changed where it is
         return _keep_layout(func, args, kwargs, out)
+
+
+def plain_attribute_access() -> contextlib.AbstractContextManager:
+    """A block in which reading and setting the faces' attributes (``.grad``) skips
+    ``__torch_function__``: a few microseconds per parameter and step in loops over every
+    parameter, for attribute accesses it would return unchanged anyway. Run only attribute
+    accesses and plain-tensor code inside it."""
+    return torch._C.DisableTorchFunctionSubclass()
 
 
 def _keep_layout(func: Any, args: tuple, kwargs: dict | None, out: Any) -> Any:

@@ -130,6 +130,8 @@ class ShardedParam:
         self.piece = piece
         self.param = as_parameter(sharded_dtensor(piece, spec), requires_grad)
         self._grad: DTensor | None = None
+        # How a gradient piece is viewed as the local tensor (computed once: it asks the mesh).
+        self._grad_shape = _local_shape(piece, spec) if spec.layout is None and piece.numel() else None
 
     @property
     def shown_grad(self) -> DTensor | None:
@@ -146,12 +148,13 @@ class ShardedParam:
             self.param.grad = None
             if self._grad is not None:
                 # The cached DTensor must not keep the released gradient buffer alive.
-                self._grad._local_tensor.data = self._grad._local_tensor.new_empty(0)
+                self._grad._local_tensor.data = self._released
             return
-        local = grad_piece.view(_local_shape(grad_piece, self.spec)) if self.spec.layout is None else grad_piece
+        local = grad_piece if self._grad_shape is None else grad_piece.view(self._grad_shape)
         if self._grad is None or self._grad.dtype != local.dtype:
             # Made over an empty tensor, then re-pointed: a local tensor that were a view of the
             # first gradient buffer would keep that buffer alive as its base for good.
+            self._released = local.new_empty(0)
             self._grad = sharded_dtensor(local.new_empty(0), self.spec)
         self._grad._local_tensor.data = local
         self.param.grad = self._grad

@@ -60,6 +60,22 @@ def test_policy_matches_a_reference_doing_the_same_arithmetic(name: str, world: 
     compare_emulated(_results(world)[name], emulated_reference_run(setup, world), setup, world, f"{name} world {world}")
 
 
+# One rank: a bf16 model's gradients copied straight into fp32 main gradients (no reduction
+# buffer), bf16 communication summed in fp32 over one chunk, and strategy 1's local buffer.
+ONE_RANK = ["s3-fp32-fp32-fp32", "s3-fp32-fp32-bf16", "s1-fp32-fp32-fp32"]
+
+
+@functools.cache
+def _one_rank_results() -> dict:
+    return dict(zip(ONE_RANK, run_distributed(sharded_runs, 1, [SETUPS[n] for n in ONE_RANK], timeout=600)[0]))
+
+
+@pytest.mark.parametrize("name", ONE_RANK)
+def test_policy_on_one_rank_matches_a_reference_doing_the_same_arithmetic(name: str, one_thread) -> None:
+    setup = SETUPS[name]
+    compare_emulated(_one_rank_results()[name], emulated_reference_run(setup, 1), setup, 1, f"{name} world 1")
+
+
 def _reduce_once(rank: int, world: int, comm_dtype: torch.dtype, promote: bool) -> torch.Tensor:
     """One reduce-scatter of the same bf16-representable gradients, through the promoting path
     (bf16 communication, fp32 main gradients) or a bf16 reduce-scatter (bf16 main gradients)."""

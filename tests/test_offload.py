@@ -214,6 +214,24 @@ def test_other_optimizers_step_with_their_own_step_and_one_log_line(single_rank_
     assert not _unequal(*results), _unequal(*results)
 
 
+def test_bf16_main_params_step_with_torchs_own_adam_and_one_log_line(single_rank_group, caplog) -> None:
+    """The host ops step fp32 main params; bf16 ones (a bf16 model without fp32 main params) go
+    to torch's Adam, whose state stays bf16 as it would on the device."""
+    results = []
+    for offload in (True, False):
+        model = make_model(dtype=torch.bfloat16)
+        model, optimizer = megatron_fsdp.fully_shard(
+            model, torch.optim.Adam(model.parameters(), lr=1e-2), fsdp_unit_modules=[Block], cpu_offload=offload,
+            mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=None),
+        )
+        with caplog.at_level(logging.WARNING, logger="megatron_fsdp.host_optimizer"):
+            _train(model, optimizer, 0, 1, range(3))
+        results.append(_everything(model, optimizer))
+    lines = [r.getMessage() for r in caplog.records if "own step on the host" in r.getMessage()]
+    assert len(lines) == 1 and "torch.bfloat16, not float32" in lines[0], lines
+    assert not _unequal(*results), _unequal(*results)
+
+
 def test_offloaded_main_params_are_a_copy_that_each_step_installs(single_rank_group) -> None:
     model, optimizer = _shard(True, strategy="no_shard")  # fp32: without offloading, the weights themselves
     for bucket in model.trainable_buckets():

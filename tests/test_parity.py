@@ -108,3 +108,28 @@ def test_optim_strategy_reduces_each_gradient_once(world: int) -> None:
 @pytest.mark.parametrize("name", ["sgd-s3", "adamw-foreach-s1", "adam-fused-s3", "adam-fused-s2"])
 def test_sgd_foreach_and_fused_optimizers_match_single_process(name: str, world: int) -> None:
     _check(name, world)
+
+
+# One rank: every collective is a local copy, and under strategies 2/3 with gradients kept in
+# the communication dtype the gradients go straight into the main gradient (no reduction
+# buffer); accumulation, unused and twice-used parameters and clipping each meet those paths
+# once (test_mixed_precision.py runs the mixed-precision policies on one rank).
+ONE_RANK_SETUPS = {
+    **{f"s{strategy}-a3": Setup(strategy=strategy, accum=3) for strategy in range(4)},
+    "untied-frozen-reused-s3": Setup(
+        strategy=3, accum=2, optimizer="sgd", model_options=(("tie", False), ("frozen", True), ("reuse_last_block", True))
+    ),
+    "clip-torch-s2": Setup(strategy=2, accum=2, clip="torch", steps=4),
+    "deferred-sync-s3": Setup(strategy=3, accum=3, sync_each_microbatch=False),
+}
+
+
+@functools.cache
+def _one_rank_results() -> dict:
+    names = list(ONE_RANK_SETUPS)
+    return dict(zip(names, run_distributed(sharded_runs, 1, [ONE_RANK_SETUPS[n] for n in names], timeout=600)[0]))
+
+
+@pytest.mark.parametrize("name", list(ONE_RANK_SETUPS))
+def test_one_rank_matches_single_process(name: str) -> None:
+    compare(_one_rank_results()[name], reference_run(ONE_RANK_SETUPS[name], 1), FP32_RTOL, FP32_RTOL, FP32_RTOL, f"{name} world 1")
