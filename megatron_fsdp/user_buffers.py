@@ -45,9 +45,14 @@ def _groups_of(dp: DataParallelGroup) -> list[dist.ProcessGroup]:
 
 
 def _nccl_backends(groups: list[dist.ProcessGroup], device: torch.device) -> tuple[list, str | None]:
-    """The NCCL backend object of each group, or the reason registration cannot work here."""
+    """The NCCL backend object of each group that communicates, or the reason registration
+    cannot work here. A group of one rank never reaches NCCL (collectives.py runs its
+    collectives locally), so its communicator may never be created: it is left out."""
     if device.type != "cuda":
         return [], f"the model is on {device}, and user buffers are CUDA memory"
+    groups = [group for group in groups if dist.get_world_size(group) > 1]
+    if not groups:
+        return [], "every data-parallel group has one rank, so no collective reaches NCCL"
     if not dist.is_nccl_available():
         return [], f"torch {torch.__version__} was built without NCCL"
     if torch.cuda.nccl.version() < _MIN_NCCL_VERSION:

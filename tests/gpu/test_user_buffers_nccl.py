@@ -1,7 +1,8 @@
 """nccl_ub: after the first optimizer step the pool's persistent buckets live in memory from
 NCCL's allocator (ncclMemAlloc), registered with every communicator that carries them, and
 training is bit-for-bit the run with fsdp_double_buffer alone (registration changes where
-buckets live, never the arithmetic). NCCL, 2 GPUs, 1 on a one-GPU machine."""
+buckets live, never the arithmetic). NCCL, 2 GPUs; on one GPU, where no collective reaches
+NCCL, nccl_ub falls back to double buffers with one log line."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ import megatron_fsdp
 from _dist import free_port, nccl_world, run_distributed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="registration needs a group of two ranks: over one rank no collective reaches NCCL"
+)
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
 sys.path.insert(0, EXAMPLES)
 from gpt_model import GPT, GPTConfig, TransformerBlock  # noqa: E402
@@ -84,10 +88,12 @@ def _train(rank: int, world: int, strategy: int, comm: torch.dtype, nccl_ub: boo
         optimizer.zero_grad()
         losses.append(loss.item())
         reserved.append(model.pool.bytes_reserved())
-        if nccl_ub:
+        if nccl_ub and model.user_buffers is not None:
             segments_per_step.append(model.user_buffers.mem_pool.snapshot())
     result = dict(losses=losses, reserved=reserved, params={n: p.cpu() for n, p in model.full_parameters().items()})
-    if nccl_ub:
+    if nccl_ub and model.user_buffers is None:
+        result.update(registered=False)
+    elif nccl_ub:
         segments = segments_per_step[-1]
         result.update(
             registered=model.user_buffers.registered,
@@ -100,6 +106,17 @@ def _train(rank: int, world: int, strategy: int, comm: torch.dtype, nccl_ub: boo
     return result
 
 
+@pytest.mark.skipif(torch.cuda.device_count() != 1, reason="the one-GPU case")
+def test_on_one_gpu_nccl_ub_has_nothing_to_register_and_trains_like_double_buffer() -> None:
+    plain = run_distributed(_train, 1, 3, torch.float32, False, backend="nccl")[0]
+    fallback = run_distributed(_train, 1, 3, torch.float32, True, backend="nccl")[0]
+    assert not fallback["registered"]
+    assert fallback["losses"] == plain["losses"] and fallback["reserved"] == plain["reserved"]
+    for name, value in plain["params"].items():
+        assert torch.equal(fallback["params"][name], value), name
+
+
+@needs_two_gpus
 @pytest.mark.parametrize("strategy,comm", [(3, torch.float32), (3, torch.bfloat16), (2, torch.float32)])
 def test_nccl_ub_registers_the_buckets_and_trains_exactly_like_double_buffer(strategy: int, comm: torch.dtype) -> None:
     world = nccl_world()
@@ -119,6 +136,7 @@ def test_nccl_ub_registers_the_buckets_and_trains_exactly_like_double_buffer(str
             assert not in_nccl[0] and all(in_nccl[1:]), f"gathered weights in NCCL memory, per step: {in_nccl}"
 
 
+@needs_two_gpus
 def test_nccl_ub_registers_with_every_group_and_again_when_a_step_adds_buckets() -> None:
     world = nccl_world()
     plain = run_distributed(_train, world, 3, torch.float32, False, True, backend="nccl")
@@ -134,10 +152,12 @@ def test_nccl_ub_registers_with_every_group_and_again_when_a_step_adds_buckets()
 
 
 _TRAIN_THEN_DESTROY = """
+import os
 import torch, torch.distributed as dist, torch.nn.functional as F
 import megatron_fsdp
 from gpt_model import GPT, GPTConfig, TransformerBlock
-dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
 config = GPTConfig(vocab_size=256, seq_len=64, layers=2, hidden=128, heads=2, ffn=352)
 model = GPT(config).cuda().to(torch.bfloat16)
 model, optimizer = megatron_fsdp.fully_shard(
@@ -153,10 +173,13 @@ print("trained")
 """
 
 
-def test_a_process_that_destroys_its_process_group_first_still_exits_cleanly() -> None:
+@needs_two_gpus
+def test_a_process_that_destroys_its_process_group_first_still_exits_cleanly(tmp_path) -> None:
     # The registered pool outlives the communicators here: freeing it then would abort.
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               PYTHONPATH=os.pathsep.join([EXAMPLES, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", _TRAIN_THEN_DESTROY], env=env, capture_output=True, text=True, timeout=300)
+    script = tmp_path / "train_then_destroy.py"
+    script.write_text(_TRAIN_THEN_DESTROY)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([EXAMPLES, os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "trained" in done.stdout, done.stderr[-3000:]
     assert "terminate called" not in done.stderr, done.stderr[-3000:]
