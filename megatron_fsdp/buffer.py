@@ -27,10 +27,6 @@ from megatron_fsdp.offload import HostBuffers, OffloadTransfers, StagedWeights
 from megatron_fsdp.piece_dtensor import FlatLayout, plain_attribute_access
 from megatron_fsdp.sharded_params import MeshCache, ShardedParam, shard_spec
 
-def _released_placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """What a sharded parameter's ``.data`` is: an empty tensor, so stray reads fail loudly."""
-    return torch.empty(0, dtype=dtype, device=device)
-
 
 @dataclass
 class PendingReduction:
@@ -134,9 +130,10 @@ class Bucket:
         if self.requires_grad:
             self._init_main_state(transfers)
         if self.strategy.shards_weights:
-            # Everything needed was copied out of the full parameters: let them go. One empty
-            # tensor serves every reshard (no allocation per parameter and step).
-            self._placeholder = _released_placeholder(self.dtype, self.device)
+            # Everything needed was copied out of the full parameters: let them go. A sharded
+            # parameter's .data is an empty tensor, so stray reads fail loudly; one serves every
+            # reshard (no allocation per parameter and step).
+            self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
             for local in self.locals:
                 local.data = self._placeholder
 
