@@ -312,11 +312,10 @@ class Bucket:
             received = self.pool.fetch(self.layout.padded_numel, comm.dtype, self.device, self._pool_key("received_grads"))
             work = all_to_all(received, comm, group, async_op=async_op)
             return PendingReduction(self, work, lambda: self._finish_promoted(comm, received))
-        if self.strategy is ShardingStrategy.NO_SHARD:
+        if self.strategy is ShardingStrategy.NO_SHARD or self.dp.size == 1:
+            # Every rank keeps the whole sum (over one rank its shard is the whole bucket).
             work = all_reduce_sum(comm, group, async_op=async_op)
             return PendingReduction(self, work, lambda: self._add_to_main_grad(comm, spent=None))
-        if self.dp.size == 1:  # this rank's shard of the sum is all of its own gradients
-            return PendingReduction(self, None, lambda: self._add_to_main_grad(comm, spent=None))
         reduced = self.pool.fetch(self.layout.shard_numel, comm.dtype, self.device, self._pool_key("reduced_grads"))
         work = reduce_scatter_sum(reduced, comm, group, async_op=async_op)
         return PendingReduction(self, work, lambda: self._add_to_main_grad(reduced, spent=comm))
