@@ -20,7 +20,7 @@ from torch import nn
 from megatron_fsdp import _ops
 from megatron_fsdp.collectives import all_gather_shards, all_reduce_sum, all_to_all, reduce_scatter_sum, wait_for
 from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
-from megatron_fsdp.dtensor_params import ParamExtent, local_tensor, param_extent
+from megatron_fsdp.dtensor_params import ParamExtent, local_grad, local_tensor, param_extent
 from megatron_fsdp.layout import BucketLayout, alignment_in_elements, build_bucket_layout
 from megatron_fsdp.mesh import DataParallelGroup
 from megatron_fsdp.offload import HostBuffers, OffloadTransfers, StagedWeights
@@ -122,7 +122,12 @@ class Bucket:
         self.padding_index = (
             torch.cat([torch.arange(lo, hi, device=self.device) for lo, hi in gaps]) if gaps else None
         )
+        # This backward: which parameters delivered a gradient, and which of those still hold it
+        # in their .grad (in arrival order), not yet taken into the un-reduced buffer.
         self.grads_received = [False] * len(params)
+        self._received_count = 0
+        self._held: list[int] = []
+        self._holding = [False] * len(params)
         # One flag per parameter, set on the device when a local gradient holds NaN/Inf.
         self.nonfinite_flags = (
             torch.zeros(len(params), dtype=torch.bool, device=self.device) if settings.report_nan_in_param_grad else None
@@ -249,36 +254,71 @@ class Bucket:
             )
         self.dtypes = new
 
-    def add_grad(self, index: int, grad: torch.Tensor) -> bool:
-        """Adds one parameter's gradient into the un-reduced buffer; True once every parameter
-        of the bucket has delivered its gradient in this backward."""
-        if self.unreduced_grad is None:
-            if self._reduces_in_place():
-                # The main gradient is the un-reduced buffer: a fresh one is written, one that
-                # holds earlier micro-batches is added to.
-                self.unreduced_grad, fresh = self._main_grad_to_write()
-                if fresh and self.padding_index is not None:
-                    self.unreduced_grad.index_fill_(0, self.padding_index, 0)
-                self.grads_written = [not fresh] * len(self.params)
-            else:
-                # Strategies 0/1 accumulate micro-batches locally: in the main-gradient dtype.
-                # 2/3 hold one micro-batch: straight in the communication dtype.
-                dtype = self.dtypes.comm if self.strategy.shards_grads else self.dtypes.main_grads
-                self.unreduced_grad = self.pool.fetch(self.layout.padded_numel, dtype, self.device, self._pool_key("grads"))
-                if self.padding_index is not None:
-                    self.unreduced_grad.index_fill_(0, self.padding_index, 0)
-                self.grads_written = [False] * len(self.params)
-        slot = self.layout.slots[index]
-        target = self.unreduced_grad[slot.offset : slot.end]
-        if self.grads_written[index]:
-            target.add_(grad.reshape(-1))
-        else:
-            target.copy_(grad.reshape(-1))
-            self.grads_written[index] = True
-        if self.nonfinite_flags is not None:
-            self.nonfinite_flags[index : index + 1].logical_or_(_ops.find_non_finite([grad]))
+    def note_grad(self, index: int) -> bool:
+        """Parameter ``index``'s ``.grad`` holds a new gradient (torch adds a second one of the
+        same backward into it); True once every parameter of the bucket has delivered one in this
+        backward, the moment to :meth:`take_grads`."""
+        if not self._holding[index]:
+            self._holding[index] = True
+            self._held.append(index)
+        if self.grads_received[index]:
+            return False
         self.grads_received[index] = True
-        return all(self.grads_received)
+        self._received_count += 1
+        return self._received_count == len(self.params)
+
+    def take_grads(self) -> None:
+        """Moves the gradients the parameters' ``.grad`` hold into the un-reduced buffer and
+        releases them: a parameter's first gradient is copied in, later ones (micro-batches
+        accumulated locally) added, each as one multi-tensor op for the bucket. Per parameter,
+        the host's launch would cost more than the GPU's copy of a bucket."""
+        if not self._held:
+            return
+        targets = _ops.param_views(self._grad_buffer(), self.offsets, self.shapes)
+        grads, copy_to, copy_from, add_to, add_from = [], [], [], [], []
+        for index in self._held:
+            grad = local_grad(self.params[index])
+            grads.append(grad)
+            if self.grads_written[index]:
+                add_to.append(targets[index])
+                add_from.append(grad)
+            else:
+                copy_to.append(targets[index])
+                copy_from.append(grad)
+                self.grads_written[index] = True
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
+        if add_to:
+            torch._foreach_add_(add_to, add_from)
+        if self.nonfinite_flags is not None:
+            held = torch.tensor(self._held, device=self.device)
+            self.nonfinite_flags[held] = self.nonfinite_flags[held].logical_or(_ops.find_non_finite(grads))
+        for index in self._held:
+            self.params[index].grad = None
+            self._holding[index] = False
+        self._held = []
+
+    def _grad_buffer(self) -> torch.Tensor:
+        """The un-reduced buffer the gradients go into, set up by the first take since the last
+        reduction."""
+        if self.unreduced_grad is not None:
+            return self.unreduced_grad
+        if self._reduces_in_place():
+            # The main gradient is the un-reduced buffer: a fresh one is written, one that holds
+            # earlier micro-batches is added to.
+            self.unreduced_grad, fresh = self._main_grad_to_write()
+            self.grads_written = [not fresh] * len(self.params)
+            if not fresh:
+                return self.unreduced_grad
+        else:
+            # Strategies 0/1 accumulate micro-batches locally: in the main-gradient dtype.
+            # 2/3 hold one micro-batch: straight in the communication dtype.
+            dtype = self.dtypes.comm if self.strategy.shards_grads else self.dtypes.main_grads
+            self.unreduced_grad = self.pool.fetch(self.layout.padded_numel, dtype, self.device, self._pool_key("grads"))
+            self.grads_written = [False] * len(self.params)
+        if self.padding_index is not None:
+            self.unreduced_grad.index_fill_(0, self.padding_index, 0)
+        return self.unreduced_grad
 
     def _reduces_in_place(self) -> bool:
         """Whether the reduction leaves each gradient as it is, so gradients go straight into
@@ -294,6 +334,7 @@ class Bucket:
 
     def end_backward(self) -> None:
         self.grads_received = [False] * len(self.params)
+        self._received_count = 0
 
     def start_reduction(self, async_op: bool) -> PendingReduction:
         """Launches the reduction of the un-reduced buffer. Same-precision communication: an

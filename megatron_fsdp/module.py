@@ -52,7 +52,7 @@ def _deliver_grad(scheduler: weakref.ref, unit_index: int, bucket_index: int, in
     live = scheduler()
     if live is not None:
         unit = live.units[unit_index]
-        live.on_grad(unit, unit.trainable_buckets[bucket_index], index, param)
+        live.on_grad(unit, unit.trainable_buckets[bucket_index], index)
 
 
 class MegatronFSDP(nn.Module):

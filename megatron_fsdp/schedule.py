@@ -19,7 +19,6 @@ from megatron_fsdp import _ops
 from megatron_fsdp.buffer import Bucket, PendingReduction
 from megatron_fsdp.collectives import all_gather_shards
 from megatron_fsdp.config import FSDPSettings
-from megatron_fsdp.dtensor_params import local_grad
 from megatron_fsdp.mesh import DataParallelGroup
 from megatron_fsdp.units import FSDPUnit
 
@@ -103,10 +102,11 @@ class StepScheduler:
             self._backward_cursor -= 1
             self._prefetch(self._forward_calls, self._backward_cursor - 1)
 
-    def on_grad(self, unit: FSDPUnit, bucket: Bucket, index: int, param: torch.nn.Parameter) -> None:
-        bucket_complete = bucket.add_grad(index, local_grad(param))
-        param.grad = None
-        if not bucket_complete or not self._reduces_now():
+    def on_grad(self, unit: FSDPUnit, bucket: Bucket, index: int) -> None:
+        if not bucket.note_grad(index):
+            return
+        bucket.take_grads()
+        if not self._reduces_now():
             return
         self._start_reduction(bucket)
         if unit.note_bucket_reduced(bucket) and unit.reshard_on_grads and not unit.is_root:
@@ -135,7 +135,9 @@ class StepScheduler:
         reduces = self._reduces_now()
         for unit in self.units:
             for bucket in unit.trainable_buckets:
-                # A bucket some of whose parameters got no gradient: those contribute zeros.
+                # A bucket some of whose parameters got no gradient (those contribute zeros), or
+                # one whose parameter got another after the bucket was complete.
+                bucket.take_grads()
                 if bucket.unreduced_grad is not None and reduces:
                     self._start_reduction(bucket)
             unit.reshard()

@@ -95,6 +95,18 @@ def check_promoting_reduce_matches_float64(device: str) -> None:
                         bound = _reduce_bound(chunks, scale, previous if accumulate else torch.zeros_like(previous), out_dtype, expected)
                         err = (out.double() - expected).abs()
                         assert torch.all(err <= bound), f"{in_dtype}->{out_dtype} world {world} n {n} acc {accumulate}: max err {err.max()} > bound {bound.max()}"
+    # Sizes the 16-byte vector path takes, one beyond a whole GPU's threads times the kernel's
+    # unrolling (the grid-stride loop and its partial last step).
+    for n in (8 * 1024, 8 * 1_100_003):
+        for in_dtype, world in ((torch.bfloat16, 1), (torch.float32, 3)):
+            chunks = _random(world * n, in_dtype, device, seed=n + world).view(world, n)
+            previous = _random(n, torch.float32, device, seed=n)
+            for accumulate in (False, True):
+                out = previous.clone()
+                _ops.promoting_reduce(chunks, out, accumulate=accumulate)
+                expected = chunks.double().sum(0) + (previous.double() if accumulate else 0.0)
+                bound = _reduce_bound(chunks, 1.0, previous if accumulate else torch.zeros_like(previous), torch.float32, expected)
+                assert torch.all((out.double() - expected).abs() <= bound), f"{in_dtype} world {world} n {n} acc {accumulate}"
     chunks = torch.randn(3, 33, device=device, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.megatron_fsdp.promoting_reduce.default, (chunks, 0.5, True, torch.randn(33, device=device)))
 

@@ -80,14 +80,18 @@ def _reduce_once(rank: int, world: int, comm_dtype: torch.dtype, promote: bool) 
     """One reduce-scatter of the same bf16-representable gradients, through the promoting path
     (bf16 communication, fp32 main gradients) or a bf16 reduce-scatter (bf16 main gradients)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False)).to(torch.bfloat16)
     policy = MixedPrecisionPolicy(main_grads_dtype=torch.float32 if promote else torch.bfloat16, grad_comm_dtype=comm_dtype)
     model = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[torch.nn.Linear], mixed_precision_policy=policy)
-    bucket = model.units[1].buckets[0]
+    unit = model.units[1]
+    bucket = unit.buckets[0]
     generator = torch.Generator().manual_seed(rank)
     local = torch.randn(bucket.layout.padded_numel, generator=generator).to(torch.bfloat16)
     assert bucket.layout.padded_numel == bucket.shapes[0].numel(), "the test needs a bucket without padding"
-    bucket.add_grad(0, local.view(bucket.shapes[0]))
+    unit.unshard()  # as in backward: the parameter is full-size when its gradient arrives
+    bucket.params[0].grad = local.view(bucket.shapes[0])
+    assert bucket.note_grad(0), "a one-parameter bucket is complete with its one gradient"
+    bucket.take_grads()
     bucket.finish_reduction(bucket.start_reduction(async_op=False))
     return bucket.main_grad.float().clone()
 

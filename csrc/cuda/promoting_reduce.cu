@@ -3,8 +3,8 @@
 // layout allows it.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -32,9 +32,14 @@ __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(
 __device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 
-// Each thread owns V consecutive columns (one vector) per grid-stride step. V == 1 is the scalar
-// fallback; V > 1 requires n % V == 0 and both pointers aligned to their vector size.
-// No __restrict__: out may be one of the chunk rows (an in-place reduce-scatter).
+// Each thread owns V consecutive columns (one vector) in each of kUnroll vectors per grid-stride
+// step, and issues all their loads before any arithmetic: one vector in flight per thread leaves
+// HBM idle (a bf16 -> fp32 copy ran at half bandwidth). V == 1 is the scalar fallback; V > 1
+// requires n % V == 0 and both pointers aligned to their vector size.
+// No __restrict__: out may be one of the chunk rows (an in-place reduce-scatter); each vector is
+// read and written by one thread only, reads first.
+constexpr int kUnroll = 4;
+
 template <typename in_t, typename out_t, int V>
 __global__ void promoting_reduce_kernel(const in_t* chunks, out_t* out,
                                         int64_t world, int64_t n, at::opmath_type<in_t> scale,
@@ -44,28 +49,49 @@ __global__ void promoting_reduce_kernel(const in_t* chunks, out_t* out,
   using OutVec = Vec<out_t, V>;
   const int64_t num_vecs = n / V;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < num_vecs;
-       v += stride) {
-    acc_t sum[V];
+  OutVec* dst = reinterpret_cast<OutVec*>(out);
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; first < num_vecs;
+       first += stride * kUnroll) {
+    acc_t sum[kUnroll][V];
 #pragma unroll
-    for (int k = 0; k < V; ++k) sum[k] = acc_t(0);
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) sum[u][k] = acc_t(0);
+    }
     // Rows in order 0..world-1, as on the CPU, so fp32 sums round the same way.
-#pragma unroll 4
     for (int64_t r = 0; r < world; ++r) {
-      const InVec x = reinterpret_cast<const InVec*>(chunks + r * n)[v];
+      const InVec* row = reinterpret_cast<const InVec*>(chunks + r * n);
+      InVec x[kUnroll];
 #pragma unroll
-      for (int k = 0; k < V; ++k) sum[k] += static_cast<acc_t>(x.val[k]);
-    }
-    OutVec* dst = reinterpret_cast<OutVec*>(out) + v;
-    OutVec y;
-    if (accumulate) y = *dst;
+      for (int u = 0; u < kUnroll; ++u) {
+        if (first + u * stride < num_vecs) x[u] = row[first + u * stride];
+      }
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      acc_t value = mul_rn(sum[k], scale);
-      if (accumulate) value = add_rn(value, static_cast<acc_t>(y.val[k]));
-      y.val[k] = static_cast<out_t>(value);
+      for (int u = 0; u < kUnroll; ++u) {
+        if (first + u * stride < num_vecs) {
+#pragma unroll
+          for (int k = 0; k < V; ++k) sum[u][k] += static_cast<acc_t>(x[u].val[k]);
+        }
+      }
     }
-    *dst = y;
+    OutVec y[kUnroll];
+    if (accumulate) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (first + u * stride < num_vecs) y[u] = dst[first + u * stride];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (first + u * stride >= num_vecs) continue;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        acc_t value = mul_rn(sum[u][k], scale);
+        if (accumulate) value = add_rn(value, static_cast<acc_t>(y[u].val[k]));
+        y[u].val[k] = static_cast<out_t>(value);
+      }
+      dst[first + u * stride] = y[u];
+    }
   }
 }
 
@@ -78,14 +104,10 @@ void launch(const in_t* chunks, out_t* out, int64_t world, int64_t n,
             at::opmath_type<in_t> scale, bool accumulate) {
   const int64_t num_vecs = n / V;
   // Enough blocks to fill every SM once; the grid-stride loop covers the rest.
-  const int device = c10::cuda::current_device();
-  int sm_count = 0;
-  int threads_per_sm = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  C10_CUDA_CHECK(
-      cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device));
-  const int64_t max_blocks = static_cast<int64_t>(sm_count) * std::max(1, threads_per_sm / kThreads);
-  const int64_t blocks = std::min<int64_t>((num_vecs + kThreads - 1) / kThreads, max_blocks);
+  const cudaDeviceProp* properties = at::cuda::getCurrentDeviceProperties();
+  const int64_t max_blocks = static_cast<int64_t>(properties->multiProcessorCount) *
+                             std::max(1, properties->maxThreadsPerMultiProcessor / kThreads);
+  const int64_t blocks = std::min<int64_t>((num_vecs + kThreads * kUnroll - 1) / (kThreads * kUnroll), max_blocks);
   promoting_reduce_kernel<in_t, out_t, V>
       <<<static_cast<unsigned int>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
           chunks, out, world, n, scale, accumulate);
