@@ -260,12 +260,15 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.device) -> dict:
+def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.device, progress: dict[str, str]) -> dict:
+    """The row's numbers; ``progress["at"]`` says what it is doing (for a failure's report)."""
     cuda = device.type == "cuda"
+    progress["at"] = "building the model"
     model, optimizer, autocast = make(config, device)
     rank = dist.get_rank()
     times, cpu_times, losses = [], [], []
     for step in range(args.warmup + args.steps):
+        progress["at"] = f"step {step + 1} of {args.warmup + args.steps}"
         tokens = batch(config, args, step, rank, device)
         _synchronize(device)
         started, cpu_started = time.perf_counter(), time.process_time()
@@ -279,6 +282,7 @@ def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.devic
     final_loss = torch.stack(losses[-5:]).float().mean()
     dist.all_reduce(final_loss)
     tokens = batch(config, args, args.warmup + args.steps, rank, device)
+    progress["at"] = "the profiled step that counts kernels"
     kernels = _kernels_in_one_step(model, optimizer, autocast, config, tokens) if cuda else None
     median = statistics.median(times)
     tokens_per_s = args.micro_batch * args.seq_len / median
@@ -382,13 +386,15 @@ def _skip_reason(name: str, config: GPTConfig, args, nproc: int) -> str | None:
 
 
 def _run_or_oom(name: str, config: GPTConfig, args, device: torch.device) -> dict:
+    progress: dict[str, str] = {}
     try:
-        return _run(name, IMPLEMENTATIONS[name], config, args, device)
+        return _run(name, IMPLEMENTATIONS[name], config, args, device, progress)
     except torch.OutOfMemoryError as error:
-        # Where it ran out (the innermost frame of ours or the benchmark's) and how much was held.
+        # When and where it ran out (the innermost frame of ours or the benchmark's), how much was held.
         frames = [f for f in traceback.extract_tb(error.__traceback__) if "torch/" not in f.filename]
         where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"
-        return {"error": "out of memory", "where": where, "message": str(error).split("See documentation")[0].strip()}
+        message = str(error).split("See documentation")[0].strip()
+        return {"error": "out of memory", "during": progress.get("at"), "where": where, "message": message}
 
 
 # What torchrun sets for its workers: a launcher that runs under torchrun hands none of it on.
@@ -479,6 +485,10 @@ def _work(args) -> None:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
+        # NCCL takes device memory outside torch's allocator at its first collective. On one GPU
+        # an implementation may call none, so the harness's own all-reduce of the loss would come
+        # first, after a model that fills the GPU left nothing: every row takes it here instead.
+        dist.all_reduce(torch.zeros(1, device=device))
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")

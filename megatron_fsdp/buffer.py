@@ -102,6 +102,7 @@ class Bucket:
             and not self.offloaded
         )
         self._gather_input: torch.Tensor | None = None
+        self._holds_gathered_weights = False  # pool memory in full_weight (sharded weights only)
         if self.strategy.shards_weights:
             if not self.gathers_from_main:
                 self.weight_shard = self._local_pieces(self.shard_start, self.shard_end, self.dtype)
@@ -215,6 +216,7 @@ class Bucket:
     def start_unshard(self, async_op: bool) -> dist.Work | None:
         """Fills the pooled bucket and launches the all-gather of the weight shards into it."""
         self.pool.fill(self.full_weight, self._pool_key("weights"))
+        self._holds_gathered_weights = True
         if self.host is not None:
             self.host.before_device_reads_weights()
         shard = self.weight_shard
@@ -239,9 +241,14 @@ class Bucket:
             local.data = view
 
     def reshard(self) -> None:
+        """Gives the gathered weights back (a bucket of the root unit may have done so already,
+        once its gradients were in)."""
+        if not self._holds_gathered_weights:
+            return
         for local in self.locals:
             local.data = self._placeholder
         self.pool.release(self.full_weight)
+        self._holds_gathered_weights = False
 
     # -- gradients ----------------------------------------------------------------------------
 

@@ -105,6 +105,12 @@ class StepScheduler:
     def on_grad(self, unit: FSDPUnit, bucket: Bucket, index: int) -> None:
         if not bucket.note_grad(index):
             return
+        if unit.is_root and self.settings.strategy.shards_weights:
+            # The root unit stays gathered from forward into backward. A bucket of it (one
+            # module's parameters) whose gradients are all in is not read again before the next
+            # forward: its weights go back first, so the main gradient created next can take
+            # their memory (at the end of backward, where memory peaks, for the embedding's).
+            bucket.reshard()
         bucket.take_grads()
         if not self._reduces_now():
             return

@@ -274,3 +274,28 @@ def test_the_root_unit_has_one_bucket_per_module(single_rank_group) -> None:
         [("embed.weight",), ("pos",), ("norm.weight", "norm.bias"), ("head.weight",)]
     )
     assert [len(u.buckets) for u in model.units[1:]] == [1, 1], "block units keep one bucket per dtype"
+
+
+def test_root_buckets_give_their_weights_back_once_their_gradients_are_in(single_rank_group) -> None:
+    """The root unit stays gathered into backward; each of its buckets goes back as soon as its
+    gradients are in (the head's early, before the embedding's main gradient is created at the
+    end of backward, where memory peaks) and the next forward gathers it again."""
+    model = megatron_fsdp.fully_shard_model(make_model(tie=False), fsdp_unit_modules=[Block])
+    head, embed = model.module.head.weight, model.module.embed.weight
+    seen = {}
+
+    def look(grad: torch.Tensor) -> None:  # backward between the blocks and the embedding
+        seen["head"], seen["embed"] = head.numel(), embed.numel()
+
+    def watch(module: torch.nn.Module, args: tuple) -> None:
+        args[0].register_hook(look)
+
+    model.module.blocks[0].register_forward_pre_hook(watch)
+    batch = make_batch(0, 2)
+    loss = model(*batch)
+    assert head.numel() > 0 and embed.numel() > 0, "the root unit is gathered after forward"
+    loss.backward()
+    assert seen["head"] == 0, "the head's weights were still gathered after its gradients were in"
+    assert seen["embed"] > 0, "the embedding's weights went back before its gradient arrived"
+    assert head.numel() == 0 and embed.numel() == 0, "the root unit is resharded after backward"
+    torch.testing.assert_close(model(*batch), loss, rtol=0, atol=0)
