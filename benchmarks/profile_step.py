@@ -20,16 +20,18 @@ import gc
 import json
 import os
 import re
+import statistics
 import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import CONFIGS, IMPLEMENTATIONS, batch, imports_here, train_step  # noqa: E402  (puts examples/ on the path)
+from step_time import CONFIGS, IMPLEMENTATIONS, batch, imports_here, train_step, wanted_implementations  # noqa: E402  (puts examples/ on the path)
 from gpt_model import GPTConfig  # noqa: E402
 
 # First match wins; names as CUDA kernels of torch 2.11 / cuBLAS / NCCL are spelled.
@@ -57,6 +59,29 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
+def _host_phases(model, optimizer, autocast: bool, config: GPTConfig, tokens: torch.Tensor, steps: int) -> dict:
+    """Median host ms, unprofiled, of each phase of a step until it returns (the GPU may still
+    run behind it), and of the closing wait for the GPU."""
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": [], "wait for GPU": []}
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        marks = [time.perf_counter()]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().view(-1, config.vocab_size), tokens[:, 1:].reshape(-1))
+        marks.append(time.perf_counter())
+        loss.backward()
+        marks.append(time.perf_counter())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        marks.append(time.perf_counter())
+        torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+        for phase, start, stop in zip(times, marks, marks[1:]):
+            times[phase].append((stop - start) * 1e3)
+    return {phase: statistics.median(values) for phase, values in times.items()}
+
+
 def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
@@ -64,6 +89,7 @@ def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
     rank = dist.get_rank()
     for step in range(args.warmup):
         train_step(model, optimizer, autocast, config, batch(config, args, step, rank, device))
+    host_ms = _host_phases(model, optimizer, autocast, config, batch(config, args, args.warmup, rank, device), 15)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
@@ -101,6 +127,7 @@ def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
         "gpu_idle_ms": (wall_us - busy) / steps / 1e3,
         "kernel_ms": {kind: value / steps / 1e3 for kind, value in sorted(per_kind.items())},
         "kernels_per_step": kernels / steps,
+        "host_ms": host_ms,
         # Per runtime call: (calls, host ms) per step, the most expensive first.
         "runtime_calls_per_step": {
             call: (count / steps, total / steps / 1e3)
@@ -116,14 +143,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=5, help="profiled steps")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--impls", default="optim_grads_params fp32-comm,FSDP2", help="comma-separated substrings")
+    parser.add_argument("--impls", default="optim_grads_params fp32-comm,FSDP2", help="comma-separated names (exact, else substrings)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     config = GPTConfig(**{**CONFIGS[args.config].__dict__, "seq_len": args.seq_len})
-    matching = [n for n in IMPLEMENTATIONS if any(w in n for w in args.impls.split(","))]
+    matching = wanted_implementations(args.impls)
     wanted = [n for n in matching if imports_here(n)]
     if dist.get_rank() == 0 and len(wanted) < len(matching):
         print(f"not profiled, as this process imports the other megatron_fsdp: {sorted(set(matching) - set(wanted))}")
@@ -141,6 +168,12 @@ def main() -> None:
             calls = ", ".join(f"{call} ({count:g}, {ms:.1f})" for call, (count, ms) in top) or "none"
             print(f"| {row['implementation']} | {row['step_ms']:.1f} | {row['gpu_busy_ms']:.1f} | {row['gpu_idle_ms']:.1f} | "
                   f"{cells} | {row['kernels_per_step']:.0f} | {calls} |")
+        print("\nHost ms per phase, median of 15 unprofiled steps (until the call returns; then the wait for the GPU)")
+        phases = list(rows[0]["host_ms"]) if rows else []
+        print("| implementation | " + " | ".join(phases) + " |")
+        print("| --- " * (1 + len(phases)) + "|")
+        for row in rows:
+            print(f"| {row['implementation']} | " + " | ".join(f"{row['host_ms'][phase]:.1f}" for phase in phases) + " |")
         if args.out:
             with open(args.out, "w") as file:
                 json.dump(rows, file, indent=1)

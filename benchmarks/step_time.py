@@ -461,7 +461,7 @@ def _exit_on_sigterm(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _wanted(impls: str) -> list[str]:
+def wanted_implementations(impls: str) -> list[str]:
     """Implementations by comma-separated names: an exact name picks itself, anything else every
     name containing it; 'all' picks all."""
     if impls == "all":
@@ -509,7 +509,7 @@ def _launch(args) -> None:
     config = _config(args)
     depths = args.layers or ("8,16,20,24,28,32,40,48,56,64" if args.largest else str(config.layers))
     rows = []
-    for name in _wanted(args.impls):
+    for name in wanted_implementations(args.impls):
         for layers in [int(depth) for depth in depths.split(",")]:
             depth_config = dataclasses.replace(config, layers=layers)
             row = {"implementation": name, "layers": layers, "parameters_b": _parameters(depth_config) / 1e9}
