@@ -67,10 +67,10 @@ def test_rows_processes_inherit_no_torchrun_variables_and_nvidia_row_imports_its
 
 
 def test_documented_impl_lists_still_pick_their_rows() -> None:
-    assert step_time._wanted("optim_grads_params,FSDP2,single") == [
+    assert step_time.wanted_implementations("optim_grads_params,FSDP2,single") == [
         n for n in step_time.IMPLEMENTATIONS if "optim_grads_params" in n or "FSDP2" in n or n == FLOOR
     ]
-    assert step_time._wanted(f"{OURS},torch FSDP2") == [OURS, "torch FSDP2"]
+    assert step_time.wanted_implementations(f"{OURS},torch FSDP2") == [OURS, "torch FSDP2"]
 
 
 def test_table_compares_each_row_with_fsdp2_and_the_floor(capsys) -> None:
