@@ -19,13 +19,14 @@ from torch import nn
 
 from megatron_fsdp import _ops
 from megatron_fsdp.collectives import all_gather_shards, all_reduce_sum, all_to_all, reduce_scatter_sum, wait_for
+from megatron_fsdp.bucket_checkpoint import BucketCheckpointing
 from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
-from megatron_fsdp.dtensor_params import ParamExtent, local_grad, local_tensor, param_extent
+from megatron_fsdp.dtensor_params import local_grad, local_tensor, param_extent
 from megatron_fsdp.layout import BucketLayout, alignment_in_elements, build_bucket_layout
 from megatron_fsdp.mesh import DataParallelGroup
 from megatron_fsdp.offload import HostBuffers, OffloadTransfers, StagedWeights
-from megatron_fsdp.piece_dtensor import FlatLayout, plain_attribute_access
-from megatron_fsdp.sharded_params import MeshCache, ShardedParam, shard_spec
+from megatron_fsdp.piece_dtensor import plain_attribute_access
+from megatron_fsdp.sharded_params import ShardedParam
 
 
 @dataclass
@@ -38,7 +39,7 @@ class PendingReduction:
     finish: Callable[[], None]
 
 
-class Bucket:
+class Bucket(BucketCheckpointing):
     def __init__(
         self,
         names: list[str],
@@ -553,93 +554,3 @@ class Bucket:
             # A copy: not every backend (gloo) accepts an input that aliases the output.
             own_shard = self.full_weight[self.shard_start : self.shard_end].clone()
             all_gather_shards(self.full_weight, own_shard, self.dp.group)
-
-    # -- checkpoints --------------------------------------------------------------------------
-
-    def checkpoint_source(self) -> tuple[torch.Tensor, int]:
-        """What a checkpoint holds for this bucket (the main params where they exist, else the
-        weights) and the bucket offset of its first element."""
-        if self.requires_grad:
-            return self.main_params, self.main_start
-        if self.weight_shard is not None:
-            return self.weight_shard, self.shard_start
-        return self.full_weight, 0
-
-    def checkpoint_pieces(self) -> list[tuple[torch.Tensor, int]]:
-        """Per parameter: the flat piece of it this rank saves and loads (its part of the
-        checkpoint source; replicated sources give every rank the same pieces, which DCP
-        writes once) and where the piece starts in the flattened parameter."""
-        source, base = self.checkpoint_source()
-        pieces = []
-        for index, slot in enumerate(self.layout.slots):
-            lo, hi = self._piece(index, base, base + source.numel())
-            pieces.append((source[lo - base : hi - base], lo - slot.offset))
-        return pieces
-
-    def add_faces(self, meshes: MeshCache) -> None:
-        """Builds each parameter's DTensor face over its checkpoint piece (the main weights where
-        they exist): flat-sharded unless this rank holds the whole bucket."""
-        source, _ = self.checkpoint_source()
-        sharded = source.numel() != self.layout.padded_numel
-        self.faces = []
-        for index, (param, extent, (piece, _)) in enumerate(zip(self.params, self.extents, self.checkpoint_pieces())):
-            layout = self._flat_layout(index, extent) if sharded else None
-            spec = shard_spec(param, extent.global_shape, self.dp, layout, self.device.type, meshes)
-            self.faces.append(ShardedParam(piece, spec, self.requires_grad))
-
-    def _flat_layout(self, index: int, extent: ParamExtent) -> FlatLayout:
-        """Where every rank's piece of parameter ``index`` lies in its flattened local tensor:
-        shard by shard, and within a shard outer rank by outer rank where HFSDP splits it."""
-        slot = self.layout.slots[index]
-        shard = self.layout.shard_numel
-        split = self.outer.size if self.splits_shard and self.requires_grad else 1
-        part = shard // split
-        pieces = []
-        for rank in range(self.dp.size):
-            for outer_rank in range(split):
-                lo = max(slot.offset, rank * shard + outer_rank * part)
-                hi = min(slot.end, rank * shard + (outer_rank + 1) * part)
-                pieces.append((min(lo, slot.end) - slot.offset, max(hi - lo, 0)))
-        return FlatLayout(tuple(extent.local_shape), tuple(extent.offset), tuple(pieces), 2 if split > 1 else 1)
-
-    def broadcast_from_first_replica(self) -> None:
-        """Copies the checkpoint source (main params, frozen: weights) of the first rank holding
-        each piece to the others holding it: all of dp for a full source, dp_outer where the
-        outer group replicates it (not HFSDP's split main params). Then installs it."""
-        source, _ = self.checkpoint_source()
-        groups = []
-        if source.numel() == self.layout.padded_numel:
-            groups.append(self.dp.group)
-        if self.outer is not None and not (self.splits_shard and self.requires_grad):
-            groups.append(self.outer.group)
-        # Offloaded main params are broadcast through a device copy (the backend may be NCCL).
-        on_device = source.to(self.device)
-        for group in groups:
-            dist.broadcast(on_device, src=dist.get_global_rank(group, 0), group=group)
-        if on_device is not source:
-            source.copy_(on_device)
-        self.sync_after_load()
-
-    def sync_after_load(self) -> None:
-        """After pieces were loaded in place: install the main params into the weights."""
-        if self.requires_grad:
-            self.install_main_params()
-
-    # -- inspection ---------------------------------------------------------------------------
-
-    def gather_full(self, source: torch.Tensor) -> torch.Tensor:
-        """A copy of the whole bucket of a per-rank tensor that is full, this rank's shard, or
-        (HFSDP) this outer rank's piece of the shard; on the device (offloaded sources move there)."""
-        source = source.to(self.device)
-        if source.numel() == self.layout.padded_numel:
-            return source.clone()
-        if self.splits_shard and source.numel() == self.main_end - self.main_start:
-            shard = torch.empty(self.layout.shard_numel, dtype=source.dtype, device=source.device)
-            all_gather_shards(shard, source.contiguous(), self.outer.group)
-            source = shard
-        full = torch.empty(self.layout.padded_numel, dtype=source.dtype, device=source.device)
-        all_gather_shards(full, source.contiguous(), self.dp.group)
-        return full
-
-    def split_full(self, full: torch.Tensor) -> list[torch.Tensor]:
-        return [full[s.offset : s.end].view(shape) for s, shape in zip(self.layout.slots, self.shapes)]
