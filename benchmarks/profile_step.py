@@ -27,7 +27,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -66,15 +65,7 @@ def _host_phases(model, optimizer, autocast: bool, config: GPTConfig, tokens: to
     for _ in range(steps):
         torch.cuda.synchronize()
         marks = [time.perf_counter()]
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().view(-1, config.vocab_size), tokens[:, 1:].reshape(-1))
-        marks.append(time.perf_counter())
-        loss.backward()
-        marks.append(time.perf_counter())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        marks.append(time.perf_counter())
+        train_step(model, optimizer, autocast, config, tokens, after_phase=lambda: marks.append(time.perf_counter()))
         torch.cuda.synchronize()
         marks.append(time.perf_counter())
         for phase, start, stop in zip(times, marks, marks[1:]):

@@ -244,14 +244,20 @@ def batch(config: GPTConfig, args, step: int, rank: int, device: torch.device) -
     return torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len + 1), device=device, generator=generator)
 
 
-def train_step(model, optimizer, autocast: bool, config: GPTConfig, tokens: torch.Tensor) -> torch.Tensor:
-    """One step: forward, backward, optimizer step; returns the loss (not synchronised)."""
+def train_step(
+    model, optimizer, autocast: bool, config: GPTConfig, tokens: torch.Tensor, after_phase: Callable[[], None] = lambda: None
+) -> torch.Tensor:
+    """One step: forward, backward, optimizer step; returns the loss (not synchronised).
+    ``after_phase`` is called after each of the three (profile_step.py times them)."""
     with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast):
         logits = model(tokens[:, :-1])
     loss = F.cross_entropy(logits.float().view(-1, config.vocab_size), tokens[:, 1:].reshape(-1))
+    after_phase()
     loss.backward()
+    after_phase()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    after_phase()
     return loss.detach()
 
 
