@@ -71,7 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_time, als
 import megatron_fsdp  # noqa: E402
 from gpt_model import GPT, GPTConfig, TransformerBlock  # noqa: E402
 from megatron_fsdp import _ops  # noqa: E402
-from megatron_fsdp.checkpoint_integrity import checksum_segments, verify_checkpoint  # noqa: E402
+from megatron_fsdp.checkpoint.integrity import checksum_segments, verify_checkpoint  # noqa: E402
 from step_time import _fsdp2_with  # noqa: E402
 
 CONFIGS = {

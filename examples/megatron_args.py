@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import megatron_fsdp
 from gpt_model import GPT, GPTConfig, TransformerBlock
-from megatron_fsdp.megatron_config import args_from_ddp_config
+from megatron_fsdp.integrations.megatron_lm import args_from_ddp_config
 
 logger = logging.getLogger(__name__)
 

@@ -1,19 +1,22 @@
 """megatron_fsdp: fully sharded data parallelism for PyTorch on flat, per-unit, dtype-aware buffers."""
 
-from megatron_fsdp.api import fully_shard, fully_shard_model, fully_shard_optimizer
-from megatron_fsdp.checkpoint_io import (
+from megatron_fsdp.checkpoint.broadcast import install as _install_state_dict_broadcast
+from megatron_fsdp.checkpoint.integrity import CheckpointCorruptError
+from megatron_fsdp.checkpoint.io import (
     export_safetensors,
     full_state_dict,
     latest_checkpoint_step,
     load_checkpoint,
     save_checkpoint,
 )
-from megatron_fsdp.checkpoint_integrity import CheckpointCorruptError
-from megatron_fsdp.config import MixedPrecisionPolicy, ShardingStrategy
-from megatron_fsdp.distributed_index import FSDPDistributedIndex
-from megatron_fsdp.grad_clip import clip_grad_norm_, total_grad_norm
-from megatron_fsdp.megatron_config import DistributedDataParallelConfig, add_megatron_fsdp_args, ddp_config_from_args
-from megatron_fsdp.module import MegatronFSDP
+from megatron_fsdp.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron_fsdp.engine.config import ShardingStrategy
+from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
+from megatron_fsdp.integrations.megatron_lm import add_megatron_fsdp_args, ddp_config_from_args
+from megatron_fsdp.megatron_fsdp import MegatronFSDP
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.optim.grad_clip import clip_grad_norm_, total_grad_norm
 from megatron_fsdp.package_info import (
     __contact_emails__,
     __contact_names__,
@@ -27,7 +30,6 @@ from megatron_fsdp.package_info import (
     __shortversion__,
     __version__,
 )
-from megatron_fsdp.state_dict_broadcast import install as _install_state_dict_broadcast
 
 _install_state_dict_broadcast()
 

@@ -136,7 +136,7 @@ def _scenario(rank: int, world: int, root: str) -> dict:
     at_3 = model.full_parameters()
 
     warnings = _Warnings()
-    logging.getLogger("megatron_fsdp.checkpoint_io").addHandler(warnings)
+    logging.getLogger("megatron_fsdp.checkpoint.io").addHandler(warnings)
     results: dict = {"cases": {}}
     for case in CASES:
         directory = os.path.join(root, case.replace(" ", "_"))

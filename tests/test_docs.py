@@ -76,3 +76,17 @@ def test_few_doc_blocks_are_skipped_and_each_says_why() -> None:
     skipped = [f"{b.name} ({b.skip_reason})" for b in BLOCKS if b.skip_reason is not None]
     assert len(skipped) <= MAX_SKIPPED, f"too many blocks skipped: {skipped}"
     assert len(BLOCKS) - len(skipped) >= 10, "the docs should show running code"
+
+
+# A repository path in backticks, as the docs name files: `megatron_fsdp/engine/buffer.py`.
+REPO_PATH = re.compile(r"`((?:megatron_fsdp|tests|examples|benchmarks|scripts|csrc|docs)/[\w./-]+)`")
+
+
+def test_every_path_the_docs_name_exists() -> None:
+    missing = []
+    for path in DOCS:
+        with open(os.path.join(ROOT, path)) as handle:
+            for number, line in enumerate(handle, start=1):
+                missing += [f"{path}:{number}: {name}" for name in REPO_PATH.findall(line)
+                            if not os.path.exists(os.path.join(ROOT, name.rstrip("/")))]
+    assert not missing, "paths named in the docs that are not in the tree:\n" + "\n".join(missing)

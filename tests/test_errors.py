@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import OffloadPolicy
 
 import megatron_fsdp
-from megatron_fsdp.megatron_config import args_from_ddp_config
+from megatron_fsdp.integrations.megatron_lm import args_from_ddp_config
 from models import Block, make_batch, make_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import megatron_fsdp
 from _dist import run_distributed
 from megatron_fsdp import DistributedDataParallelConfig, MixedPrecisionPolicy
-from megatron_fsdp.megatron_config import args_from_ddp_config
+from megatron_fsdp.integrations.megatron_lm import args_from_ddp_config
 from models import Block, make_batch, make_model
 
 

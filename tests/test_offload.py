@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 import megatron_fsdp
 from _dist import run_distributed
-from megatron_fsdp.host_optimizer import unsupported_reason
-from megatron_fsdp.offload import HostBuffers
+from megatron_fsdp.optim.host_optimizer import unsupported_reason
+from megatron_fsdp.engine.offload import HostBuffers
 from models import Block, make_batch, make_model
 from parity import Setup, compare, compare_low_precision, reference_run, sharded_runs
 
@@ -184,7 +184,7 @@ OPTIMIZERS = {
 @pytest.mark.skipif(not HOST_OP, reason="this build has no host optimizer op")
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_the_host_op_steps_like_torch_with_param_groups_and_a_scheduler(name: str, single_rank_group, monkeypatch) -> None:
-    from megatron_fsdp import host_optimizer
+    from megatron_fsdp.optim import host_optimizer
 
     calls = []
     step_all = host_optimizer.HostStep._step_all
@@ -205,7 +205,7 @@ def test_other_optimizers_step_with_their_own_step_and_one_log_line(single_rank_
         model, optimizer = megatron_fsdp.fully_shard(
             model, torch.optim.RMSprop(model.parameters(), lr=1e-3), fsdp_unit_modules=[Block], cpu_offload=offload
         )
-        with caplog.at_level(logging.WARNING, logger="megatron_fsdp.host_optimizer"):
+        with caplog.at_level(logging.WARNING, logger="megatron_fsdp.optim.host_optimizer"):
             _train(model, optimizer, 0, 1, range(3))
         results.append(_everything(model, optimizer))
     lines = [r.getMessage() for r in caplog.records if "own step on the host" in r.getMessage()]
@@ -224,7 +224,7 @@ def test_bf16_main_params_step_with_torchs_own_adam_and_one_log_line(single_rank
             model, torch.optim.Adam(model.parameters(), lr=1e-2), fsdp_unit_modules=[Block], cpu_offload=offload,
             mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=None),
         )
-        with caplog.at_level(logging.WARNING, logger="megatron_fsdp.host_optimizer"):
+        with caplog.at_level(logging.WARNING, logger="megatron_fsdp.optim.host_optimizer"):
             _train(model, optimizer, 0, 1, range(3))
         results.append(_everything(model, optimizer))
     lines = [r.getMessage() for r in caplog.records if "own step on the host" in r.getMessage()]

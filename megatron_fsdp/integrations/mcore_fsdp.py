@@ -32,9 +32,9 @@ from typing import Any
 
 from torch import nn
 
-from megatron_fsdp.module import MegatronFSDP
-from megatron_fsdp.schedule import StepState
-from megatron_fsdp.utils import is_mcore_tensor_model_parallel
+from megatron_fsdp.engine.dtensor_params import is_mcore_tensor_model_parallel
+from megatron_fsdp.engine.schedule import StepState
+from megatron_fsdp.megatron_fsdp import MegatronFSDP
 
 # The attributes upstream copies from a model parameter onto its DTensor parameter.
 _COPIED_ATTRIBUTES = (

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_fsdp.checkpoint import check_keys, fqn_keyed_optimizer_state_dict
-from megatron_fsdp.checkpoint_integrity import (
+from megatron_fsdp.checkpoint.integrity import (
     MANIFEST,
     MANIFEST_KEY,
     CheckpointCorruptError,
@@ -31,7 +30,10 @@ from megatron_fsdp.checkpoint_integrity import (
     verify_checkpoint,
     write_manifest,
 )
-from megatron_fsdp.module import MegatronFSDP
+from megatron_fsdp.checkpoint.state_dicts import check_keys, fqn_keyed_optimizer_state_dict
+
+if TYPE_CHECKING:  # the wrapper sits above this module; it is passed in
+    from megatron_fsdp.megatron_fsdp import MegatronFSDP
 
 logger = logging.getLogger(__name__)
 

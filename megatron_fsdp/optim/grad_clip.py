@@ -10,12 +10,15 @@ this is the fast path, and the one that also works when parameters live on diffe
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_fsdp import _ops
-from megatron_fsdp.module import MegatronFSDP
+
+if TYPE_CHECKING:  # the wrapper sits above this module; it is passed in
+    from megatron_fsdp.megatron_fsdp import MegatronFSDP
 
 
 def _check_arguments(max_norm: float, norm_type: float) -> None:

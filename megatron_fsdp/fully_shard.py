@@ -12,12 +12,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import OffloadPolicy
 
-from megatron_fsdp.argument_types import check_argument_types
-from megatron_fsdp.config import MixedPrecisionPolicy, ShardingStrategy
-from megatron_fsdp.distributed_index import FSDPDistributedIndex
-from megatron_fsdp.module import MegatronFSDP
-from megatron_fsdp.optimizer import distribute_optimizer
-from megatron_fsdp.plan import (
+from megatron_fsdp.engine.argument_types import check_argument_types
+from megatron_fsdp.engine.config import ShardingStrategy
+from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.engine.plan import (
     check_strategies,
     check_timeout,
     check_upstream_options,
@@ -25,6 +23,9 @@ from megatron_fsdp.plan import (
     resolve_offload,
     resolve_policy,
 )
+from megatron_fsdp.megatron_fsdp import MegatronFSDP
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.optim.optimizer import distribute_optimizer
 
 
 def fully_shard_model(
@@ -130,7 +131,7 @@ def fully_shard_model(
       docs/offloading.md.
 
     Before any collective, the ranks check that they shard the same model the same way and
-    all raise the same ``ValueError`` if not (megatron_fsdp/consistency.py).
+    all raise the same ``ValueError`` if not (megatron_fsdp/engine/consistency.py).
     """
     check_argument_types(locals())
     check_timeout(collective_timeout)
@@ -176,7 +177,7 @@ def fully_shard_optimizer(
     model: MegatronFSDP | None = None,
 ) -> torch.optim.Optimizer:
     """Makes ``optimizer`` step only this rank's main-parameter shard (see
-    :func:`megatron_fsdp.optimizer.distribute_optimizer`), in place, and returns it.
+    :func:`megatron_fsdp.optim.optimizer.distribute_optimizer`), in place, and returns it.
 
     - ``preproc_state_dict_for_dcp_ckpt`` (upstream's keyword, default True): accepted; the
       optimizer's state dict is ready for ``torch.distributed.checkpoint`` either way (it

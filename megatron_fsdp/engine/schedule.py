@@ -16,11 +16,11 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from megatron_fsdp import _ops
-from megatron_fsdp.buffer import Bucket, PendingReduction
-from megatron_fsdp.collectives import all_gather_shards
-from megatron_fsdp.config import FSDPSettings
-from megatron_fsdp.mesh import DataParallelGroup
-from megatron_fsdp.units import FSDPUnit
+from megatron_fsdp.engine.buffer import Bucket, PendingReduction
+from megatron_fsdp.engine.collectives import all_gather_shards
+from megatron_fsdp.engine.config import FSDPSettings
+from megatron_fsdp.engine.mesh import DataParallelGroup
+from megatron_fsdp.engine.units import FSDPUnit
 
 
 class StepState(enum.Enum):

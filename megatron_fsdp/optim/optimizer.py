@@ -9,17 +9,19 @@ import types
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from megatron_fsdp import checkpoint
-from megatron_fsdp.host_optimizer import host_step_for
-from megatron_fsdp.module import MegatronFSDP
-from megatron_fsdp.piece_dtensor import plain_attribute_access
-from megatron_fsdp.sharded_params import sharded_dtensor
+from megatron_fsdp.checkpoint import state_dicts
+from megatron_fsdp.engine.piece_dtensor import plain_attribute_access
+from megatron_fsdp.engine.sharded_params import sharded_dtensor
+from megatron_fsdp.optim.host_optimizer import host_step_for
+
+if TYPE_CHECKING:  # the wrapper sits above this module; it is passed in
+    from megatron_fsdp.megatron_fsdp import MegatronFSDP
 
 
 class PieceSwap:
@@ -32,7 +34,7 @@ class PieceSwap:
     look-ups per parameter."""
 
     def __init__(self, model: MegatronFSDP) -> None:
-        self.sources = checkpoint.face_sources(model)
+        self.sources = state_dicts.face_sources(model)
         self.sharded = {sharded.param: sharded for bucket in model.trainable_buckets() for sharded in bucket.faces}
         pieces = model.optimizer_params()
         self.piece_of = {model.face_of(param): piece for param, piece in pieces.items()}
@@ -77,7 +79,7 @@ class PieceSwap:
 
     def _assigned_grad(self, face: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         source = self.sources[face]
-        if not isinstance(grad, DTensor) or not checkpoint.holds_this_piece(grad, source.spec):
+        if not isinstance(grad, DTensor) or not state_dicts.holds_this_piece(grad, source.spec):
             raise ValueError(
                 f"the .grad of parameter {self.names[face]!r} is not a DTensor laid out like the parameter; "
                 "assign gradients made from the parameter or its .grad (torch.zeros_like(p), p.grad * 2), "
@@ -165,7 +167,7 @@ class PieceSwap:
         for key, face in zip(keys, faces):
             if key in state:
                 state[key] = {
-                    name: checkpoint.to_face_layout(value, self.sources[face], f"{name!r} of {self.names[face]!r}")
+                    name: state_dicts.to_face_layout(value, self.sources[face], f"{name!r} of {self.names[face]!r}")
                     for name, value in state[key].items()
                 }
         return {**state_dict, "state": state}

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from megatron_fsdp import _ops
-from megatron_fsdp.buffer import Bucket
+from megatron_fsdp.engine.buffer import Bucket
 
 logger = logging.getLogger(__name__)
 

@@ -18,15 +18,22 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fsdp import _ops
-from megatron_fsdp.collectives import all_gather_shards, all_reduce_sum, all_to_all, reduce_scatter_sum, wait_for
-from megatron_fsdp.bucket_checkpoint import BucketCheckpointing
-from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
-from megatron_fsdp.dtensor_params import local_grad, local_tensor, param_extent
-from megatron_fsdp.layout import BucketLayout, alignment_in_elements, build_bucket_layout
-from megatron_fsdp.mesh import DataParallelGroup
-from megatron_fsdp.offload import HostBuffers, OffloadTransfers, StagedWeights
-from megatron_fsdp.piece_dtensor import plain_attribute_access
-from megatron_fsdp.sharded_params import ShardedParam
+from megatron_fsdp.engine.bucket_checkpoint import BucketCheckpointing
+from megatron_fsdp.engine.collectives import (
+    all_gather_shards,
+    all_reduce_sum,
+    all_to_all,
+    reduce_scatter_sum,
+    wait_for,
+)
+from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
+from megatron_fsdp.engine.dtensor_params import local_grad, local_tensor, param_extent
+from megatron_fsdp.engine.layout import BucketLayout, alignment_in_elements, build_bucket_layout
+from megatron_fsdp.engine.mesh import DataParallelGroup
+from megatron_fsdp.engine.offload import HostBuffers, OffloadTransfers, StagedWeights
+from megatron_fsdp.engine.piece_dtensor import plain_attribute_access
+from megatron_fsdp.engine.sharded_params import ShardedParam
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import OffloadPolicy
 
-from megatron_fsdp.config import MixedPrecisionPolicy
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
 _FLAGS = (
     "init_model_with_meta_device",

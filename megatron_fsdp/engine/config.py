@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
 _STRATEGY_NAMES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -52,55 +52,6 @@ class ShardingStrategy(enum.IntEnum):
     @property
     def shards_optimizer(self) -> bool:
         return self >= ShardingStrategy.OPTIM
-
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-@dataclass(frozen=True)
-class MixedPrecisionPolicy:
-    """The dtypes of the optimizer's main parameters, of the accumulated main gradients and of
-    gradient communication. ``None`` means: main params / main grads in the model's compute
-    dtype (the parameters' dtype), communication in the main-gradient dtype.
-
-    When ``grad_comm_dtype`` is less precise than the main gradients, gradients travel in the
-    communication dtype but are summed in the main-gradient dtype (an all-to-all followed by
-    the ``promoting_reduce`` op) instead of by a low-precision reduce-scatter.
-    """
-
-    main_params_dtype: torch.dtype | None = torch.float32
-    main_grads_dtype: torch.dtype | None = None
-    grad_comm_dtype: torch.dtype | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
-            value = getattr(self, name)
-            if value is not None and value not in _FLOAT_DTYPES:
-                raise ValueError(f"MixedPrecisionPolicy.{name} must be None or a float dtype (float32, bfloat16, float16, float64), got {value!r}")
-
-    def resolve(self, compute_dtype: torch.dtype) -> ResolvedDtypes:
-        main_grads = self.main_grads_dtype or compute_dtype
-        return ResolvedDtypes(
-            compute=compute_dtype,
-            main_params=self.main_params_dtype or compute_dtype,
-            main_grads=main_grads,
-            comm=self.grad_comm_dtype or main_grads,
-        )
-
-
-@dataclass(frozen=True)
-class ResolvedDtypes:
-    """A bucket's dtypes once the policy meets its parameters' compute dtype."""
-
-    compute: torch.dtype
-    main_params: torch.dtype
-    main_grads: torch.dtype
-    comm: torch.dtype
-
-    @property
-    def promotes_reduction(self) -> bool:
-        """Communication less precise than accumulation: sum received chunks in high precision."""
-        return torch.finfo(self.comm).eps > torch.finfo(self.main_grads).eps
 
 
 @dataclass(frozen=True)

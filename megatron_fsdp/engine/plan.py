@@ -20,12 +20,13 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
-from megatron_fsdp.config import FSDPSettings, MixedPrecisionPolicy, ShardingStrategy
-from megatron_fsdp.consistency import check_same_configuration_on_all_ranks, describe_configuration
-from megatron_fsdp.distributed_index import FSDPDistributedIndex
-from megatron_fsdp.dtensor_params import check_parallel_params, is_expert_param
-from megatron_fsdp.mesh import submesh
-from megatron_fsdp.units import resolve_unit_classes
+from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
+from megatron_fsdp.engine.consistency import check_same_configuration_on_all_ranks, describe_configuration
+from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.engine.dtensor_params import check_parallel_params, is_expert_param
+from megatron_fsdp.engine.mesh import submesh
+from megatron_fsdp.engine.units import resolve_unit_classes
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
 logger = logging.getLogger(__name__)
 

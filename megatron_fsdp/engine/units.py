@@ -9,12 +9,12 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from megatron_fsdp.buffer import Bucket
-from megatron_fsdp.collectives import wait_for
-from megatron_fsdp.config import FSDPSettings
-from megatron_fsdp.dtensor_params import is_expert_param
-from megatron_fsdp.mesh import DataParallelGroup
-from megatron_fsdp.offload import OffloadTransfers
+from megatron_fsdp.engine.buffer import Bucket
+from megatron_fsdp.engine.collectives import wait_for
+from megatron_fsdp.engine.config import FSDPSettings
+from megatron_fsdp.engine.dtensor_params import is_expert_param
+from megatron_fsdp.engine.mesh import DataParallelGroup
+from megatron_fsdp.engine.offload import OffloadTransfers
 
 ROOT_UNIT_NAME = "<root>"
 

@@ -10,12 +10,19 @@ is pointed at bucket memory, exactly as a plain parameter's ``.data`` is.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+
+if TYPE_CHECKING:
+    from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
+
+# megatron-core's FSDP adapter marks tensor-parallel parameters with a mode instead of a dim.
+_MODE_DIMS = {"column": 0, "row": 1}
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -144,3 +151,33 @@ def check_parallel_params(module: nn.Module, tp_mesh: DeviceMesh | None, expert_
             "expt_device_mesh was given but no parameter is marked as an expert parameter: set "
             "param.allreduce = False on the expert weights (Megatron-Core's convention)"
         )
+
+
+def get_mcore_tensor_parallel_partition_dim(param: torch.Tensor) -> int | None:
+    """The dim Megatron-Core splits ``param`` along across tensor-parallel ranks; None for a
+    parameter every tensor-parallel rank holds whole."""
+    mode_dim = _MODE_DIMS.get(getattr(param, "_tensor_parallel_mode", None))
+    if mode_dim is not None:
+        return mode_dim
+    if getattr(param, "tensor_model_parallel", False):
+        partition_dim = getattr(param, "partition_dim", None)
+        if partition_dim is not None and partition_dim >= 0:
+            return int(partition_dim)
+    return None
+
+
+def is_mcore_tensor_model_parallel(param: torch.Tensor) -> bool:
+    """Whether Megatron-Core splits ``param`` across tensor-parallel ranks."""
+    return get_mcore_tensor_parallel_partition_dim(param) is not None
+
+
+def is_mcore_tensor_parallel_duplicated(param: torch.Tensor) -> bool:
+    """Whether every tensor-parallel rank holds ``param`` whole."""
+    return get_mcore_tensor_parallel_partition_dim(param) is None
+
+
+def using_tensor_parallel(dist_index: FSDPDistributedIndex, is_expert_parallel: bool = False) -> bool:
+    """Whether ``dist_index`` names a tensor-parallel dim of more than one rank."""
+    if dist_index.tp_dim is None:
+        return False
+    return dist_index.get_submesh(dist_index.tp_dim, is_expert_parallel=is_expert_parallel).size() > 1

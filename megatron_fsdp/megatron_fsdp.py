@@ -12,19 +12,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_fsdp import _ops, checkpoint
-from megatron_fsdp.argument_types import check_argument_types
-from megatron_fsdp.buffer import Bucket
-from megatron_fsdp.config import MixedPrecisionPolicy
-from megatron_fsdp.distributed_index import FSDPDistributedIndex
-from megatron_fsdp.megatron_config import ddp_config_from_settings
-from megatron_fsdp.meta_init import materialize_unit_by_unit
-from megatron_fsdp.offload import OffloadTransfers
-from megatron_fsdp.plan import ShardingPlan, check_upstream_options, plan_from_upstream_arguments
-from megatron_fsdp.schedule import StepScheduler, StepState
-from megatron_fsdp.sharded_params import MeshCache, ShardedParam
-from megatron_fsdp.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_to_units, find_unit_modules
-from megatron_fsdp.user_buffers import NCCLUserBuffers
+from megatron_fsdp import _ops
+from megatron_fsdp.checkpoint import state_dicts
+from megatron_fsdp.distributed_data_parallel_config import ddp_config_from_settings
+from megatron_fsdp.engine.argument_types import check_argument_types
+from megatron_fsdp.engine.buffer import Bucket
+from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.engine.meta_init import materialize_unit_by_unit
+from megatron_fsdp.engine.offload import OffloadTransfers
+from megatron_fsdp.engine.plan import ShardingPlan, check_upstream_options, plan_from_upstream_arguments
+from megatron_fsdp.engine.schedule import StepScheduler, StepState
+from megatron_fsdp.engine.sharded_params import MeshCache, ShardedParam
+from megatron_fsdp.engine.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_to_units, find_unit_modules
+from megatron_fsdp.engine.user_buffers import NCCLUserBuffers
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.param_and_grad_buffer import ParamAndGradBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -422,14 +424,11 @@ class MegatronFSDP(nn.Module):
         return self._ddp_config
 
     @property
-    def param_and_grad_buffer(self) -> Any:
+    def param_and_grad_buffer(self) -> ParamAndGradBuffer:
         """Upstream's ``ParamAndGradBuffer``: a view of this model's buckets as upstream's
         parameter groups (megatron_fsdp/param_and_grad_buffer.py), made on first use."""
         face = self.__dict__.get("_param_and_grad_buffer_face")
         if face is None:
-            # Imported here: that face module imports this one (through megatron_fsdp.utils).
-            from megatron_fsdp.param_and_grad_buffer import ParamAndGradBuffer
-
             face = self.__dict__["_param_and_grad_buffer_face"] = ParamAndGradBuffer(self)
         return face
 
@@ -525,7 +524,7 @@ class MegatronFSDP(nn.Module):
         wrapped module's own ``state_dict()``."""
         if not self.settings.preproc_state_dict_for_dcp_ckpt:
             return self.module.state_dict(*args, **kwargs)
-        return checkpoint.model_state_dict(self)
+        return state_dicts.model_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Loads :meth:`state_dict`'s form (filled in place by ``dcp.load``) or full tensors
@@ -534,7 +533,7 @@ class MegatronFSDP(nn.Module):
             raise ValueError("assign=True cannot apply: parameters live in megatron_fsdp's buffers")
         if self.scheduler.state is not StepState.IDLE:
             raise RuntimeError("load a state dict between steps, not during forward or backward")
-        checkpoint.load_model_state_dict(self, state_dict, strict=strict)
+        state_dicts.load_model_state_dict(self, state_dict, strict=strict)
 
     # -- inspection ---------------------------------------------------------------------------
 

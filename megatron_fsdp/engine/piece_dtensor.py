@@ -33,9 +33,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from megatron_fsdp.collectives import all_gather_shards
-from megatron_fsdp.dtensor_params import contiguous_strides
-from megatron_fsdp.layout import flat_offset, rectangular_chunks
+from megatron_fsdp.engine.collectives import all_gather_shards
+from megatron_fsdp.engine.dtensor_params import contiguous_strides
+from megatron_fsdp.engine.layout import flat_offset, rectangular_chunks
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """torch's ``set_model_state_dict`` / ``set_optimizer_state_dict`` with
 ``broadcast_from_rank0=True`` copy each broadcast full tensor into a DTensor's local tensor as
 its ``torch.chunk`` rows (``torch.distributed._state_dict_utils._distribute_tensors``), which a
-flat-sharded :class:`~megatron_fsdp.piece_dtensor.PieceDTensor` is not: the copy would fail on
+flat-sharded :class:`~megatron_fsdp.engine.piece_dtensor.PieceDTensor` is not: the copy would fail on
 a shape mismatch. :func:`install` wraps that function so flat-sharded entries take their own
 piece of the full tensor first; every other entry goes through torch's code unchanged."""
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed._state_dict_utils as torch_state_dict_utils
 
-from megatron_fsdp.piece_dtensor import PieceDTensor
+from megatron_fsdp.engine.piece_dtensor import PieceDTensor
 
 _torch_distribute_tensors = getattr(torch_state_dict_utils, "_distribute_tensors", None)
 
