@@ -288,7 +288,8 @@ def test_train_gpt_skips_a_corrupt_checkpoint_and_extends_a_finished_run(tmp_pat
 
 
 def test_segment_checksums_continue_across_map_windows(tmp_path, monkeypatch) -> None:
-    from megatron_fsdp import _ops, checkpoint_integrity
+    from megatron_fsdp import _ops
+    from megatron_fsdp.checkpoint import integrity as checkpoint_integrity
 
     data = torch.randint(0, 256, (40_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     path = tmp_path / "file"

@@ -132,7 +132,7 @@ def _build_model(dtype: torch.dtype, on_meta: bool) -> nn.Module:
 
 def _raised_by_us(error: BaseException) -> bool:
     frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and os.path.dirname(os.path.abspath(frames[-1].filename)) == PACKAGE_DIR
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(PACKAGE_DIR + os.sep)
 
 
 def _train(model, optimizer) -> list[float]:

@@ -114,7 +114,6 @@ struct CopyJob {
 
 // Uploads one chunk table for all jobs and launches once per (source, destination) dtype pair.
 void launch_copies(const std::vector<CopyJob>& jobs, at::Device device) {
-  constexpr at::ScalarType kDtypes[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
   struct Group {
     at::ScalarType src_dtype;
     at::ScalarType dst_dtype;
@@ -123,8 +122,8 @@ void launch_copies(const std::vector<CopyJob>& jobs, at::Device device) {
   };
   mt::ChunkTableBuilder builder(kFields);
   std::vector<Group> groups;
-  for (at::ScalarType src_dtype : kDtypes) {
-    for (at::ScalarType dst_dtype : kDtypes) {
+  for (at::ScalarType src_dtype : mt::kFloatingDtypes) {
+    for (at::ScalarType dst_dtype : mt::kFloatingDtypes) {
       const int64_t first = builder.num_chunks();
       for (const CopyJob& job : jobs) {
         if (job.src_dtype == src_dtype && job.dst_dtype == dst_dtype) {

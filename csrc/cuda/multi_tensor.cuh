@@ -65,6 +65,51 @@ __device__ __forceinline__ Chunk current_chunk(const int64_t* tensors, int tenso
   return {tensors + row[0] * tensor_fields, row[1], row[2]};
 }
 
+// Calls visit(element) on this thread's elements of a read-only chunk: a scalar head up to the
+// first 16-byte boundary (tensors are aligned to their element size), then 16-byte vectors with
+// several loads in flight per thread, then a scalar tail. Head and tail are each shorter than a
+// vector, so one element per thread covers them. Every element is visited exactly once per block.
+template <typename T, typename Visit>
+__device__ __forceinline__ void for_each_element(const T* data, int count, Visit&& visit) {
+  constexpr int kVec = static_cast<int>(16 / sizeof(T));
+  using VecT = Vec<T, kVec>;
+  constexpr int kLoads = loads_in_flight(static_cast<int>(sizeof(VecT)));
+  const int thread = static_cast<int>(threadIdx.x);
+  int head = static_cast<int>((16 - misalignment(data, 16)) % 16 / sizeof(T));
+  if (head > count) head = count;
+  const int num_vecs = (count - head) / kVec;
+  const int tail = head + num_vecs * kVec + thread;  // after the vectors
+  if (thread < head) visit(data[thread]);
+  if (tail < count) visit(data[tail]);
+
+  const VecT* vecs = reinterpret_cast<const VecT*>(data + head);
+  for (int base = thread; base < num_vecs; base += kLoads * kBlockThreads) {
+    VecT in[kLoads];
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int i = base + k * kBlockThreads;
+      if (i < num_vecs) in[k] = vecs[i];
+    }
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      if (base + k * kBlockThreads < num_vecs) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) visit(in[k].val[j]);
+      }
+    }
+  }
+}
+
+// The floating dtypes the multi-tensor ops launch for, in launch order.
+constexpr at::ScalarType kFloatingDtypes[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
+
+// The chunks of one dtype's tensors: one launch each.
+struct DtypeGroup {
+  at::ScalarType dtype;
+  int64_t first_chunk;
+  int64_t num_chunks;
+};
+
 // The uploaded table. `storage` owns the device memory; dropping it after the launches is safe
 // because the caching allocator orders reuse on the current stream.
 struct ChunkTable {
@@ -98,6 +143,22 @@ class ChunkTableBuilder {
   }
 
   int64_t num_chunks() const { return static_cast<int64_t>(chunk_rows_.size()) / kChunkFields; }
+
+  // Adds the tensors dtype by dtype (kFloatingDtypes' order) through add_tensor(builder, i) for
+  // each i with dtype_of(i) == dtype; returns the dtypes that got chunks, one launch each.
+  template <typename DtypeOf, typename AddTensor>
+  std::vector<DtypeGroup> add_by_dtype(int64_t num_tensors, const DtypeOf& dtype_of,
+                                       const AddTensor& add_tensor) {
+    std::vector<DtypeGroup> groups;
+    for (at::ScalarType dtype : kFloatingDtypes) {
+      const int64_t first = num_chunks();
+      for (int64_t i = 0; i < num_tensors; ++i) {
+        if (dtype_of(i) == dtype) add_tensor(*this, i);
+      }
+      if (num_chunks() > first) groups.push_back({dtype, first, num_chunks() - first});
+    }
+    return groups;
+  }
 
   // Copies the table to `device` on the current stream without blocking the host. The staging
   // buffer is pinned memory from PyTorch's caching host allocator; copy_(non_blocking=true)

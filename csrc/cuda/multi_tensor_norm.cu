@@ -87,41 +87,12 @@ __device__ double block_reduce(double value) {
 template <typename T, Norm kNorm>
 __global__ void chunk_norms_kernel(const int64_t* tensors, const int64_t* chunks, double p,
                                    double* partials) {
-  constexpr int kVec = static_cast<int>(16 / sizeof(T));
-  using Vec = mt::Vec<T, kVec>;
-  constexpr int kLoads = mt::loads_in_flight(static_cast<int>(sizeof(Vec)));
   const mt::Chunk chunk = mt::current_chunk(tensors, kFields, chunks);
   const T* data = mt::pointer_from<const T>(chunk.tensor[0]) + chunk.start;
-  const int count = static_cast<int>(chunk.count);
-
-  // Scalar head up to the first 16-byte boundary (tensors are aligned to their element size),
-  // then 16-byte vectors, several loads in flight per thread, then a scalar tail.
-  int head = static_cast<int>((16 - mt::misalignment(data, 16)) % 16 / sizeof(T));
-  if (head > count) head = count;
-  const int num_vecs = (count - head) / kVec;
-  const int tail = head + num_vecs * kVec + static_cast<int>(threadIdx.x);  // after the vectors
-  // Head and tail are each shorter than kVec, so one element per thread covers them.
+  // 0 is the identity of both combines, so starting from it changes no result.
   double acc = 0.0;
-  if (static_cast<int>(threadIdx.x) < head) acc = term<kNorm>(data[threadIdx.x], p);
-  if (tail < count) acc = combine<kNorm>(acc, term<kNorm>(data[tail], p));
-
-  const Vec* vecs = reinterpret_cast<const Vec*>(data + head);
-  for (int base = static_cast<int>(threadIdx.x); base < num_vecs;
-       base += kLoads * mt::kBlockThreads) {
-    Vec in[kLoads];
-#pragma unroll
-    for (int k = 0; k < kLoads; ++k) {
-      const int i = base + k * mt::kBlockThreads;
-      if (i < num_vecs) in[k] = vecs[i];
-    }
-#pragma unroll
-    for (int k = 0; k < kLoads; ++k) {
-      if (base + k * mt::kBlockThreads < num_vecs) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) acc = combine<kNorm>(acc, term<kNorm>(in[k].val[j], p));
-      }
-    }
-  }
+  mt::for_each_element(data, static_cast<int>(chunk.count),
+                       [&](T value) { acc = combine<kNorm>(acc, term<kNorm>(value, p)); });
   const double total = block_reduce<kNorm>(acc);
   if (threadIdx.x == 0) {
     partials[chunk.tensor[2] + chunk.start / mt::kChunkSize] = total;
@@ -166,27 +137,14 @@ at::Tensor multi_tensor_norm_cuda(at::TensorList tensors, double norm_type) {
   const int64_t num_tensors = static_cast<int64_t>(tensors.size());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
-  constexpr at::ScalarType kDtypes[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
-  struct Group {
-    at::ScalarType dtype;
-    int64_t first_chunk;
-    int64_t num_chunks;
-  };
   mt::ChunkTableBuilder builder(kFields);
-  std::vector<Group> groups;
-  for (at::ScalarType dtype : kDtypes) {
-    const int64_t first = builder.num_chunks();
-    for (int64_t i = 0; i < num_tensors; ++i) {
-      const at::Tensor& t = tensors[i];
-      if (t.scalar_type() != dtype) continue;
-      const int64_t num_chunks = (t.numel() + mt::kChunkSize - 1) / mt::kChunkSize;
-      builder.add({mt::address_of(t.const_data_ptr()), i, builder.num_chunks(), num_chunks},
-                  t.numel());
-    }
-    if (builder.num_chunks() > first) {
-      groups.push_back({dtype, first, builder.num_chunks() - first});
-    }
-  }
+  const std::vector<mt::DtypeGroup> groups = builder.add_by_dtype(
+      num_tensors, [&](int64_t i) { return tensors[i].scalar_type(); },
+      [&](mt::ChunkTableBuilder& table, int64_t i) {
+        const at::Tensor& t = tensors[i];
+        const int64_t num_chunks = (t.numel() + mt::kChunkSize - 1) / mt::kChunkSize;
+        table.add({mt::address_of(t.const_data_ptr()), i, table.num_chunks(), num_chunks}, t.numel());
+      });
 
   const mt::ChunkTable table = builder.upload(device);
   const at::TensorOptions on_device = at::TensorOptions().device(device);
@@ -196,7 +154,7 @@ at::Tensor multi_tensor_norm_cuda(at::TensorList tensors, double norm_type) {
   float* norm_ptr = norms.mutable_data_ptr<float>();
   dispatch_norm(norm_type, [&](auto norm) {
     constexpr Norm kNorm = decltype(norm)::value;
-    for (const Group& group : groups) {
+    for (const mt::DtypeGroup& group : groups) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, group.dtype, "multi_tensor_norm", [&] {
         chunk_norms_kernel<scalar_t, kNorm>
             <<<static_cast<unsigned int>(group.num_chunks), mt::kBlockThreads, 0, stream>>>(
