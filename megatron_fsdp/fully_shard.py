@@ -210,6 +210,11 @@ def _owning_model(optimizer: torch.optim.Optimizer) -> MegatronFSDP:
 
 
 def _owner_of(param: torch.Tensor) -> MegatronFSDP | None:
+    # A face carries upstream's back-reference (clients such as NeMo Automodel also set it); a
+    # model parameter, megatron_fsdp's weak one.
+    owner = getattr(param, "_megatron_fsdp_model", None)
+    if isinstance(owner, MegatronFSDP):
+        return owner
     owner_ref = getattr(param, "_megatron_fsdp_owner", None)
     return owner_ref() if owner_ref is not None else None
 

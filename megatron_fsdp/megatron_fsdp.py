@@ -24,6 +24,7 @@ from megatron_fsdp.engine.plan import ShardingPlan, check_upstream_options, plan
 from megatron_fsdp.engine.schedule import StepScheduler, StepState
 from megatron_fsdp.engine.sharded_params import MeshCache, ShardedParam
 from megatron_fsdp.engine.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_to_units, find_unit_modules
+from megatron_fsdp.engine.upstream_param_attributes import mark_distributed_params
 from megatron_fsdp.engine.user_buffers import NCCLUserBuffers
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.param_and_grad_buffer import ParamAndGradBuffer
@@ -144,7 +145,7 @@ class MegatronFSDP(nn.Module):
         self.settings = settings
         self._ddp_config = ddp_config
         self.pool = _ops.new_bucket_pool(settings.fsdp_double_buffer)
-        unit_modules = find_unit_modules(module, plan.unit_classes)
+        unit_modules = find_unit_modules(module, plan.unit_classes, units_required=settings.strategy.shards_weights)
         assignment = assign_params_to_units(module, [m for _, m in unit_modules])
         # Where the buffers will live: the meta-device target, else where the model is.
         device = plan.meta_init_device or next((p.device for p in module.parameters()), torch.device("cpu"))
@@ -172,9 +173,11 @@ class MegatronFSDP(nn.Module):
         self._faces: dict[nn.Parameter, ShardedParam] = {
             param: face for bucket in self.all_buckets() for param, face in zip(bucket.params, bucket.faces)
         }
-        for param in [*module.parameters(), *self.parameters()]:
-            # Lets fully_shard_optimizer(optimizer) find this wrapper from the optimizer's params.
+        for param in module.parameters():
+            # Lets fully_shard_optimizer(optimizer) find this wrapper from an optimizer built over
+            # the model's parameters (the faces carry upstream's _megatron_fsdp_model).
             param._megatron_fsdp_owner = weakref.ref(self)
+        mark_distributed_params(self, module, self._faces, self.dist_index)
         self.scheduler = StepScheduler(self.units, settings, dp)
         # Where the buffers live (and forward computes).
         self.compute_device = next((b.device for b in self.all_buckets()), torch.device("cpu"))
@@ -408,8 +411,13 @@ class MegatronFSDP(nn.Module):
         )
 
     def _replace_param_with_distributed_if_needed(self) -> None:
-        """Upstream's docstrings tell users to call this before building an optimizer over
-        ``parameters()``; here ``parameters()`` always are the distributed parameters."""
+        """Upstream's docstrings (and NeMo Automodel) call this before building an optimizer over
+        ``parameters()``. Upstream registers its distributed parameters in ``self.module``, which
+        its constructor already did, so there the call only matters after a forward; here
+        ``parameters()`` always are the distributed parameters and ``self.module`` keeps the
+        compute weights. What it does here: put back upstream's attributes on the distributed
+        parameters where they went missing (engine/upstream_param_attributes.py)."""
+        mark_distributed_params(self, self.module, self._faces, self.dist_index)
 
     def get_distributed_index(self) -> FSDPDistributedIndex:
         """The meshes and groups this model is sharded over."""

@@ -41,6 +41,8 @@ class Setup:
     clip: str | None = None
     # CPU offloading (cpu_offload=True): main params, optimizer grads and state on the host.
     offload: bool = False
+    # fsdp_unit_modules; without any class the model holds, the whole model is one unit.
+    unit_modules: tuple = (Block,)
 
     def build_model(self):
         return make_model(seed=0, dtype=self.dtype, **dict(self.model_options))
@@ -122,7 +124,7 @@ def sharded_run(rank: int, world: int, setup: Setup, device: str = "cpu") -> Res
         model,
         optimizer,
         **mesh_arguments,
-        fsdp_unit_modules=[Block],
+        fsdp_unit_modules=list(setup.unit_modules),
         zero_dp_strategy=setup.strategy,
         sync_model_each_microbatch=setup.sync_each_microbatch,
         mixed_precision_policy=setup.policy,

@@ -31,9 +31,18 @@ def test_strategy_names_numbers_and_case_are_equivalent() -> None:
     assert [parse(i).label for i in range(4)] == ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
 
-def test_unit_class_absent_from_the_model_is_named(single_rank_group) -> None:
-    with pytest.raises(ValueError, match=r"torch.nn.modules.rnn.LSTM.*holds no module of that class.*Block"):
-        megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block, torch.nn.LSTM])
+def test_unit_classes_absent_from_the_model_are_logged_and_skipped(single_rank_group, caplog) -> None:
+    """As Megatron-LM calls it: its adapter names MoE and Mamba layers for every GPT."""
+    with caplog.at_level(logging.INFO, logger="megatron_fsdp"):
+        model = megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block, torch.nn.LSTM, torch.nn.GRU])
+    assert [u.name for u in model.units] == ["<root>", "blocks.0", "blocks.1"]
+    notes = [r.getMessage() for r in caplog.records if "fsdp_unit_modules" in r.getMessage()]
+    assert len(notes) == 1 and "torch.nn.modules.rnn.LSTM, torch.nn.modules.rnn.GRU" in notes[0], notes
+
+
+def test_sharded_weights_with_none_of_the_unit_classes_name_the_models_classes(single_rank_group) -> None:
+    with pytest.raises(ValueError, match=r"torch.nn.modules.rnn.LSTM, but the model holds no module of those classes.*Block"):
+        megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[torch.nn.LSTM])
 
 
 def test_unit_import_paths_resolve_and_bad_ones_are_named(single_rank_group) -> None:
@@ -43,9 +52,18 @@ def test_unit_import_paths_resolve_and_bad_ones_are_named(single_rank_group) -> 
         megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=["models.NoSuchBlock"])
 
 
-def test_sharding_strategies_need_units(single_rank_group) -> None:
+def test_sharded_weights_need_units(single_rank_group) -> None:
     with pytest.raises(ValueError, match="needs fsdp_unit_modules"):
-        megatron_fsdp.fully_shard_model(make_model(), zero_dp_strategy="optim")
+        megatron_fsdp.fully_shard_model(make_model(), zero_dp_strategy="optim_grads_params")
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+@pytest.mark.parametrize("units", [None, [], [torch.nn.LSTM]])
+def test_without_units_the_whole_model_is_one_unit(strategy, units, single_rank_group) -> None:
+    """Megatron-LM passes [] under optim and optim_grads; upstream makes the model one unit."""
+    model = megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=units, zero_dp_strategy=strategy)
+    assert [u.name for u in model.units] == ["<root>"]
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in make_model().parameters())
 
 
 def test_mesh_without_the_named_dim_lists_its_dims(single_rank_group) -> None:

@@ -28,7 +28,7 @@ SETUP_ERRORS = {
     "unit entry of another type": (dict(fsdp_unit_modules=[42]), ValueError, "neither a class nor an import path"),
     "unit path to a function": (dict(fsdp_unit_modules=["models.make_model"]), ValueError, "'models.make_model' is not a class"),
     "unit list that is a class": (dict(fsdp_unit_modules=Block), TypeError, "fsdp_unit_modules must be a list"),
-    "meta init of a real model": (dict(init_model_with_meta_device=True), ValueError, "needs every parameter on the meta device"),
+    "meta init of a real model": (dict(init_model_with_meta_device=True), ValueError, "none of its parameters is on the meta device"),
     "dim without a mesh": (dict(dp_shard_dim="dp"), ValueError, "dp_shard_dim='dp' was given without a device_mesh"),
     "outer dim without a mesh": (dict(dp_outer_dim="dp_outer"), ValueError, "dp_outer_dim='dp_outer' needs a device_mesh"),
     "flag that is not a bool": (dict(overlap_grad_reduce="no"), TypeError, "overlap_grad_reduce must be True or False"),

@@ -304,3 +304,19 @@ def _expert_dtensors(rank: int, world: int) -> list[str]:
 def test_expert_and_dense_dtensors_give_global_values() -> None:
     for rank, bad in enumerate(run_distributed(_expert_dtensors, WORLD)):
         assert bad == [], f"rank {rank}: {bad}"
+
+
+def test_experts_are_found_by_name_when_no_parameter_is_marked() -> None:
+    """megatron-core's local MoE layers set no allreduce mark; upstream finds experts by name."""
+    from megatron_fsdp.engine.dtensor_params import is_expert_param, mark_experts_by_name
+
+    moe = torch.nn.ModuleDict({"router": torch.nn.Linear(4, 2), "experts": torch.nn.ModuleList([torch.nn.Linear(4, 4)] * 2)})
+    model = torch.nn.ModuleDict({"mlp": moe})
+    mark_experts_by_name(model)
+    assert sorted(n for n, p in model.named_parameters() if is_expert_param(p)) == ["mlp.experts.0.bias", "mlp.experts.0.weight"]
+    assert not is_expert_param(model["mlp"]["router"].weight)
+
+    marked = torch.nn.ModuleDict({"experts": torch.nn.Linear(4, 4), "other": torch.nn.Linear(4, 4)})
+    marked["other"].weight.allreduce = False
+    mark_experts_by_name(marked)
+    assert not is_expert_param(marked["experts"].weight), "a model with marks of its own keeps them"

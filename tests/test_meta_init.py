@@ -62,3 +62,56 @@ def test_meta_init_refuses_modules_it_cannot_initialise(single_rank_group) -> No
         model = nn.Sequential(Block())
     with pytest.raises(ValueError, match="pass init_model_with_meta_device=True"):
         megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[Block])
+
+
+class _AttentionBlock(nn.Module):
+    """nn.MultiheadAttention initialises itself with _reset_parameters() after building its
+    out_proj, whose bias it zeroes: meta init must call it, after out_proj's own init."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(20, 4, batch_first=True)
+        self.mlp = nn.Linear(20, 20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x + self.attention(x, x, x, need_weights=False)[0])
+
+
+def _attention_stack() -> nn.Sequential:
+    return nn.Sequential(nn.Embedding(VOCAB, 20), _AttentionBlock(), _AttentionBlock(), nn.Linear(20, VOCAB))
+
+
+def _meta_init_attention(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = _attention_stack()
+    model = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[_AttentionBlock], init_model_with_meta_device=True)
+    return model.full_parameters()
+
+
+def test_meta_init_calls_reset_parameters_or_underscore_reset_parameters_children_first() -> None:
+    torch.manual_seed(0)
+    expected = dict(_attention_stack().named_parameters())
+    assert torch.count_nonzero(expected["1.attention.out_proj.bias"]) == 0
+    for params in run_distributed(_meta_init_attention, 2):
+        assert params.keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(params[name], value.detach()), name
+
+
+def _meta_init_partly_real(rank: int, world: int) -> dict:
+    """Megatron-LM may build some modules outside the meta context: those keep their values."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(VOCAB, 20)
+    with torch.device("meta"):
+        model = _stack(2)
+    model[0] = embedding
+    before = embedding.weight.detach().clone()
+    model = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[Block], init_model_with_meta_device=True, device="cpu")
+    return {"params": model.full_parameters(), "embedding": before}
+
+
+def test_meta_init_keeps_parameters_already_on_a_device() -> None:
+    for result in run_distributed(_meta_init_partly_real, 2):
+        assert torch.equal(result["params"]["0.weight"], result["embedding"])
+        assert all(torch.isfinite(value).all() for value in result["params"].values())

@@ -39,6 +39,10 @@ SETUPS["sgd-s3"] = Setup(strategy="optim_grads_params", optimizer="sgd")
 SETUPS["adamw-foreach-s1"] = Setup(strategy="optim", optimizer="adamw_foreach", accum=2)
 SETUPS["adam-fused-s3"] = Setup(strategy=3, optimizer="adam_fused")
 SETUPS["adam-fused-s2"] = Setup(strategy="optim_grads", optimizer="adam_fused")
+# As Megatron-LM calls it under optim and optim_grads: no units (the whole model is one), or only
+# classes the model does not hold.
+SETUPS["no-units-s1"] = Setup(strategy="optim", accum=2, unit_modules=())
+SETUPS["absent-units-s2"] = Setup(strategy="optim_grads", unit_modules=(torch.nn.LSTM,))
 
 
 @functools.cache
@@ -107,6 +111,12 @@ def test_optim_strategy_reduces_each_gradient_once(world: int) -> None:
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", ["sgd-s3", "adamw-foreach-s1", "adam-fused-s3", "adam-fused-s2"])
 def test_sgd_foreach_and_fused_optimizers_match_single_process(name: str, world: int) -> None:
+    _check(name, world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", ["no-units-s1", "absent-units-s2"])
+def test_without_units_the_whole_model_trains_as_one_unit_like_single_process(name: str, world: int) -> None:
     _check(name, world)
 
 

@@ -9,6 +9,7 @@ is pointed at bucket memory, exactly as a plain parameter's ``.data`` is.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 if TYPE_CHECKING:
     from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
+
+logger = logging.getLogger(__name__)
 
 # megatron-core's FSDP adapter marks tensor-parallel parameters with a mode instead of a dim.
 _MODE_DIMS = {"column": 0, "row": 1}
@@ -181,3 +184,18 @@ def using_tensor_parallel(dist_index: FSDPDistributedIndex, is_expert_parallel: 
     if dist_index.tp_dim is None:
         return False
     return dist_index.get_submesh(dist_index.tp_dim, is_expert_parallel=is_expert_parallel).size() > 1
+
+
+def mark_experts_by_name(module: nn.Module) -> None:
+    """Given an expert mesh, a model whose parameters carry no expert mark (``allreduce =
+    False``, set by Transformer Engine's layers) has its experts found by name, as upstream
+    finds them: every parameter under an ``experts`` module (megatron-core's local MoE layers
+    set no mark). The mark is megatron-core's own, so its optimizer and gradient code agree."""
+    params = list(module.named_parameters())
+    if any(is_expert_param(param) for _, param in params):
+        return
+    named = [(name, param) for name, param in params if ".experts." in f".{name}"]
+    for _, param in named:
+        param.allreduce = False
+    if named:
+        logger.info("expt_device_mesh: %d parameters under an 'experts' module are expert parameters", len(named))

@@ -1,12 +1,14 @@
 """Meta-device initialisation: a model built under ``torch.device("meta")`` is materialised
-module by module in registration order, initialised by each module's ``reset_parameters()``, and
-every unit is sharded as soon as its last parameter is initialised, so the full model never
-exists at once (the root unit, built last, and one unit at a time do)."""
+module by module, children before their parent (the order constructors initialise in: a parent's
+``__init__`` resets its own weights after building its children, and may re-initialise theirs,
+as ``nn.MultiheadAttention`` zeroes ``out_proj.bias``), each by its ``reset_parameters()`` or
+``_reset_parameters()``. Every unit is sharded as soon as its last parameter is initialised, so
+the full model never exists at once (the root unit, built last, and one unit at a time do)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -25,25 +27,30 @@ def materialize_unit_by_unit(
     bytes of initialised parameters not yet sharded."""
     named = dict(module.named_parameters())
     owner_of = {named[n]: owner for owner, names in assignment.items() for n in names}
-    waiting = {owner: {named[n] for n in names} for owner, names in assignment.items()}
-    owner_bytes = {owner: sum(named[n].numel() * named[n].element_size() for n in names) for owner, names in assignment.items()}
+    # Parameters already on a device (a model built partly outside the meta context, as
+    # Megatron-LM may) are used as they are: a unit waits only for its meta parameters.
+    waiting = {owner: {named[n] for n in names if named[n].is_meta} for owner, names in assignment.items()}
+    owner_bytes = {owner: sum(p.numel() * p.element_size() for p in params) for owner, params in waiting.items()}
     # Materialised parameters are new objects (a meta tensor cannot take real data in place);
     # every module holding a meta parameter gets the same replacement, so ties survive.
     replacements: dict[nn.Parameter, nn.Parameter] = {}
     built: dict[nn.Module | None, object] = {}
     live = peak = 0
-    for name, submodule in module.named_modules():
+    order = list(_children_first(module))
+    # Every module is checked before any is materialised: a refused model is left as it was.
+    for name, submodule in order:
+        if _holds_meta_tensors(submodule) and _reset_method(submodule) is None:
+            raise ValueError(
+                f"init_model_with_meta_device: module {name or '<root>'} ({type(submodule).__name__}) holds "
+                "meta tensors but has no reset_parameters() or _reset_parameters() to initialise them; give it "
+                "one, or build the model on a real device"
+            )
+    for _, submodule in order:
         meta_params = {k: p for k, p in submodule._parameters.items() if p is not None and p.is_meta}
         meta_buffers = {k: b for k, b in submodule._buffers.items() if b is not None and b.is_meta}
         if not meta_params and not meta_buffers:
             continue
-        reset = getattr(submodule, "reset_parameters", None)
-        if reset is None:
-            raise ValueError(
-                f"init_model_with_meta_device: module {name or '<root>'} ({type(submodule).__name__}) holds "
-                "meta tensors but has no reset_parameters() to initialise them; give it one, or build the "
-                "model on a real device"
-            )
+        reset = _reset_method(submodule)
         for key, param in meta_params.items():
             if param not in replacements:
                 replacements[param] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
@@ -62,3 +69,25 @@ def materialize_unit_by_unit(
     built[None] = build_unit(None)
     logger.info("meta-device init: peak %d bytes of unsharded parameters", peak)
     return built, peak
+
+
+def _children_first(module: nn.Module, prefix: str = "", seen: set[nn.Module] | None = None) -> Iterator[tuple[str, nn.Module]]:
+    """``named_modules()`` in post-order: each module after all of its children, siblings in
+    registration order, a shared module once."""
+    seen = set() if seen is None else seen
+    if module in seen:
+        return
+    seen.add(module)
+    for name, child in module.named_children():
+        yield from _children_first(child, f"{prefix}.{name}" if prefix else name, seen)
+    yield prefix, module
+
+
+def _holds_meta_tensors(module: nn.Module) -> bool:
+    tensors = [*module._parameters.values(), *module._buffers.values()]
+    return any(t is not None and t.is_meta for t in tensors)
+
+
+def _reset_method(module: nn.Module) -> Callable[[], None] | None:
+    # torch.nn.MultiheadAttention (and others) name theirs _reset_parameters; upstream takes either.
+    return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)

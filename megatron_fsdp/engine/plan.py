@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.consistency import check_same_configuration_on_all_ranks, describe_configuration
 from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
-from megatron_fsdp.engine.dtensor_params import check_parallel_params, is_expert_param
+from megatron_fsdp.engine.dtensor_params import check_parallel_params, is_expert_param, mark_experts_by_name
 from megatron_fsdp.engine.mesh import submesh
 from megatron_fsdp.engine.units import resolve_unit_classes
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
@@ -126,6 +126,8 @@ def _check_tensor_parallel(module: nn.Module, dist_index: FSDPDistributedIndex, 
     if dist_index.tp_dim is not None:
         tp_mesh = submesh(dist_index.device_mesh, dist_index.tp_dim, "tp_dim")
     expert_mesh_given = dist_index.expt_device_mesh is not None
+    if expert_mesh_given:
+        mark_experts_by_name(module)
     if meta_init:
         # A named tp dim alone is fine (plain parameters are replicated over it); what meta-device
         # init cannot do yet is materialise a DTensor's or an expert's local piece.
@@ -144,12 +146,16 @@ def _check_meta_params(module: nn.Module, meta_init: bool) -> None:
     devices = {p.device for p in module.parameters()}
     if any(d.type == "meta" for d in devices) and not meta_init:
         raise ValueError("the model has parameters on the meta device: pass init_model_with_meta_device=True")
-    if meta_init and devices - {torch.device("meta")}:
-        raise ValueError("init_model_with_meta_device=True needs every parameter on the meta device")
+    if meta_init and not any(d.type == "meta" for d in devices):
+        raise ValueError(
+            "init_model_with_meta_device=True needs a model built under torch.device('meta'): none of its "
+            "parameters is on the meta device"
+        )
 
 
 def _check_one_device(module: nn.Module) -> None:
-    devices = {p.device for p in module.parameters()}
+    # Meta tensors are materialised where meta-device init puts them; the rest must share a device.
+    devices = {p.device for p in module.parameters() if not p.is_meta}
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are spread over {sorted(map(str, devices))}; move it to one device first")
 
@@ -166,7 +172,9 @@ def check_strategies(
     """The inner and outer strategies and the unit classes; raises before anything else."""
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     unit_classes = resolve_unit_classes(fsdp_unit_modules)
-    if strategy is not ShardingStrategy.NO_SHARD and not unit_classes:
+    # Without units the whole model is the root unit, as upstream; only sharded weights need
+    # units, or the whole model would be gathered at once.
+    if strategy.shards_weights and not unit_classes:
         raise ValueError(
             f"zero_dp_strategy={strategy.label!r} needs fsdp_unit_modules: pass the classes of the blocks to "
             "shard as units, e.g. fsdp_unit_modules=[MyTransformerBlock]"

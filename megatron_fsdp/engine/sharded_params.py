@@ -133,6 +133,14 @@ class ShardedParam:
         # How a gradient piece is viewed as the local tensor (computed once: it asks the mesh).
         self._grad_shape = _local_shape(piece, spec) if spec.layout is None and piece.numel() else None
 
+    def flat_range(self) -> slice:
+        """This rank's range of the flattened local parameter: its piece's place in the
+        parameter (upstream's ``megatron_fsdp_slice``)."""
+        if self.spec.layout is None:
+            return slice(0, self.piece.numel())
+        start, length = self.spec.layout.mine(self.spec.mesh)
+        return slice(start, start + length)
+
     @property
     def shown_grad(self) -> DTensor | None:
         """The gradient DTensor :meth:`show_grad` last pointed ``param.grad`` at."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import logging
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -15,6 +16,8 @@ from megatron_fsdp.engine.config import FSDPSettings
 from megatron_fsdp.engine.dtensor_params import is_expert_param
 from megatron_fsdp.engine.mesh import DataParallelGroup
 from megatron_fsdp.engine.offload import OffloadTransfers
+
+logger = logging.getLogger(__name__)
 
 ROOT_UNIT_NAME = "<root>"
 
@@ -47,18 +50,33 @@ def resolve_unit_classes(fsdp_unit_modules: Iterable[type | str] | None) -> tupl
     return tuple(classes)
 
 
-def find_unit_modules(root: nn.Module, classes: tuple[type, ...]) -> list[tuple[str, nn.Module]]:
-    """Every module of the given classes, in registration order; every class must occur."""
+def find_unit_modules(
+    root: nn.Module, classes: tuple[type, ...], units_required: bool
+) -> list[tuple[str, nn.Module]]:
+    """Every module of the given classes, in registration order. Classes the model does not
+    hold are accepted with one log line, as upstream accepts them (Megatron-LM names its MoE and
+    Mamba layers for every GPT). ``units_required``: classes were named but none occurs, and the
+    strategy shards weights (the whole model would be gathered at once): raise."""
     found = [(name, m) for name, m in root.named_modules() if m is not root and isinstance(m, classes)]
     present = {type(m) for _, m in found}
-    for cls in classes:
-        if not any(issubclass(p, cls) for p in present):
-            model_classes = sorted({type(m).__name__ for m in root.modules()})
-            raise ValueError(
-                f"fsdp_unit_modules names {cls.__module__}.{cls.__qualname__}, but the model holds no "
-                f"module of that class (its classes: {', '.join(model_classes)})"
-            )
+    absent = [cls for cls in classes if not any(issubclass(p, cls) for p in present)]
+    if absent and len(absent) == len(classes) and units_required:
+        model_classes = sorted({type(m).__name__ for m in root.modules()})
+        raise ValueError(
+            f"fsdp_unit_modules names {', '.join(_class_path(cls) for cls in absent)}, but the model holds no "
+            f"module of those classes (its classes: {', '.join(model_classes)}): name the classes of its blocks"
+        )
+    if absent:
+        logger.info(
+            "fsdp_unit_modules: the model holds no %s; %s",
+            ", ".join(_class_path(cls) for cls in absent),
+            "its parameters outside the other units form the root unit" if found else "the whole model is one unit",
+        )
     return found
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def assign_params_to_units(root: nn.Module, unit_modules: Sequence[nn.Module]) -> dict[nn.Module | None, list[str]]:

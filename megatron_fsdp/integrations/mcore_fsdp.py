@@ -14,12 +14,12 @@ faces (docs/architecture.md, "The parameter contract"):
 - the compute weights from the start of each forward until that sync, and around
   megatron_fsdp's own walks of the model (state dicts, ``named_parameters``).
 
-The faces also carry what megatron-core reads off upstream's DTensor parameters:
-``__fsdp_param__`` (its gradient clipping then takes ``.grad``'s local tensor), the
-Megatron-Core attributes of the parameter they stand for, ``megatron_fsdp_dist_index`` and
-``megatron_fsdp_slice`` (this rank's range of the flattened local parameter). The
-``param_and_grad_buffer`` megatron-core's optimizer calls is MegatronFSDP's own
-(megatron_fsdp/param_and_grad_buffer.py).
+The faces carry what megatron-core reads off upstream's DTensor parameters, as every
+MegatronFSDP's do (megatron_fsdp/engine/upstream_param_attributes.py): ``__fsdp_param__`` (its
+gradient clipping then takes ``.grad``'s local tensor), the Megatron-Core attributes of the
+parameter they stand for, ``megatron_fsdp_dist_index`` and ``megatron_fsdp_slice`` (this rank's
+range of the flattened local parameter). The ``param_and_grad_buffer`` megatron-core's optimizer
+calls is MegatronFSDP's own (megatron_fsdp/param_and_grad_buffer.py).
 
 State-dict keys are upstream's: the wrapped model sits under ``module.``.
 """
@@ -36,17 +36,6 @@ from megatron_fsdp.engine.dtensor_params import is_mcore_tensor_model_parallel
 from megatron_fsdp.engine.schedule import StepState
 from megatron_fsdp.megatron_fsdp import MegatronFSDP
 
-# The attributes upstream copies from a model parameter onto its DTensor parameter.
-_COPIED_ATTRIBUTES = (
-    "sequence_parallel",
-    "shared",
-    "tensor_model_parallel",
-    "partition_dim",
-    "partition_stride",
-    "is_embedding_or_output_parameter",
-    "is_embedding_parameter",
-    "_tensor_parallel_mode",
-)
 _PREFIX = "module."
 
 
@@ -83,26 +72,7 @@ class MegatronCoreFSDP(MegatronFSDP):
             for name, param in owner._parameters.items()
             if param is not None
         ]
-        for param in self.module.parameters():
-            # Upstream marks every model parameter so (megatron-core's TE paths read them).
-            param.__fsdp_param__ = True
-            param.grad_added_to_main_grad = False
-        self._annotate_faces()
         self._register_faces(True)
-
-    def _annotate_faces(self) -> None:
-        for bucket in self.all_buckets():
-            for param, sharded in zip(bucket.params, bucket.faces):
-                face = sharded.param
-                for attribute in _COPIED_ATTRIBUTES:
-                    if hasattr(param, attribute):
-                        setattr(face, attribute, getattr(param, attribute))
-                face.__fsdp_param__ = True
-                face.orig_param = param
-                face.megatron_fsdp_dist_index = self.dist_index
-                layout = sharded.spec.layout
-                start, length = layout.mine(sharded.spec.mesh) if layout is not None else (0, face.to_local().numel())
-                face.megatron_fsdp_slice = slice(start, start + length)
 
     # -- which tensors the model registers ------------------------------------------------------
 
