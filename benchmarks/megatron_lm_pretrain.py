@@ -86,7 +86,7 @@ def main() -> None:
             line = results[-1]
             print(f"{size:8} {row:32} " + (f"{line['median_ms']:8.1f} ms  max allocated {line['max_allocated_mb']} MB"
                                             if "median_ms" in line else "failed: " + line["error"][-600:]), flush=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+            Path(args.out).write_text(json.dumps(results, indent=1))  # after every row: a cut-off run keeps its rows
 
 
 if __name__ == "__main__":

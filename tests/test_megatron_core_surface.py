@@ -26,6 +26,7 @@ from models import Block, TinyGPT, make_batch
 import megatron_fsdp
 from megatron_fsdp import param_and_grad_buffer, uneven_dtensor, utils
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
+from megatron_fsdp.integrations.piece_steps import install_piece_steps
 
 REPO = Path(__file__).resolve().parent.parent
 UPSTREAM = "megatron.core.distributed.fsdp.src.megatron_fsdp"
@@ -262,11 +263,27 @@ def _fsdp_dtensor_state(adapter: _Adapter, optimizer: torch.optim.Optimizer) -> 
 
 
 def _megatron_core_flow(rank: int, world_size: int, strategy: str, checkpoint_dir: str) -> dict:
+    # What install() puts: megatron-core's optimizer steps the plain pieces under the faces.
+    handles = install_piece_steps()
+    try:
+        return _megatron_core_flow_with_piece_steps(strategy, rank, world_size, checkpoint_dir)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _megatron_core_flow_with_piece_steps(strategy: str, rank: int, world_size: int, checkpoint_dir: str) -> dict:
     adapter = _Adapter(strategy)
     names = [n for n, _ in adapter.named_parameters()]
     assert names[0].startswith("module.module.") and all(isinstance(p, DTensor) for p in adapter.parameters())
     optimizer = _optimizer(adapter)
+    stepped_types = set()
+    optimizer.register_step_pre_hook(  # runs after the global hooks: what torch's step iterates
+        lambda opt, args, kwargs: stepped_types.update(type(p) for g in opt.param_groups for p in g["params"])
+    )
     history = [_train_step(adapter, optimizer, step, rank, world_size) for step in range(3)]
+    assert stepped_types == {torch.nn.Parameter}, f"the optimizer stepped {stepped_types}, not the plain pieces"
+    assert all(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]), "faces between steps"
 
     assert all(key.startswith("module.") for key in adapter.module.state_dict())
     dcp.save(uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(_fsdp_dtensor_state(adapter, optimizer)), checkpoint_id=checkpoint_dir)

@@ -29,6 +29,8 @@ import importlib.util
 import sys
 import types
 
+from megatron_fsdp.integrations.piece_steps import install_piece_steps
+
 #: Where megatron-core imports its bundled megatron-fsdp from.
 UPSTREAM_PACKAGE = "megatron.core.distributed.fsdp.src.megatron_fsdp"
 #: megatron-core's adapter, which binds the bundled names when it is imported.
@@ -94,3 +96,5 @@ def install() -> None:
             "`import megatron.core...`, e.g. at the top of the training script"
         )
     sys.meta_path.insert(0, _MegatronFSDPAliases())
+    # megatron-core steps torch's optimizers on the faces: step the plain pieces under them.
+    install_piece_steps()
