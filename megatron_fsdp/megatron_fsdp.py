@@ -21,7 +21,7 @@ from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
 from megatron_fsdp.engine.meta_init import materialize_unit_by_unit
 from megatron_fsdp.engine.offload import OffloadTransfers
 from megatron_fsdp.engine.plan import ShardingPlan, check_upstream_options, plan_from_upstream_arguments
-from megatron_fsdp.engine.schedule import StepScheduler, StepState
+from megatron_fsdp.engine.schedule import FAILED_BACKWARD_ADVICE, StepScheduler, StepState
 from megatron_fsdp.engine.sharded_params import MeshCache, ShardedParam
 from megatron_fsdp.engine.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_to_units, find_unit_modules
 from megatron_fsdp.engine.upstream_param_attributes import mark_distributed_params
@@ -215,6 +215,10 @@ class MegatronFSDP(nn.Module):
 
     @torch.compiler.disable
     def _pre_forward(self, unit: FSDPUnit, module: nn.Module, args: Any) -> None:
+        if unit.is_root and self.scheduler.backward_failed():
+            # A retry without zero_grad (Accelerate's find_executable_batch_size does that).
+            logger.warning("the last backward raised: its step's gradients are dropped and a new step starts")
+            self._abandon_failed_step()
         self.scheduler.before_unit_forward(unit)
 
     @torch.compiler.disable
@@ -273,9 +277,18 @@ class MegatronFSDP(nn.Module):
     def zero_grad_buffer(self, set_to_none: bool = True) -> None:
         """Releases the main gradients, or with ``set_to_none=False`` zeroes them in place
         (``optimizer.zero_grad(set_to_none)`` calls it). Released gradients are re-created by
-        the next reduction, so forward runs without them."""
+        the next reduction, so forward runs without them. After a backward that raised, it also
+        drops that step's gradients not yet reduced and reshards every unit: the next forward
+        starts a new step."""
+        if self.scheduler.backward_failed():
+            self._abandon_failed_step()
         for bucket in self.trainable_buckets():
             bucket.zero_main_grad(set_to_none)
+
+    def _abandon_failed_step(self) -> None:
+        self.scheduler.abandon_failed_step()
+        for bucket in self.trainable_buckets():
+            bucket.zero_main_grad(set_to_none=True)
 
     # -- upstream megatron-fsdp's controls ------------------------------------------------------
 
@@ -492,6 +505,8 @@ class MegatronFSDP(nn.Module):
 
     def prepare_optimizer_step(self, sync_grads: bool = True) -> None:
         """Finishes the gradient sync (unless the caller did), which shows every gradient."""
+        if self.scheduler.backward_failed():
+            raise RuntimeError(f"optimizer.step() was called after a backward that raised: {FAILED_BACKWARD_ADVICE}")
         if self.scheduler.state is not StepState.IDLE:
             raise RuntimeError("optimizer.step() was called during forward or backward")
         if sync_grads:

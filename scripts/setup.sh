@@ -14,6 +14,8 @@ fi
 .venv/bin/pip install -q numpy ninja setuptools wheel pytest pytest-timeout hypothesis tqdm safetensors matplotlib
 # Transformers for examples/hf_llama.py: 5.23.0 is the newest 5.x that installs beside torch 2.13.0 (it needs no torch).
 .venv/bin/pip install -q "transformers==5.23.0"
+# Accelerate for tests/test_failed_steps.py (its find_executable_batch_size around a sharded model).
+.venv/bin/pip install -q "accelerate==1.15.0"
 # --no-build-isolation: build against the torch above instead of a fresh (CUDA) one. Skipped
 # when the installed extension imports and no C++ source or build file is newer than it.
 root=$(pwd)

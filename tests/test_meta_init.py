@@ -22,7 +22,9 @@ def _meta_init(rank: int, world: int, layers: int, strategy: str) -> dict:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = _stack(layers)
-    model = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, init_model_with_meta_device=True)
+    model = megatron_fsdp.fully_shard_model(
+        model, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, init_model_with_meta_device=True, device="cpu"
+    )
     return {"params": model.full_parameters(), "peak": model.meta_init_peak_bytes}
 
 
@@ -85,7 +87,7 @@ def _meta_init_attention(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = _attention_stack()
-    model = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[_AttentionBlock], init_model_with_meta_device=True)
+    model = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[_AttentionBlock], init_model_with_meta_device=True, device="cpu")
     return model.full_parameters()
 
 

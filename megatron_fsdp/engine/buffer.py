@@ -351,6 +351,21 @@ class Bucket(BucketCheckpointing):
         self.grads_received = [False] * len(self.params)
         self._received_count = 0
 
+    def drop_unreduced_grads(self) -> None:
+        """After a backward that raised: forgets the gradients not yet reduced, those the
+        parameters' ``.grad`` hold and the un-reduced buffer (with it, micro-batches that
+        strategies 0/1 accumulated locally)."""
+        with plain_attribute_access():
+            for param in self.params:
+                param.grad = None
+        self._holding = [False] * len(self.params)
+        self._held = []
+        if self.unreduced_grad is not None and self.unreduced_grad is not self.main_grad:
+            self.pool.release(self.unreduced_grad)
+        self.unreduced_grad = None
+        if self.nonfinite_flags is not None:
+            self.nonfinite_flags.zero_()
+
     def start_reduction(self, async_op: bool) -> PendingReduction:
         """Launches the reduction of the un-reduced buffer. Same-precision communication: an
         all-reduce (no_shard) or reduce-scatter. Lower-precision communication: an all-to-all

@@ -4,6 +4,11 @@ bookkeeping of reductions in flight.
 A step moves IDLE -> FORWARD -> BACKWARD -> IDLE. Reductions start when a bucket's last gradient
 arrives (strategies 2/3 always; 0/1 only when gradients sync this micro-batch) and are finished
 oldest-first, at most ``max_reductions_in_flight`` at a time, so un-reduced buffers never pile up.
+
+A backward that raised (an out-of-memory error in a hook, say) never reaches its end: the step
+stays in BACKWARD with no autograd pass running. :meth:`StepScheduler.abandon_failed_step` then
+puts everything back as between steps, dropping the failed step's gradients not yet reduced;
+the wrapper calls it at the next ``zero_grad`` or forward (docs/troubleshooting.md).
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ from megatron_fsdp.engine.collectives import all_gather_shards
 from megatron_fsdp.engine.config import FSDPSettings
 from megatron_fsdp.engine.mesh import DataParallelGroup
 from megatron_fsdp.engine.units import FSDPUnit
+
+
+FAILED_BACKWARD_ADVICE = (
+    "call optimizer.zero_grad() (or model.zero_grad_buffer()) to drop that step's gradients, then train on"
+)
 
 
 class StepState(enum.Enum):
@@ -85,6 +95,29 @@ class StepScheduler:
         for unit in self.units:
             unit.reshard()
         self._last_forward_calls = self._forward_calls
+        self.state = StepState.IDLE
+
+    # -- a step that raised ---------------------------------------------------------------------
+
+    def backward_failed(self) -> bool:
+        """Whether a backward began and never ended: it raised, and no autograd pass runs now."""
+        # torch's own FSDP tells "inside backward" the same way.
+        return self.state is StepState.BACKWARD and torch._C._current_graph_task_id() == -1
+
+    def abandon_failed_step(self) -> None:
+        """After a backward that raised: finishes the reductions it launched (every rank that
+        failed alike launched the same ones), drops its gradients not yet reduced, reshards every
+        unit and returns to IDLE. The main gradients still hold what was reduced: the caller
+        releases them."""
+        while self._pending:
+            pending = self._pending.popleft()
+            pending.bucket.finish_reduction(pending)
+        for unit in self.units:
+            for bucket in unit.trainable_buckets:
+                bucket.drop_unreduced_grads()
+            unit.reshard()
+            unit.end_backward()
+        self._forward_calls = []
         self.state = StepState.IDLE
 
     # -- backward -----------------------------------------------------------------------------
@@ -187,6 +220,8 @@ class StepScheduler:
         self.show_grads()
 
     def _require_idle(self, what: str) -> None:
+        if self.backward_failed():
+            raise RuntimeError(f"{what} was called after a backward that raised: {FAILED_BACKWARD_ADVICE}")
         if self.state is not StepState.IDLE:
             raise RuntimeError(f"{what} was called during forward or backward; call it after backward()")
 

@@ -94,10 +94,18 @@ class MegatronCoreFSDP(MegatronFSDP):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._register_faces(False)
-        output = super().forward(*args, **kwargs)
+        try:
+            output = super().forward(*args, **kwargs)
+        except BaseException:
+            self._register_faces(True)  # a forward that raised leaves the model as between steps
+            raise
         if self.scheduler.state is StepState.IDLE:  # no backward follows (e.g. evaluation)
             self._register_faces(True)
         return output
+
+    def _abandon_failed_step(self) -> None:
+        super()._abandon_failed_step()
+        self._register_faces(True)
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """As :meth:`MegatronFSDP.finish_grad_sync`, then (megatron-core steps right after)
