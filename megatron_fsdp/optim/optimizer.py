@@ -187,7 +187,14 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) 
     """Re-points ``optimizer`` at ``model``'s DTensor faces (``model.parameters()``), in place,
     and wraps its ``step`` (finish gradient sync, step the pieces, install weights) and
     ``zero_grad`` (also release the main gradients). Hyper-parameters and param groups stay as
-    the user built them; ``state_dict()`` is torch's own, with DTensor state."""
+    the user built them; ``state_dict()`` is torch's own, with DTensor state.
+
+    Why the instance's methods are replaced rather than torch's step hooks used: upstream's
+    callers pass keywords to both (``sync_grad_before_optimizer_step``,
+    ``install_optimized_model_weights``, ``zero_grad_buffer``); with CPU offloading the host ops
+    take the place of torch's update; and the swap to the plain pieces must be undone when the
+    update raises, which a post-hook (skipped then) cannot do. The wrappers are bound methods of
+    this instance only: torch's classes are unchanged."""
     if getattr(optimizer, "_megatron_fsdp_model", None) is not None:
         raise ValueError("this optimizer was already passed to fully_shard_optimizer")
     if len(optimizer.state) > 0:
