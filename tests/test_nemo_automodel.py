@@ -34,6 +34,7 @@ from __future__ import annotations
 import gc
 import inspect
 import os
+import sys
 import weakref
 
 import pytest
@@ -53,7 +54,10 @@ from megatron_fsdp.fully_shard import fully_shard_optimizer
 pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402 (installed with transformers)
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from hf_llama import tiny_llama_config  # noqa: E402 (Llama 3.2 1B's shape in miniature: tied head, grouped-query attention)
 
 WORLD, STEPS, MICRO_BATCHES, ROWS, SEQ, VOCAB = 2, 4, 2, 2, 24, 128
 # NeMo's AdamConfig keywords (its Llama recipes: betas, eps, weight_decay 0); a larger lr than
@@ -65,22 +69,6 @@ IGNORE_INDEX = -100
 # "load_after_wrap": random weights, the checkpoint loaded into the sharded model;
 # "optimizer_in_fully_shard": MegatronFSDPManager.parallelize(model, optimizer).
 FLOWS = ("weights_before_wrap", "load_after_wrap", "optimizer_in_fully_shard")
-
-
-def tiny_llama_config() -> LlamaConfig:
-    """Llama 3.2 1B's shape in miniature (tied head, grouped-query attention)."""
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
