@@ -1,6 +1,5 @@
 """megatron_fsdp: fully sharded data parallelism for PyTorch on flat, per-unit, dtype-aware buffers."""
 
-from megatron_fsdp.checkpoint.broadcast import install as _install_state_dict_broadcast
 from megatron_fsdp.checkpoint.integrity import CheckpointCorruptError
 from megatron_fsdp.checkpoint.io import (
     export_safetensors,
@@ -30,8 +29,6 @@ from megatron_fsdp.package_info import (
     __shortversion__,
     __version__,
 )
-
-_install_state_dict_broadcast()
 
 __all__ = [
     "CheckpointCorruptError",

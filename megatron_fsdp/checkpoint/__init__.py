@@ -1,2 +1,1 @@
-"""Checkpointing: DCP state dicts of the buckets, save and load with integrity checks, and the
-rank-0 broadcast into flat pieces."""
+"""Checkpointing: DCP state dicts of the buckets, and save and load with integrity checks."""

@@ -207,6 +207,10 @@ def _local_piece(value: Any, piece: torch.Tensor, start: int, extent: ParamExten
         with torch.no_grad():
             if holds_this_piece(value, spec):
                 return value.to_local().reshape(piece.shape)
+            if value.device.type != value.device_mesh.device_type:
+                # A host copy (torch's broadcast with cpu_offload=True) gathers on the mesh's
+                # device: NCCL has no CPU tensors.
+                value = value.to(value.device_mesh.device_type)
             value = value.full_tensor()
     if isinstance(value, torch.Tensor) and value.dim() > 0:
         return extent.local_region(value).reshape(-1)[start : start + piece.numel()]

@@ -13,7 +13,12 @@ values:
   the flat pieces with one padded all-gather per data-parallel dim, then place the result;
 - elementwise results, ``to``/``cpu``, ``detach``, ``clone`` stay flat-sharded with the layout;
 - DCP's checkpoint hooks describe the piece as the rectangles it covers;
-- pickling saves the piece alone (a copy: not the whole buffer it views) with its layout.
+- pickling saves the piece alone (a copy: not the whole buffer it views) with its layout;
+- torch's ``set_model_state_dict`` / ``set_optimizer_state_dict`` with
+  ``broadcast_from_rank0=True`` build a row-sharded DTensor instead of copying rows into the
+  piece (see :meth:`PieceDTensor.__torch_function__`); megatron_fsdp's ``load_state_dict`` and
+  the optimizer's load hook then take this rank's flat range of it, as they do for the
+  row-sharded DTensors torch builds without the broadcast.
 
 Any other operation whose result would keep a data-parallel ``Shard`` (a view, a reshape, an
 index) raises the same error on every rank before it returns: its rows would be wrong.
@@ -22,7 +27,9 @@ index) raises the same error on every rank before it returns: its rows would be 
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -36,6 +43,10 @@ from torch.distributed.tensor.placement_types import Placement
 from megatron_fsdp.engine.collectives import all_gather_shards
 from megatron_fsdp.engine.dtensor_params import contiguous_strides
 from megatron_fsdp.engine.layout import flat_offset, rectangular_chunks
+
+# What __torch_function__ receives when code reads ``tensor.is_meta`` (compared with ==: every
+# read of the getter is a new method-wrapper object).
+_IS_META = torch.Tensor.is_meta.__get__
 
 
 @dataclass(frozen=True)
@@ -110,13 +121,6 @@ class PieceDTensor(DTensor):
             )
         return distribute_tensor(self.full_tensor(), mesh, placements, src_data_rank=None)
 
-    def piece_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of ``full``, a tensor of the global shape (no communication)."""
-        layout = self._flat_layout
-        region = full[tuple(slice(o, o + s) for o, s in zip(layout.offset, layout.local_shape))]
-        start, length = layout.mine(self.device_mesh)
-        return region.reshape(-1)[start : start + length]
-
     # -- the piece as rectangles, for torch.distributed.checkpoint -----------------------------
 
     def _chunks(self) -> list[tuple[torch.Size, torch.Size, int]]:
@@ -170,6 +174,12 @@ class PieceDTensor(DTensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func == _IS_META and args[0]._flat_layout is not None and _distributes_rows_in_place(sys._getframe(1)):
+            # torch's rank-0 broadcast copies torch.chunk rows into a DTensor's local tensor in
+            # place, but builds a new row-sharded DTensor for a meta one. A flat range is not those
+            # rows, so to that caller alone a flat piece reads as meta; load_state_dict and the
+            # optimizer's load hook then take this rank's range of the new one (one all-gather).
+            return True
         # Every Python-level op comes here first: torch 2.11's DTensor dispatch sends only some
         # ops of a subclass through __torch_dispatch__ (which ones can differ between ranks with
         # its sharding cache), so results are re-wrapped here, the same way on every rank.
@@ -182,6 +192,18 @@ class PieceDTensor(DTensor):
         if func._schema.is_mutable and args and isinstance(args[0], PieceDTensor):
             return args[0]  # in place: the piece was changed where it is
         return _keep_layout(func, args, kwargs, out)
+
+
+def _distributes_rows_in_place(frame: FrameType) -> bool:
+    """Whether ``frame`` runs torch's ``_distribute_tensors``, the step of ``set_model_state_dict`` /
+    ``set_optimizer_state_dict`` with ``broadcast_from_rank0=True`` that writes each broadcast full
+    tensor into a DTensor (the same function and body in torch 2.11 and 2.13). Recognised by its
+    private name, read and never replaced: torch offers no public hook into that step, and
+    tests/test_state_dict_broadcast.py fails if a torch release renames or reshapes it."""
+    return (
+        frame.f_code.co_name == "_distribute_tensors"
+        and frame.f_globals.get("__name__") == "torch.distributed._state_dict_utils"
+    )
 
 
 def plain_attribute_access() -> contextlib.AbstractContextManager:

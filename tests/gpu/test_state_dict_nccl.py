@@ -1,7 +1,8 @@
 """The state-dict DTensors on NCCL (2 GPUs, 1 on a one-GPU machine): ``full_tensor()`` of the
 model state dict, torch's ``get_model_state_dict(full_state_dict=True)`` (on the GPU and
 offloaded) and ``get_optimizer_state_dict(full_state_dict=True)`` give the values megatron_fsdp's
-own gathers give, and ``set_model_state_dict`` of a full state dict restores them exactly; with
+own gathers give, and ``set_model_state_dict`` of a full state dict (on every rank, or on rank 0
+with ``broadcast_from_rank0``, also through the host) restores them exactly; with
 CPU offloading the faces and the optimizer state are views of the host buffers (not device
 copies that would go stale)."""
 
@@ -61,12 +62,20 @@ def _state_dicts(rank: int, world: int, strategy: int, offload: bool) -> dict:
         bad += [f"optimizer {name}.{k}" for k, v in entries.items() if not torch.equal(optimizer_state[name][k].cpu(), v.cpu())]
     kept = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     kept = {k: v.clone() for k, v in kept.items()}
-    tokens, targets = make_batch(7, 2 * world)
-    model(tokens[rank::world].cuda(), targets[rank::world].cuda()).backward()
-    optimizer.step()  # moves the parameters away from what was kept
-    set_model_state_dict(model, kept, options=StateDictOptions(full_state_dict=True))
-    restored = model.full_parameters()
-    bad += [f"set_model_state_dict restored {k}" for k, v in full.items() if not torch.equal(restored[k], v)]
+    loads = {
+        "every rank's full state dict": StateDictOptions(full_state_dict=True),
+        "rank 0's, broadcast": StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        "rank 0's, broadcast through the host": StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True),
+    }
+    for what, options in loads.items():
+        tokens, targets = make_batch(7, 2 * world)
+        model(tokens[rank::world].cuda(), targets[rank::world].cuda()).backward()
+        optimizer.step()  # moves the parameters away from what was kept
+        optimizer.zero_grad()
+        given = {k: v.clone() for k, v in kept.items()} if rank == 0 or not options.broadcast_from_rank0 else {}
+        set_model_state_dict(model, given, options=options)  # (torch writes into the dict it is given)
+        restored = model.full_parameters()
+        bad += [f"set_model_state_dict({what}) restored {k}" for k, v in full.items() if not torch.equal(restored[k], v)]
     return {"bad": bad, "compared": len(full)}
 
 
