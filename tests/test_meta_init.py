@@ -117,3 +117,29 @@ def test_meta_init_keeps_parameters_already_on_a_device() -> None:
     for result in run_distributed(_meta_init_partly_real, 2):
         assert torch.equal(result["params"]["0.weight"], result["embedding"])
         assert all(torch.isfinite(value).all() for value in result["params"].values())
+
+
+def _meta_init_torch_transformer(rank: int, world: int) -> list[float]:
+    """Upstream's scenario: torch.nn.Transformer built on the meta device (its attention layers
+    initialise through _reset_parameters()), sharded per encoder and decoder layer, trains."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Transformer(d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=64)
+    units = [nn.TransformerEncoderLayer, nn.TransformerDecoderLayer]
+    model = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=units, init_model_with_meta_device=True, device="cpu")
+    optimizer = megatron_fsdp.fully_shard_optimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model)
+    generator = torch.Generator().manual_seed(rank)
+    source, target = torch.randn(5, 2, 32, generator=generator), torch.randn(4, 2, 32, generator=generator)
+    losses = []
+    for _ in range(3):
+        loss = model(source, target).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_meta_init_of_torch_transformer_trains() -> None:
+    for losses in run_distributed(_meta_init_torch_transformer, 2):
+        assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
