@@ -218,7 +218,7 @@ class MegatronFSDP(nn.Module):
         if unit.is_root and self.scheduler.backward_failed():
             # A retry without zero_grad (Accelerate's find_executable_batch_size does that).
             logger.warning("the last backward raised: its step's gradients are dropped and a new step starts")
-            self._abandon_failed_step()
+            self.zero_grad_buffer()
         self.scheduler.before_unit_forward(unit)
 
     @torch.compiler.disable
@@ -286,9 +286,8 @@ class MegatronFSDP(nn.Module):
             bucket.zero_main_grad(set_to_none)
 
     def _abandon_failed_step(self) -> None:
+        """A hook for faces that register other tensors during a step (megatron-core's)."""
         self.scheduler.abandon_failed_step()
-        for bucket in self.trainable_buckets():
-            bucket.zero_main_grad(set_to_none=True)
 
     # -- upstream megatron-fsdp's controls ------------------------------------------------------
 

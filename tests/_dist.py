@@ -63,11 +63,6 @@ def _run_once(rank: int, world_size: int, port: int, backend: str, fn: Callable,
         faulthandler.cancel_dump_traceback_later()
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, results: mp.Queue) -> None:
-    """A process of its own for one run."""
-    _run_once(rank, world_size, port, backend, fn, args, results)
-
-
 def _restore_process_state(cwd: str, environ: dict[str, str]) -> None:
     """Puts back what a test may have changed in a pooled rank process."""
     os.chdir(cwd)
@@ -193,7 +188,7 @@ def run_distributed(
     results = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_worker, args=(rank, world_size, port, backend, fn, args, results), daemon=True)
+        context.Process(target=_run_once, args=(rank, world_size, port, backend, fn, args, results), daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:

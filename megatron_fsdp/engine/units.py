@@ -60,7 +60,7 @@ def find_unit_modules(
     found = [(name, m) for name, m in root.named_modules() if m is not root and isinstance(m, classes)]
     present = {type(m) for _, m in found}
     absent = [cls for cls in classes if not any(issubclass(p, cls) for p in present)]
-    if absent and len(absent) == len(classes) and units_required:
+    if classes and not found and units_required:
         model_classes = sorted({type(m).__name__ for m in root.modules()})
         raise ValueError(
             f"fsdp_unit_modules names {', '.join(_class_path(cls) for cls in absent)}, but the model holds no "
