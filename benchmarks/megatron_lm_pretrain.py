@@ -7,6 +7,8 @@ every GPU of the machine, for a 2-layer model and a 1.3B-class model.
 
 Reports, per row, the median ``elapsed time per iteration (ms)`` over the iterations after the
 warm-up and the ``max allocated`` (MB) Megatron-LM reports after its first logged iteration.
+``--repeat N`` runs the whole table N times, rows interleaved, so a slow spell of a shared host
+lands on every row rather than on one.
 """
 
 from __future__ import annotations
@@ -75,18 +77,20 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--sizes", default=",".join(SIZES))
+    parser.add_argument("--repeat", type=int, default=1)
     args = parser.parse_args()
     if not os.environ.get("MEGATRON_LM_DIR"):
         raise SystemExit("set MEGATRON_LM_DIR to a folder with Megatron-LM's pretrain_gpt.py, gpt_builders.py, model_provider.py")
     results = []
-    for size in args.sizes.split(","):
-        for row in ROWS:
-            with tempfile.TemporaryDirectory() as workdir:
-                results.append(run(row, size, args.iterations, args.global_batch_size, Path(workdir)))
-            line = results[-1]
-            print(f"{size:8} {row:32} " + (f"{line['median_ms']:8.1f} ms  max allocated {line['max_allocated_mb']} MB"
-                                            if "median_ms" in line else "failed: " + line["error"][-600:]), flush=True)
-            Path(args.out).write_text(json.dumps(results, indent=1))  # after every row: a cut-off run keeps its rows
+    for repeat in range(args.repeat):
+        for size in args.sizes.split(","):
+            for row in ROWS:
+                with tempfile.TemporaryDirectory() as workdir:
+                    results.append({**run(row, size, args.iterations, args.global_batch_size, Path(workdir)), "repeat": repeat})
+                line = results[-1]
+                print(f"{repeat} {size:8} {row:32} " + (f"{line['median_ms']:8.1f} ms  max allocated {line['max_allocated_mb']} MB"
+                                                        if "median_ms" in line else "failed: " + line["error"][-600:]), flush=True)
+                Path(args.out).write_text(json.dumps(results, indent=1))  # after every row: a cut-off run keeps its rows
 
 
 if __name__ == "__main__":

@@ -130,8 +130,9 @@ class DistributedDataParallelConfig:
             )
         if self.megatron_fsdp_use_decoupled_grad:
             raise ValueError(
-                "megatron_fsdp_use_decoupled_grad=True is for Transformer Engine's FusedAdam(use_decoupled_grad=True); "
-                "megatron_fsdp shows reduced gradients as param.grad: set it to False"
+                "megatron_fsdp_use_decoupled_grad=True (Megatron-LM's --use-precision-aware-optimizer) is for "
+                "Transformer Engine's FusedAdam(use_decoupled_grad=True); megatron_fsdp shows reduced gradients as "
+                "param.grad: set it to False"
             )
         if self.megatron_fsdp_max_pool_double_buffer:
             self.fsdp_double_buffer = True  # as upstream: the max pool is a double buffer

@@ -50,9 +50,10 @@ def check_upstream_options(use_decoupled_grad: bool = False, **performance_only:
     cannot change the values trained and are accepted (logged when set: they do nothing here)."""
     if use_decoupled_grad:
         raise ValueError(
-            "use_decoupled_grad=True puts reduced gradients in param.decoupled_grad for Transformer Engine's "
-            "FusedAdam(use_decoupled_grad=True); megatron_fsdp shows them as param.grad (DTensors) for any torch "
-            "optimizer: set use_decoupled_grad=False"
+            "use_decoupled_grad=True (megatron_fsdp_use_decoupled_grad, which Megatron-LM sets from "
+            "--use-precision-aware-optimizer) puts reduced gradients in param.decoupled_grad for Transformer "
+            "Engine's FusedAdam(use_decoupled_grad=True); megatron_fsdp shows them as param.grad (DTensors) for "
+            "any torch optimizer: set use_decoupled_grad=False (in Megatron-LM, drop --use-precision-aware-optimizer)"
         )
     for name, value in performance_only.items():
         if value:
