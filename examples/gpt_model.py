@@ -71,3 +71,9 @@ def training_flops_per_token(config: GPTConfig, seq_len: int) -> int:
     weights = config.layers * per_layer + config.hidden * config.vocab_size
     attention = 12 * config.layers * config.hidden * seq_len // 2
     return 6 * weights + attention
+
+
+def gpt(**sizes: int) -> GPT:
+    """A GPT of the given :class:`GPTConfig` sizes: what ``python -m megatron_fsdp.plan_memory
+    --model examples/gpt_model.py:gpt --model-kwargs '{"layers": 24, ...}'`` plans."""
+    return GPT(GPTConfig(**sizes))

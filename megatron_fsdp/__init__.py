@@ -1,5 +1,8 @@
 """megatron_fsdp: fully sharded data parallelism for PyTorch on flat, per-unit, dtype-aware buffers."""
 
+import importlib
+from typing import Any
+
 from megatron_fsdp.checkpoint.integrity import CheckpointCorruptError
 from megatron_fsdp.checkpoint.io import (
     export_safetensors,
@@ -47,6 +50,7 @@ __all__ = [
     "fully_shard_optimizer",
     "latest_checkpoint_step",
     "load_checkpoint",
+    "plan_memory",
     "save_checkpoint",
     "total_grad_norm",
     "__contact_emails__",
@@ -61,3 +65,12 @@ __all__ = [
     "__shortversion__",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # plan_memory is imported on first use, so `python -m megatron_fsdp.plan_memory` runs the
+    # module once rather than after the package imported it.
+    if name == "plan_memory":
+        function = globals()["plan_memory"] = importlib.import_module("megatron_fsdp.plan_memory").plan_memory
+        return function
+    raise AttributeError(f"module 'megatron_fsdp' has no attribute {name!r}")

@@ -28,7 +28,8 @@ from megatron_fsdp.engine.collectives import (
 )
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.dtensor_params import local_grad, local_tensor, param_extent
-from megatron_fsdp.engine.layout import BucketLayout, alignment_in_elements, build_bucket_layout
+from megatron_fsdp.engine.bucket_geometry import BucketGeometry
+from megatron_fsdp.engine.layout import BucketLayout
 from megatron_fsdp.engine.mesh import DataParallelGroup
 from megatron_fsdp.engine.offload import HostBuffers, OffloadTransfers, StagedWeights
 from megatron_fsdp.engine.piece_dtensor import plain_attribute_access
@@ -87,28 +88,22 @@ class Bucket(BucketCheckpointing):
         # The DTensor parameters users see, one per parameter (set by add_faces).
         self.faces: list[ShardedParam] = []
         self.shapes = [t.shape for t in self.locals]
-        alignment = alignment_in_elements(settings.alignment_bytes, self.locals[0].element_size())
         self.outer = dp.outer
-        # HFSDP: the optimizer steps 1/outer of this rank's shard; the outer group gathers the rest.
-        self.splits_shard = self.outer is not None and dp.outer_shards_optimizer
-        split = self.outer.size if self.splits_shard else 1
-        self.layout: BucketLayout = build_bucket_layout([t.numel() for t in self.locals], dp.size, alignment, split)
+        self.geometry = BucketGeometry.build(
+            [t.numel() for t in self.locals], self.locals[0].element_size(), settings.alignment_bytes, dp.rank, dp.size,
+            self.strategy, self.dtypes, self.requires_grad, self.offloaded,
+            outer_size=self.outer.size if self.outer is not None else 1,
+            outer_rank=self.outer.rank if self.outer is not None else 0,
+            outer_shards_optimizer=dp.outer_shards_optimizer,
+        )
+        self.splits_shard = self.geometry.splits_shard
+        self.layout: BucketLayout = self.geometry.layout
         self.offsets = [slot.offset for slot in self.layout.slots]
-        self.shard_start, self.shard_end = self.layout.shard_range(dp.rank)
+        self.shard_start, self.shard_end = self.geometry.shard_range
 
         self.weight_shard: torch.Tensor | None = None
         self.views: list[torch.Tensor] | None = None
-        # Under optim_grads_params with main params of another dtype, the compute-weight shard
-        # would only copy the main shard: each gather casts the main shard instead (as FSDP2
-        # casts its shard), saving a shard of compute weights. HFSDP keeps the shard, which
-        # its outer all-gather fills; so does offloading, whose main shard is on the host.
-        self.gathers_from_main = (
-            self.strategy.shards_weights
-            and self.requires_grad
-            and self.dtypes.main_params != self.dtype
-            and not self.splits_shard
-            and not self.offloaded
-        )
+        self.gathers_from_main = self.geometry.gathers_from_main
         self._gather_input: torch.Tensor | None = None
         self._holds_gathered_weights = False  # pool memory in full_weight (sharded weights only)
         if self.strategy.shards_weights:
@@ -164,24 +159,12 @@ class Bucket(BucketCheckpointing):
         return out
 
     def _piece(self, index: int, start: int, end: int) -> tuple[int, int]:
-        slot = self.layout.slots[index]
-        lo = min(max(slot.offset, start), end)
-        return lo, max(min(slot.end, end), lo)
+        return self.geometry.piece(index, start, end)
 
     def _init_main_state(self, transfers: OffloadTransfers | None) -> None:
-        # Strategy 0 steps the whole bucket on every rank; the others step this rank's shard,
-        # and under HFSDP only this outer rank's 1/outer of it.
-        if self.strategy is ShardingStrategy.NO_SHARD:
-            self.grad_start, self.grad_end = 0, self.layout.padded_numel
-        else:
-            self.grad_start, self.grad_end = self.shard_start, self.shard_end
-        self.main_start, self.main_end = self.grad_start, self.grad_end
-        if self.splits_shard:
-            piece = self.layout.shard_numel // self.outer.size
-            self.main_start = self.shard_start + self.outer.rank * piece
-            self.main_end = self.main_start + piece
-        # Main params in the compute dtype are the weights themselves: nothing to copy.
-        self.main_params_alias_weights = self.dtypes.main_params == self.dtype and not self.offloaded
+        self.grad_start, self.grad_end = self.geometry.grad_range
+        self.main_start, self.main_end = self.geometry.main_range
+        self.main_params_alias_weights = self.geometry.main_params_alias_weights
         if self.offloaded:
             self.host = HostBuffers(self._main_weight_target(), self.dtypes.main_params, transfers)
             self.main_params = self.host.main_params
@@ -205,8 +188,7 @@ class Bucket(BucketCheckpointing):
         # main gradients themselves when the dtypes agree), shown once per change.
         self.optimizer_grads: torch.Tensor | None = None
         self._grads_shown = True
-        for index in range(len(self.params)):
-            lo, hi = self._piece(index, self.main_start, self.main_end)
+        for lo, hi in self.geometry.main_pieces():
             self.optim_ranges.append((lo - self.main_start, hi - self.main_start))
             self.optim_params.append(nn.Parameter(self.main_params[lo - self.main_start : hi - self.main_start]))
 

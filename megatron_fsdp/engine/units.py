@@ -6,6 +6,7 @@ import enum
 import importlib
 import logging
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -105,6 +106,38 @@ def assign_params_to_units(root: nn.Module, unit_modules: Sequence[nn.Module]) -
     return assignment
 
 
+class BucketKey(NamedTuple):
+    """What the parameters of one bucket share within their unit."""
+
+    owner: str  # the root unit's module holding them ("" in other units)
+    dtype: torch.dtype
+    requires_grad: bool
+    expert: bool
+
+
+def bucket_groups(
+    unit_name: str, named_params: Sequence[tuple[str, nn.Parameter]]
+) -> dict[BucketKey, list[tuple[str, nn.Parameter]]]:
+    """A unit's parameters grouped into buckets, in order: one per dtype, trainability and
+    expert-ness; in the root unit also one per module. The root unit's parameters (embedding,
+    head, final norm) meet backward far apart: one bucket per module lets the head's gradients
+    reduce, and their buffer go back to the pool, long before the embedding's arrive at the end."""
+    groups: dict[BucketKey, list[tuple[str, nn.Parameter]]] = {}
+    for param_name, param in named_params:
+        owner = param_name.rpartition(".")[0] if unit_name == ROOT_UNIT_NAME else ""
+        key = BucketKey(owner, param.dtype, param.requires_grad, is_expert_param(param))
+        groups.setdefault(key, []).append((param_name, param))
+    return groups
+
+
+def pool_role(key: BucketKey, is_root: bool) -> str:
+    """The same role for the matching buckets of every (repetitive) unit, so they alternate
+    on two persistent pool blocks; the root unit's buckets, live all step, get their own."""
+    unit = f"root:{key.owner}" if is_root else "unit"
+    trainable = "trainable" if key.requires_grad else "frozen"
+    return f"{unit}:{str(key.dtype).removeprefix('torch.')}:{trainable}{':expert' if key.expert else ''}"
+
+
 class FSDPUnit:
     """One unit's buckets and its state: weights gathered (UNSHARDED) or not (SHARDED)."""
 
@@ -119,17 +152,9 @@ class FSDPUnit:
     ) -> None:
         self.name = name
         self.settings = settings
-        groups: dict[tuple[str, torch.dtype, bool, bool], list[tuple[str, nn.Parameter]]] = {}
-        for param_name, param in named_params:
-            # The root unit's parameters (embedding, head, final norm) meet backward far apart:
-            # one bucket per module lets the head's gradients reduce, and their buffer go back to
-            # the pool, long before the embedding's arrive at the very end.
-            owner = param_name.rpartition(".")[0] if name == ROOT_UNIT_NAME else ""
-            key = (owner, param.dtype, param.requires_grad, is_expert_param(param))
-            groups.setdefault(key, []).append((param_name, param))
         self.buckets = [
-            self._bucket(members, dp, settings, pool, self._pool_role(key), key[3], transfers)
-            for key, members in groups.items()
+            self._bucket(members, dp, settings, pool, pool_role(key, self.is_root), key.expert, transfers)
+            for key, members in bucket_groups(name, named_params).items()
         ]
         self.trainable_buckets = [b for b in self.buckets if b.requires_grad]
         # Frozen weights are still read in backward, but no gradient says when they are done:
@@ -139,14 +164,6 @@ class FSDPUnit:
         self.state = UnitState.SHARDED if shards else UnitState.UNSHARDED
         self._reduced_buckets: set[int] = set()
         self._gathers: list = []
-
-    def _pool_role(self, key: tuple[str, torch.dtype, bool, bool]) -> str:
-        """The same role for the matching buckets of every (repetitive) unit, so they alternate
-        on two persistent pool blocks; the root unit's buckets, live all step, get their own."""
-        owner, dtype, requires_grad, expert = key
-        unit = f"root:{owner}" if self.is_root else "unit"
-        trainable = "trainable" if requires_grad else "frozen"
-        return f"{unit}:{str(dtype).removeprefix('torch.')}:{trainable}{':expert' if expert else ''}"
 
     @staticmethod
     def _bucket(

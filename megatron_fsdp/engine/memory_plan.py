@@ -1,0 +1,386 @@
+"""The bytes each rank will hold, computed from the engine's own layout before anything exists.
+
+The model is on the meta device; nothing is allocated and no process group is needed. Units,
+buckets, padding and shard ranges come from the code that builds them (units.py,
+bucket_geometry.py), so the model states planned here are exactly what a wrapped model holds
+after its first optimizer step (tests/test_memory_plan.py compares them with every live tensor
+of each rank). The transient working set (gathered weights, gradient buffers in flight) depends
+on the step's timing and is planned as an upper bound.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from megatron_fsdp.engine.bucket_geometry import BucketGeometry
+from megatron_fsdp.engine.config import ShardingStrategy
+from megatron_fsdp.engine.units import ROOT_UNIT_NAME, assign_params_to_units, bucket_groups, find_unit_modules
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+
+# The CUDA caching allocator and the bucket pool hand out multiples of this many bytes.
+ALLOCATION_GRANULE = 512
+# Reductions in flight at once, plus the bucket being filled (FSDPSettings.max_reductions_in_flight + 1).
+GRAD_BUCKETS_IN_FLIGHT = 3
+
+DEVICE_CATEGORIES = ("compute weights", "main weights", "main grads", "optimizer state", "module buffers", "bookkeeping")
+HOST_CATEGORIES = ("main weights", "main grads", "optimizer state", "offload staging")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """What a torch optimizer keeps per parameter piece: ``states`` tensors shaped like it (in
+    ``state_dtype``, or the main-parameter dtype when None) and, for Adam-like optimizers, a
+    float32 step counter on the host."""
+
+    name: str
+    states: int
+    state_dtype: torch.dtype | None = None
+    step_counter: bool = True
+
+    KINDS = {
+        "adamw": (2, True), "adam": (2, True), "adamw_amsgrad": (3, True), "adam_amsgrad": (3, True),
+        "sgd": (0, False), "sgd_momentum": (1, False), "none": (0, False),
+    }
+
+    @classmethod
+    def parse(cls, optimizer: str | OptimizerSpec | torch.optim.Optimizer | None) -> OptimizerSpec:
+        """From a name (``adamw``, ``adam``, ``adamw_amsgrad``, ``sgd``, ``sgd_momentum``,
+        ``none``), a spec, or a torch optimizer whose defaults tell amsgrad and momentum."""
+        if isinstance(optimizer, OptimizerSpec):
+            return optimizer
+        if optimizer is None:
+            return cls("none", 0, step_counter=False)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return cls._from_instance(optimizer)
+        if isinstance(optimizer, str) and optimizer.lower() in cls.KINDS:
+            states, counter = cls.KINDS[optimizer.lower()]
+            return cls(optimizer.lower(), states, step_counter=counter)
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}: use one of {', '.join(cls.KINDS)}, a torch optimizer, or an "
+            "OptimizerSpec(name, states, state_dtype) for another one"
+        )
+
+    @classmethod
+    def _from_instance(cls, optimizer: torch.optim.Optimizer) -> OptimizerSpec:
+        defaults = optimizer.defaults
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            amsgrad = bool(defaults.get("amsgrad"))
+            return cls(type(optimizer).__name__.lower() + ("_amsgrad" if amsgrad else ""), 3 if amsgrad else 2)
+        if isinstance(optimizer, torch.optim.SGD):
+            momentum = bool(defaults.get("momentum"))
+            return cls("sgd_momentum" if momentum else "sgd", int(momentum), step_counter=False)
+        raise ValueError(
+            f"plan_memory does not know what {type(optimizer).__name__} keeps per parameter: pass "
+            "optimizer=OptimizerSpec(name, states=<tensors per parameter>, state_dtype=...)"
+        )
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How the model is sharded: fully_shard's choices, with the mesh given as sizes."""
+
+    world_size: int
+    strategy: ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS
+    outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD
+    outer_size: int = 1
+    policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    optimizer: OptimizerSpec = field(default_factory=lambda: OptimizerSpec.parse("adamw"))
+    overlap_param_gather: bool = True
+    fsdp_double_buffer: bool = False
+    cpu_offload: bool = False
+    offload_pin_memory: bool = True
+    report_nan_in_param_grad: bool = False
+    micro_batches: int = 1
+    device_type: str = "cuda"
+    alignment_bytes: int = 128
+
+    @property
+    def shard_size(self) -> int:
+        return self.world_size // self.outer_size
+
+
+@dataclass
+class RankMemory:
+    """One rank's planned bytes. ``device``/``host``: model states by category, held from the
+    first optimizer step on; ``gathered_weights``/``grad_buffers``: the transient working set at
+    its peak (an upper bound); ``padding``: how much of the device model states is padding."""
+
+    rank: int
+    device: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DEVICE_CATEGORIES, 0))
+    host: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HOST_CATEGORIES, 0))
+    pinned_host: int = 0
+    padding: int = 0
+    allocator_bytes: int = 0  # the device model states as the CUDA caching allocator rounds each tensor
+    gathered_weights: int = 0
+    grad_buffers: int = 0
+
+    @property
+    def device_model_states(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_model_states(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def working_set(self) -> int:
+        return self.gathered_weights + self.grad_buffers
+
+    @property
+    def device_total(self) -> int:
+        """Model states and the working set's peak: what the device needs before activations."""
+        return self.allocator_bytes + self.working_set
+
+    def merge(self, other: RankMemory, times: int) -> None:
+        """Adds ``times`` copies of ``other``'s model states (a bucket repeated in every layer)."""
+        for category, nbytes in other.device.items():
+            self.device[category] += nbytes * times
+        for category, nbytes in other.host.items():
+            self.host[category] += nbytes * times
+        self.pinned_host += other.pinned_host * times
+        self.padding += other.padding * times
+        self.allocator_bytes += other.allocator_bytes * times
+
+    def add(self, location: str, category: str, nbytes: int, pinned: bool = False) -> None:
+        """One tensor of ``nbytes``."""
+        if location == "device":
+            self.device[category] += nbytes
+            self.allocator_bytes += _round_up(nbytes, ALLOCATION_GRANULE)
+        else:
+            self.host[category] += nbytes
+            self.pinned_host += nbytes if pinned else 0
+
+
+@dataclass(frozen=True)
+class _BucketPlan:
+    """One bucket as planned: its unit, its parameters' sizes, dtype and trainability."""
+
+    unit: str
+    numels: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+@functools.cache
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def check_meta_model(module: nn.Module) -> None:
+    not_meta = [name for name, p in module.named_parameters() if not p.is_meta]
+    if not_meta:
+        raise ValueError(
+            f"plan_memory needs a model on the meta device ({len(not_meta)} parameters are not, e.g. {not_meta[0]}): "
+            "build it under `with torch.device('meta'):` so nothing is allocated"
+        )
+
+
+def check_options(options: PlanOptions) -> None:
+    if options.world_size < 1 or options.outer_size < 1:
+        raise ValueError(f"world_size and dp_outer_size must be >= 1, got {options.world_size} and {options.outer_size}")
+    if options.world_size % options.outer_size:
+        raise ValueError(
+            f"world_size {options.world_size} is not divisible by dp_outer_size {options.outer_size}: the mesh is "
+            "(dp_outer, dp_shard), so pick an outer size that divides the world size"
+        )
+    if options.outer_strategy is ShardingStrategy.OPTIM and options.outer_size == 1:
+        raise ValueError("outer_dp_sharding_strategy='optim' needs dp_outer_size > 1")
+    if options.micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {options.micro_batches}")
+
+
+def plan_buckets(module: nn.Module, unit_classes: tuple[type, ...], strategy: ShardingStrategy) -> list[_BucketPlan]:
+    """The buckets fully_shard would build, unit by unit (the root unit first)."""
+    unit_modules = find_unit_modules(module, unit_classes, units_required=strategy.shards_weights)
+    assignment = assign_params_to_units(module, [m for _, m in unit_modules])
+    names = {m: name for name, m in unit_modules}
+    named = dict(module.named_parameters())
+    buckets = []
+    for owner, param_names in assignment.items():
+        unit = ROOT_UNIT_NAME if owner is None else names[owner]
+        for key, members in bucket_groups(unit, [(n, named[n]) for n in param_names]).items():
+            buckets.append(_BucketPlan(unit, tuple(p.numel() for _, p in members), key.dtype, key.requires_grad))
+    return buckets
+
+
+def _geometry(bucket: _BucketPlan, options: PlanOptions, shard_rank: int, outer_rank: int) -> BucketGeometry:
+    return BucketGeometry.build(
+        bucket.numels, _element_size(bucket.dtype), options.alignment_bytes, shard_rank, options.shard_size,
+        options.strategy, options.policy.resolve(bucket.dtype), bucket.requires_grad, options.cpu_offload,
+        outer_size=options.outer_size, outer_rank=outer_rank,
+        outer_shards_optimizer=options.outer_strategy is ShardingStrategy.OPTIM,
+    )
+
+
+def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptions) -> None:
+    """The bucket's persistent tensors on this rank, as buffer.py allocates them."""
+    dtypes = geometry.dtypes
+    compute, main, grads = (_element_size(d) for d in (dtypes.compute, dtypes.main_params, dtypes.main_grads))
+    weights = geometry.weight_range
+    if weights is not None:
+        memory.add("device", "compute weights", (weights[1] - weights[0]) * compute)
+        memory.padding += geometry.padding_numel(*weights) * compute
+    padding = geometry.padding_numel(0, geometry.layout.padded_numel)
+    if padding:
+        memory.add("device", "bookkeeping", padding * 8)  # the int64 index that zeroes padding
+    if options.report_nan_in_param_grad:
+        memory.add("device", "bookkeeping", len(geometry.layout.slots))  # one bool flag per parameter
+    if not geometry.requires_grad:
+        return
+    main_start, main_end = geometry.main_range
+    main_numel = main_end - main_start
+    on_gpu_host = options.cpu_offload and options.device_type == "cuda"
+    pinned = on_gpu_host and options.offload_pin_memory
+    if geometry.offloaded:
+        memory.add("host", "main weights", main_numel * main)
+        memory.add("host", "main grads", main_numel * main, pinned=pinned)
+    else:
+        if not geometry.main_params_alias_weights:
+            memory.add("device", "main weights", main_numel * main)
+            memory.padding += geometry.padding_numel(main_start, main_end) * main
+        grad_start, grad_end = geometry.grad_range
+        memory.add("device", "main grads", (grad_end - grad_start) * grads)
+        memory.padding += geometry.padding_numel(grad_start, grad_end) * grads
+        if geometry.splits_shard:
+            memory.add("device", "main grads", main_numel * grads)  # the outer-reduced gradients
+        if dtypes.main_grads != dtypes.main_params:
+            memory.add("device", "main grads", main_numel * main)  # what the optimizer reads, cast
+    spec = options.optimizer
+    state = _element_size(spec.state_dtype) if spec.state_dtype is not None else main
+    location = "host" if geometry.offloaded else "device"
+    for lo, hi in geometry.main_pieces():
+        for _ in range(spec.states):
+            memory.add(location, "optimizer state", (hi - lo) * state)
+        if spec.step_counter:
+            # A float32 scalar on the host (torch's optimizers keep it there unless capturable or fused).
+            memory.add("device" if options.device_type == "cpu" else "host", "optimizer state", 4)
+
+
+def _working_set(memory: RankMemory, plans: list[tuple[_BucketPlan, BucketGeometry]], options: PlanOptions) -> None:
+    """The transient peak: gathered units (optim_grads_params) and gradient buffers in flight."""
+    if options.strategy.shards_weights:
+        per_unit: dict[str, int] = defaultdict(int)
+        for bucket, geometry in plans:
+            compute = _element_size(geometry.dtypes.compute)
+            gathered = _round_up(geometry.layout.padded_numel * compute, ALLOCATION_GRANULE)
+            if geometry.gathers_from_main and geometry.layout.world_size > 1:
+                gathered += _round_up(geometry.layout.shard_numel * compute, ALLOCATION_GRANULE)
+            per_unit[bucket.unit] += gathered
+        root = per_unit.pop(ROOT_UNIT_NAME, 0)
+        in_flight = 2 if options.overlap_param_gather else 1
+        memory.gathered_weights = root + sum(sorted(per_unit.values(), reverse=True)[:in_flight])
+    buffers = sorted((_grad_buffer_bytes(geometry, options) for _, geometry in plans), reverse=True)
+    memory.grad_buffers = sum(buffers[:GRAD_BUCKETS_IN_FLIGHT])
+
+
+def _grad_buffer_bytes(geometry: BucketGeometry, options: PlanOptions) -> int:
+    """One bucket's pooled gradient buffers during its reduction (buffer.py's start_reduction)."""
+    if not geometry.requires_grad:
+        return 0
+    dtypes, layout = geometry.dtypes, geometry.layout
+    comm = _element_size(dtypes.comm)
+    unreduced_dtype = dtypes.comm if geometry.strategy.shards_grads else dtypes.main_grads
+    in_place = (layout.world_size == 1 and geometry.strategy.shards_grads and dtypes.comm == dtypes.main_grads)
+    if in_place:
+        return 0
+    total = _round_up(layout.padded_numel * _element_size(unreduced_dtype), ALLOCATION_GRANULE)
+    if unreduced_dtype != dtypes.comm:
+        total += _round_up(layout.padded_numel * comm, ALLOCATION_GRANULE)
+    if dtypes.promotes_reduction:
+        total += _round_up(layout.padded_numel * comm, ALLOCATION_GRANULE)
+    elif geometry.strategy is not ShardingStrategy.NO_SHARD and layout.world_size > 1:
+        total += _round_up(layout.shard_numel * comm, ALLOCATION_GRANULE)
+    return total
+
+
+def plan_rank(buckets: Sequence[_BucketPlan], module: nn.Module, options: PlanOptions, rank: int) -> RankMemory:
+    """Global ``rank``'s bytes (ranks are laid out as the (dp_outer, dp_shard) mesh). Buckets
+    alike (the same bucket of every layer) are planned once and counted as often as they occur."""
+    outer_rank, shard_rank = divmod(rank, options.shard_size)
+    memory = RankMemory(rank)
+    shapes = Counter((b.numels, b.dtype, b.requires_grad) for b in buckets)
+    geometries = {}
+    for shape, count in shapes.items():
+        numels, dtype, requires_grad = shape
+        geometries[shape] = geometry = _geometry(_BucketPlan("", numels, dtype, requires_grad), options, shard_rank, outer_rank)
+        one = RankMemory(rank)
+        _add_bucket(one, geometry, options)
+        memory.merge(one, count)
+    for buffer in module.buffers():
+        memory.add("device", "module buffers", buffer.numel() * buffer.element_size())
+    plans = [(b, geometries[(b.numels, b.dtype, b.requires_grad)]) for b in buckets]
+    _add_offload_staging(memory, plans, options)
+    _working_set(memory, plans, options)
+    return memory
+
+
+def _add_offload_staging(memory: RankMemory, plans: list[tuple[_BucketPlan, BucketGeometry]], options: PlanOptions) -> None:
+    """On a GPU, offloading keeps two pinned staging buffers per compute dtype for new weights
+    and, when micro-batches accumulate on the host, two landing buffers for gradients, each as
+    large as the largest bucket range (offload.py)."""
+    if not options.cpu_offload or options.device_type != "cuda":
+        return
+    largest: dict[torch.dtype, int] = defaultdict(int)
+    largest_grads = 0
+    for _, geometry in plans:
+        if geometry.offloaded:
+            start, end = geometry.main_range
+            largest[geometry.dtypes.compute] = max(largest[geometry.dtypes.compute], end - start)
+            largest_grads = max(largest_grads, (end - start) * _element_size(geometry.dtypes.main_params))
+    pinned = options.offload_pin_memory
+    for dtype, numel in largest.items():
+        for _ in range(2):
+            memory.add("host", "offload staging", numel * _element_size(dtype), pinned=pinned)
+    if options.micro_batches > 1:
+        for _ in range(2):
+            memory.add("host", "offload staging", largest_grads, pinned=pinned)
+
+
+def planned_ranks(options: PlanOptions) -> list[int]:
+    """Ranks whose plans can differ: every shard rank (each holds other padding) of the first
+    outer rank; under HFSDP every rank (each outer rank steps another part of each shard). The
+    outer ranks of plain HSDP hold what the first one holds."""
+    if options.outer_strategy is ShardingStrategy.OPTIM:
+        return list(range(options.world_size))
+    return list(range(options.shard_size))
+
+
+def plan_model(module: nn.Module, unit_classes: tuple[type, ...], options: PlanOptions) -> tuple[RankMemory, list[RankMemory]]:
+    """The largest rank's plan and every planned rank's (see :func:`planned_ranks`)."""
+    check_options(options)
+    buckets = plan_buckets(module, unit_classes, options.strategy)
+    ranks = [plan_rank(buckets, module, options, rank) for rank in planned_ranks(options)]
+    largest = max(ranks, key=lambda m: (m.device_total, m.host_model_states))
+    return largest, ranks
+
+
+def gib(nbytes: int) -> float:
+    return nbytes / 2**30
+
+
+def describe(memory: RankMemory) -> str:
+    """A few lines: each non-zero category in GiB, on the device and on the host."""
+    lines = [f"rank {memory.rank}: device model states {gib(memory.device_model_states):.3f} GiB "
+             f"(+ working set up to {gib(memory.working_set):.3f} GiB)"]
+    for where, categories in (("device", memory.device), ("host", memory.host)):
+        for name, nbytes in categories.items():
+            if nbytes:
+                lines.append(f"  {where:6} {name:18} {gib(nbytes):10.3f} GiB")
+    if memory.padding:
+        lines.append(f"  of which padding {gib(memory.padding):.3f} GiB")
+    return "\n".join(lines)
+
+
+def biggest(memory: RankMemory) -> tuple[str, int]:
+    name = max(memory.device, key=memory.device.get)
+    return name, memory.device[name]

@@ -1,0 +1,262 @@
+"""Know before you launch: the bytes each rank will hold, for any strategy, mesh and world size.
+
+``plan_memory(model, world_size, ...)`` takes a model on the meta device and fully_shard's
+choices (the mesh given as sizes) and returns the largest rank's plan: model states by category
+on the device and the host, padding, and the working set's peak. Model states are exact (the
+engine's own layout); the working set is an upper bound. No GPU and no process group needed.
+
+    python -m megatron_fsdp.plan_memory --hf meta-llama/Llama-3.1-8B --world-sizes 8,64 --device-memory 80
+    python -m megatron_fsdp.plan_memory --model examples/gpt_model.py:gpt --model-kwargs '{"layers": 24}' \\
+        --units TransformerBlock --world-sizes 1,2,8
+
+docs/memory_planning.md explains every column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import OffloadPolicy
+
+from megatron_fsdp.engine.config import ShardingStrategy
+from megatron_fsdp.engine.memory_plan import (
+    OptimizerSpec,
+    PlanOptions,
+    RankMemory,
+    check_meta_model,
+    describe,
+    gib,
+    plan_model,
+)
+from megatron_fsdp.engine.plan import check_outer_strategy, resolve_offload
+from megatron_fsdp.engine.units import resolve_unit_classes
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """``largest``: the rank needing the most device memory; ``ranks``: every rank planned
+    (ranks that cannot differ from one of them are left out)."""
+
+    options: PlanOptions
+    largest: RankMemory
+    ranks: list[RankMemory]
+
+    def for_rank(self, rank: int) -> RankMemory:
+        """Global ``rank``'s plan (under plain HSDP, an outer rank holds what the first one holds)."""
+        if not 0 <= rank < self.options.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.options.world_size}")
+        by_rank = {memory.rank: memory for memory in self.ranks}
+        return by_rank.get(rank) or by_rank[rank % self.options.shard_size]
+
+    def __str__(self) -> str:
+        return describe(self.largest)
+
+
+def plan_memory(
+    module: nn.Module,
+    world_size: int,
+    *,
+    dp_outer_size: int = 1,
+    fsdp_unit_modules: Sequence[type | str] | None = None,
+    zero_dp_strategy: int | str = "optim_grads_params",
+    outer_dp_sharding_strategy: int | str = "no_shard",
+    mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    optimizer: str | OptimizerSpec | torch.optim.Optimizer | None = "adamw",
+    overlap_param_gather: bool = True,
+    fsdp_double_buffer: bool = False,
+    nccl_ub: bool = False,
+    cpu_offload: bool = False,
+    offload_policy: OffloadPolicy | None = None,
+    report_nan_in_param_grad: bool = False,
+    micro_batches: int = 1,
+    device_type: str = "cuda",
+) -> MemoryPlan:
+    """The bytes each rank holds when ``module`` (on the meta device) is sharded by
+    ``fully_shard`` with these arguments over ``world_size`` ranks, ``dp_outer_size`` of them
+    replicas (HSDP; the mesh is ``(dp_outer, dp_shard)``). ``optimizer``: what keeps state per
+    parameter (a name such as ``"adamw"``, a torch optimizer, or an :class:`OptimizerSpec`);
+    ``device_type``: ``"cuda"`` or ``"cpu"`` (where step counters and pinned buffers live)."""
+    check_meta_model(module)
+    strategy = ShardingStrategy.parse(zero_dp_strategy)
+    outer = check_outer_strategy(outer_dp_sharding_strategy, strategy, "dp_outer" if dp_outer_size > 1 else None)
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    offload = resolve_offload(cpu_offload, offload_policy)
+    options = PlanOptions(
+        world_size=world_size, strategy=strategy, outer_strategy=outer, outer_size=dp_outer_size,
+        policy=mixed_precision_policy or MixedPrecisionPolicy(), optimizer=OptimizerSpec.parse(optimizer),
+        overlap_param_gather=overlap_param_gather, fsdp_double_buffer=fsdp_double_buffer or nccl_ub,
+        cpu_offload=offload["cpu_offload"], offload_pin_memory=offload["offload_pin_memory"],
+        report_nan_in_param_grad=report_nan_in_param_grad, micro_batches=micro_batches, device_type=device_type,
+    )
+    largest, ranks = plan_model(module, resolve_unit_classes(fsdp_unit_modules), options)
+    return MemoryPlan(options, largest, ranks)
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def _load_hf_model(name: str, dtype: torch.dtype) -> tuple[nn.Module, list[str]]:
+    """A Hugging Face causal LM from a model id or a config.json, on the meta device, and its
+    decoder-layer class names (``_no_split_modules``)."""
+    try:
+        import transformers
+    except ImportError as error:
+        raise SystemExit("--hf needs transformers: pip install transformers") from error
+    config = transformers.AutoConfig.from_pretrained(name)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    return model, list(getattr(model, "_no_split_modules", None) or [])
+
+
+def _load_factory_model(spec: str, kwargs: dict, dtype: torch.dtype) -> nn.Module:
+    """``FILE.py:CALLABLE`` called with ``kwargs`` on the meta device."""
+    path, _, name = spec.rpartition(":")
+    if not path or not Path(path).is_file():
+        raise SystemExit(f"--model {spec!r}: give FILE.py:CALLABLE, e.g. examples/gpt_model.py:gpt")
+    loaded = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(loaded)
+    sys.modules[loaded.name] = module  # dataclasses in the file look their module up
+    loaded.loader.exec_module(module)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise SystemExit(f"--model {spec!r}: {path} has no callable {name!r}")
+    with torch.device("meta"):
+        return factory(**kwargs).to(dtype)
+
+
+def _unit_classes(model: nn.Module, names: Sequence[str]) -> list[type]:
+    """The model's module classes with these names."""
+    classes = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [n for n in names if n not in classes]
+    if missing:
+        raise SystemExit(f"--units: the model has no module class {', '.join(missing)} (it has {', '.join(sorted(classes))})")
+    return [classes[n] for n in names]
+
+
+def _csv(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def _ints(value: str) -> list[int]:
+    try:
+        return [int(item) for item in _csv(value)]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from error
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_fsdp.plan_memory",
+        description="Per-rank memory of a model sharded by megatron_fsdp, for each strategy and world size.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", help="a Hugging Face model id or config.json path (needs transformers)")
+    source.add_argument("--model", help="FILE.py:CALLABLE returning the model, e.g. examples/gpt_model.py:gpt")
+    parser.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for --model's callable")
+    parser.add_argument("--units", default=None, help="unit class names (default for --hf: its decoder layer)")
+    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16", help="the parameters' (compute) dtype")
+    parser.add_argument("--main-params-dtype", choices=tuple(_DTYPES), default="fp32")
+    parser.add_argument("--main-grads-dtype", choices=tuple(_DTYPES), default=None, help="default: the compute dtype")
+    parser.add_argument("--grad-comm-dtype", choices=tuple(_DTYPES), default=None, help="default: the main grads dtype")
+    parser.add_argument("--world-sizes", type=_ints, default=[8], help="comma-separated, e.g. 8,64,1024")
+    parser.add_argument("--dp-outer-sizes", type=_ints, default=[1], help="HSDP replica counts to try, e.g. 1,8")
+    parser.add_argument("--outer-strategy", choices=("no_shard", "optim"), default="no_shard")
+    parser.add_argument("--strategies", default="no_shard,optim,optim_grads,optim_grads_params")
+    parser.add_argument("--cpu-offload", choices=("off", "on", "both"), default="off")
+    parser.add_argument("--optimizer", default="adamw", help=", ".join(OptimizerSpec.KINDS))
+    parser.add_argument("--double-buffer", action="store_true", help="fsdp_double_buffer")
+    parser.add_argument("--device-memory", type=float, default=None, help="GiB per device: marks the rows that fit")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
+    return parser.parse_args(argv)
+
+
+def _rows(model: nn.Module, units: list[type], args: argparse.Namespace) -> list[dict]:
+    policy = MixedPrecisionPolicy(
+        main_params_dtype=_DTYPES[args.main_params_dtype],
+        main_grads_dtype=_DTYPES[args.main_grads_dtype] if args.main_grads_dtype else None,
+        grad_comm_dtype=_DTYPES[args.grad_comm_dtype] if args.grad_comm_dtype else None,
+    )
+    offloads = {"off": [False], "on": [True], "both": [False, True]}[args.cpu_offload]
+    rows = []
+    combos = itertools.product(args.world_sizes, args.dp_outer_sizes, _csv(args.strategies), offloads)
+    for world, outer_size, strategy, offload in combos:
+        if world % outer_size:
+            continue  # no such mesh: the row is left out
+        outer = args.outer_strategy if outer_size > 1 else "no_shard"
+        if outer == "optim" and strategy != "optim_grads_params":
+            continue
+        plan = plan_memory(
+            model, world, dp_outer_size=outer_size, fsdp_unit_modules=units, zero_dp_strategy=strategy,
+            outer_dp_sharding_strategy=outer, mixed_precision_policy=policy, optimizer=args.optimizer,
+            fsdp_double_buffer=args.double_buffer, cpu_offload=offload,
+        )
+        memory = plan.largest
+        row = {
+            "strategy": strategy, "world": world, "dp_outer": outer_size, "offload": offload,
+            "weights": memory.device["compute weights"], "main_weights": memory.device["main weights"],
+            "main_grads": memory.device["main grads"], "optimizer": memory.device["optimizer state"],
+            "model_states": memory.device_model_states, "working_set": memory.working_set,
+            "device_total": memory.device_total, "host": memory.host_model_states, "pinned_host": memory.pinned_host,
+        }
+        if args.device_memory is not None:
+            row["fits"] = gib(memory.device_total) <= args.device_memory
+        rows.append(row)
+    return rows
+
+
+_COLUMNS = (("weights", "weights"), ("main_weights", "main w"), ("main_grads", "main g"), ("optimizer", "optim"),
+            ("model_states", "states"), ("working_set", "working"), ("device_total", "device"), ("host", "host"))
+
+
+def format_table(rows: list[dict]) -> str:
+    """One line per row, sizes in GiB."""
+    header = f"{'strategy':<19}{'world':>6}{'outer':>6}{'offload':>8}" + "".join(f"{title:>10}" for _, title in _COLUMNS)
+    if rows and "fits" in rows[0]:
+        header += "  fits"
+    lines = [header]
+    for row in rows:
+        line = f"{row['strategy']:<19}{row['world']:>6}{row['dp_outer']:>6}{'yes' if row['offload'] else 'no':>8}"
+        line += "".join(f"{gib(row[key]):>10.2f}" for key, _ in _COLUMNS)
+        if "fits" in row:
+            line += "  " + ("yes" if row["fits"] else "no")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    dtype = _DTYPES[args.dtype]
+    if args.hf:
+        model, default_units = _load_hf_model(args.hf, dtype)
+    else:
+        model, default_units = _load_factory_model(args.model, json.loads(args.model_kwargs), dtype), []
+    units = _unit_classes(model, _csv(args.units) if args.units else default_units)
+    params = sum(p.numel() for p in model.parameters())
+    rows = _rows(model, units, args)
+    if args.json:
+        print("\n".join(json.dumps(row) for row in rows))
+        return
+    print(f"{params / 1e9:.2f}B parameters ({args.dtype}), units: {', '.join(c.__name__ for c in units) or 'none'}; "
+          f"GiB per rank (the largest); 'states' = model states held from the first step, 'working' = "
+          f"gathered weights and gradient buffers at their peak, 'device' = both, before activations")
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
