@@ -1,8 +1,5 @@
 """megatron_fsdp: fully sharded data parallelism for PyTorch on flat, per-unit, dtype-aware buffers."""
 
-import importlib
-from typing import Any
-
 from megatron_fsdp.checkpoint.integrity import CheckpointCorruptError
 from megatron_fsdp.checkpoint.io import (
     export_safetensors,
@@ -19,6 +16,8 @@ from megatron_fsdp.integrations.megatron_lm import add_megatron_fsdp_args, ddp_c
 from megatron_fsdp.megatron_fsdp import MegatronFSDP
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.optim.grad_clip import clip_grad_norm_, total_grad_norm
+# The function: the package megatron_fsdp.plan_memory holds it and the command (python -m).
+from megatron_fsdp.plan_memory import plan_memory
 from megatron_fsdp.package_info import (
     __contact_emails__,
     __contact_names__,
@@ -66,11 +65,3 @@ __all__ = [
     "__version__",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    # plan_memory is imported on first use, so `python -m megatron_fsdp.plan_memory` runs the
-    # module once rather than after the package imported it.
-    if name == "plan_memory":
-        function = globals()["plan_memory"] = importlib.import_module("megatron_fsdp.plan_memory").plan_memory
-        return function
-    raise AttributeError(f"module 'megatron_fsdp' has no attribute {name!r}")

@@ -8,6 +8,9 @@ holds; the working set is an upper bound on them (the pool's high-water mark).""
 from __future__ import annotations
 
 import gc
+import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import megatron_fsdp
 from _dist import run_distributed
+from megatron_fsdp.plan_memory.command import main
 from models import Block, make_batch, make_model
 
 BF16_POLICIES = {
@@ -110,3 +114,68 @@ def test_planned_model_states_equal_what_each_rank_holds_after_the_first_step(wo
             if pool_peak > working_set:
                 wrong.append(f"rank {rank} {name}: the pool peaked at {pool_peak} bytes, above the planned working set {working_set}")
     assert not wrong, f"world {world}:\n" + "\n".join(wrong)
+
+
+REPO = Path(__file__).resolve().parents[1]
+GPT_KWARGS = {"layers": 3, "hidden": 64, "heads": 4, "ffn": 176, "vocab_size": 101, "seq_len": 32}
+
+
+def _meta_gpt() -> tuple[nn.Module, type]:
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from gpt_model import TransformerBlock, gpt
+    finally:
+        sys.path.pop(0)
+    with torch.device("meta"):
+        return gpt(**GPT_KWARGS).to(torch.bfloat16), TransformerBlock
+
+
+def test_the_command_prints_one_row_per_choice_with_the_functions_numbers(capsys) -> None:
+    main([
+        "--model", str(REPO / "examples/gpt_model.py") + ":gpt", "--model-kwargs", json.dumps(GPT_KWARGS),
+        "--units", "TransformerBlock", "--world-sizes", "2,8", "--dp-outer-sizes", "1,2", "--cpu-offload", "both",
+        "--device-memory", "80", "--json",
+    ])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 2 * 2 * 4 * 2  # world sizes x outer sizes x strategies x offload
+    model, block = _meta_gpt()
+    for row in rows:
+        plan = megatron_fsdp.plan_memory(model, row["world"], dp_outer_size=row["dp_outer"], fsdp_unit_modules=[block],
+                                         zero_dp_strategy=row["strategy"], cpu_offload=row["offload"])
+        assert row["model_states"] == plan.largest.device_model_states and row["host"] == plan.largest.host_model_states
+        assert row["fits"] is True
+    sharded = {(r["strategy"], r["offload"]): r["model_states"] for r in rows if r["world"] == 8 and r["dp_outer"] == 1}
+    assert sharded[("optim_grads_params", False)] < sharded[("optim", False)] < sharded[("no_shard", False)]
+    assert sharded[("optim_grads_params", True)] < sharded[("optim_grads_params", False)]
+
+
+def test_the_command_reads_a_hugging_face_config_and_prints_a_table(tmp_path, capsys) -> None:
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=211)
+    config.save_pretrained(tmp_path)
+    main(["--hf", str(tmp_path), "--world-sizes", "4", "--strategies", "optim_grads_params", "--device-memory", "0.000001"])
+    out = capsys.readouterr().out
+    assert "units: LlamaDecoderLayer" in out, out
+    header, row = out.splitlines()[1:3]
+    assert header.split()[:4] == ["strategy", "world", "outer", "offload"] and header.endswith("fits"), out
+    assert row.split()[:4] == ["optim_grads_params", "4", "1", "no"] and row.endswith("no"), out
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(world_size=6, dp_outer_size=4), "world_size 6 is not divisible by dp_outer_size 4"),
+    (dict(zero_dp_strategy="zero4"), "unknown zero_dp_strategy 'zero4'"),
+    (dict(optimizer="lion"), "unknown optimizer 'lion'"),
+    (dict(outer_dp_sharding_strategy="optim"), "needs dp_outer_dim"),
+])
+def test_bad_choices_are_named(change: dict, message: str) -> None:
+    model, block = _meta_gpt()
+    arguments = dict(world_size=8, fsdp_unit_modules=[block]) | change
+    with pytest.raises(ValueError, match=message):
+        megatron_fsdp.plan_memory(model, **arguments)
+
+
+def test_a_model_not_on_the_meta_device_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"needs a model on the meta device .*torch.device\('meta'\)"):
+        megatron_fsdp.plan_memory(make_model(), 2, fsdp_unit_modules=[Block])

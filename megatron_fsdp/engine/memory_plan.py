@@ -201,7 +201,7 @@ def check_options(options: PlanOptions) -> None:
 
 def plan_buckets(module: nn.Module, unit_classes: tuple[type, ...], strategy: ShardingStrategy) -> list[_BucketPlan]:
     """The buckets fully_shard would build, unit by unit (the root unit first)."""
-    unit_modules = find_unit_modules(module, unit_classes, units_required=strategy.shards_weights)
+    unit_modules = find_unit_modules(module, unit_classes, units_required=strategy.shards_weights, log_absent=False)
     assignment = assign_params_to_units(module, [m for _, m in unit_modules])
     names = {m: name for name, m in unit_modules}
     named = dict(module.named_parameters())

@@ -24,6 +24,7 @@ from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.consistency import check_same_configuration_on_all_ranks, describe_configuration
 from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
 from megatron_fsdp.engine.dtensor_params import check_parallel_params, is_expert_param, mark_experts_by_name
+from megatron_fsdp.engine.memory_check import device_memory_shortfall, plan_this_rank, wrap_options
 from megatron_fsdp.engine.mesh import submesh
 from megatron_fsdp.engine.units import resolve_unit_classes
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
@@ -214,9 +215,19 @@ def plan_sharding(
     _check_one_device(module)
     full_settings = FSDPSettings(strategy=strategy, **settings)
     dp = dist_index.data_parallel
-    description = describe_configuration(module, full_settings, unit_classes, dp)
-    check_same_configuration_on_all_ranks(description, dp, full_settings.collective_timeout)
     meta_device = (torch.device(device) if device is not None else _meta_init_device()) if init_model_with_meta_device else None
+    buffers_device = meta_device or next((p.device for p in module.parameters()), torch.device("cpu"))
+    options, rank = wrap_options(dp, full_settings, buffers_device)
+    memory = plan_this_rank(module, unit_classes, options, rank)
+    shortfall = device_memory_shortfall(module, unit_classes, options, rank, memory, buffers_device)
+    if shortfall is not None:
+        logger.error("%s", shortfall)
+    description = describe_configuration(module, full_settings, unit_classes, dp)
+    # Ranks whose devices differ in free memory raise together, through the mismatch.
+    description["planned model states fit in the free device memory"] = str(shortfall is None)
+    check_same_configuration_on_all_ranks(description, dp, full_settings.collective_timeout)
+    if shortfall is not None:
+        raise ValueError(shortfall)
     return ShardingPlan(dist_index, full_settings, unit_classes, meta_device)
 
 

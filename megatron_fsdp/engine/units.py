@@ -52,12 +52,13 @@ def resolve_unit_classes(fsdp_unit_modules: Iterable[type | str] | None) -> tupl
 
 
 def find_unit_modules(
-    root: nn.Module, classes: tuple[type, ...], units_required: bool
+    root: nn.Module, classes: tuple[type, ...], units_required: bool, log_absent: bool = True
 ) -> list[tuple[str, nn.Module]]:
     """Every module of the given classes, in registration order. Classes the model does not
     hold are accepted with one log line, as upstream accepts them (Megatron-LM names its MoE and
     Mamba layers for every GPT). ``units_required``: classes were named but none occurs, and the
-    strategy shards weights (the whole model would be gathered at once): raise."""
+    strategy shards weights (the whole model would be gathered at once): raise. ``log_absent``:
+    False for a second look at the same model (the memory plan), so the line appears once."""
     found = [(name, m) for name, m in root.named_modules() if m is not root and isinstance(m, classes)]
     present = {type(m) for _, m in found}
     absent = [cls for cls in classes if not any(issubclass(p, cls) for p in present)]
@@ -67,7 +68,7 @@ def find_unit_modules(
             f"fsdp_unit_modules names {', '.join(_class_path(cls) for cls in absent)}, but the model holds no "
             f"module of those classes (its classes: {', '.join(model_classes)}): name the classes of its blocks"
         )
-    if absent:
+    if absent and log_absent:
         logger.info(
             "fsdp_unit_modules: the model holds no %s; %s",
             ", ".join(_class_path(cls) for cls in absent),

@@ -1,15 +1,10 @@
-"""Know before you launch: the bytes each rank will hold, for any strategy, mesh and world size.
-
-``plan_memory(model, world_size, ...)`` takes a model on the meta device and fully_shard's
-choices (the mesh given as sizes) and returns the largest rank's plan: model states by category
-on the device and the host, padding, and the working set's peak. Model states are exact (the
-engine's own layout); the working set is an upper bound. No GPU and no process group needed.
+"""``python -m megatron_fsdp.plan_memory``: the per-rank memory of a Hugging Face model (an id or a
+config.json) or of a model built by a Python callable, for each strategy, world size, HSDP replica
+count and offload choice, as a table in GiB (or JSON lines).
 
     python -m megatron_fsdp.plan_memory --hf meta-llama/Llama-3.1-8B --world-sizes 8,64 --device-memory 80
     python -m megatron_fsdp.plan_memory --model examples/gpt_model.py:gpt --model-kwargs '{"layers": 24}' \\
         --units TransformerBlock --world-sizes 1,2,8
-
-docs/memory_planning.md explains every column.
 """
 
 from __future__ import annotations
@@ -18,97 +13,18 @@ import argparse
 import importlib.util
 import itertools
 import json
-import logging
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import OffloadPolicy
 
-from megatron_fsdp.engine.config import ShardingStrategy
-from megatron_fsdp.engine.memory_plan import (
-    OptimizerSpec,
-    PlanOptions,
-    RankMemory,
-    check_meta_model,
-    describe,
-    gib,
-    plan_model,
-)
-from megatron_fsdp.engine.plan import check_outer_strategy, resolve_offload
-from megatron_fsdp.engine.units import resolve_unit_classes
+from megatron_fsdp.engine.memory_plan import OptimizerSpec, gib
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
-
-logger = logging.getLogger(__name__)
+from megatron_fsdp.plan_memory import plan_memory
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """``largest``: the rank needing the most device memory; ``ranks``: every rank planned
-    (ranks that cannot differ from one of them are left out)."""
-
-    options: PlanOptions
-    largest: RankMemory
-    ranks: list[RankMemory]
-
-    def for_rank(self, rank: int) -> RankMemory:
-        """Global ``rank``'s plan (under plain HSDP, an outer rank holds what the first one holds)."""
-        if not 0 <= rank < self.options.world_size:
-            raise ValueError(f"rank {rank} is outside a world of {self.options.world_size}")
-        by_rank = {memory.rank: memory for memory in self.ranks}
-        return by_rank.get(rank) or by_rank[rank % self.options.shard_size]
-
-    def __str__(self) -> str:
-        return describe(self.largest)
-
-
-def plan_memory(
-    module: nn.Module,
-    world_size: int,
-    *,
-    dp_outer_size: int = 1,
-    fsdp_unit_modules: Sequence[type | str] | None = None,
-    zero_dp_strategy: int | str = "optim_grads_params",
-    outer_dp_sharding_strategy: int | str = "no_shard",
-    mixed_precision_policy: MixedPrecisionPolicy | None = None,
-    optimizer: str | OptimizerSpec | torch.optim.Optimizer | None = "adamw",
-    overlap_param_gather: bool = True,
-    fsdp_double_buffer: bool = False,
-    nccl_ub: bool = False,
-    cpu_offload: bool = False,
-    offload_policy: OffloadPolicy | None = None,
-    report_nan_in_param_grad: bool = False,
-    micro_batches: int = 1,
-    device_type: str = "cuda",
-) -> MemoryPlan:
-    """The bytes each rank holds when ``module`` (on the meta device) is sharded by
-    ``fully_shard`` with these arguments over ``world_size`` ranks, ``dp_outer_size`` of them
-    replicas (HSDP; the mesh is ``(dp_outer, dp_shard)``). ``optimizer``: what keeps state per
-    parameter (a name such as ``"adamw"``, a torch optimizer, or an :class:`OptimizerSpec`);
-    ``device_type``: ``"cuda"`` or ``"cpu"`` (where step counters and pinned buffers live)."""
-    check_meta_model(module)
-    strategy = ShardingStrategy.parse(zero_dp_strategy)
-    outer = check_outer_strategy(outer_dp_sharding_strategy, strategy, "dp_outer" if dp_outer_size > 1 else None)
-    if device_type not in ("cuda", "cpu"):
-        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
-    offload = resolve_offload(cpu_offload, offload_policy)
-    options = PlanOptions(
-        world_size=world_size, strategy=strategy, outer_strategy=outer, outer_size=dp_outer_size,
-        policy=mixed_precision_policy or MixedPrecisionPolicy(), optimizer=OptimizerSpec.parse(optimizer),
-        overlap_param_gather=overlap_param_gather, fsdp_double_buffer=fsdp_double_buffer or nccl_ub,
-        cpu_offload=offload["cpu_offload"], offload_pin_memory=offload["offload_pin_memory"],
-        report_nan_in_param_grad=report_nan_in_param_grad, micro_batches=micro_batches, device_type=device_type,
-    )
-    largest, ranks = plan_model(module, resolve_unit_classes(fsdp_unit_modules), options)
-    return MemoryPlan(options, largest, ranks)
-
-
-# -- the command ---------------------------------------------------------------------------------
 
 
 def _load_hf_model(name: str, dtype: torch.dtype) -> tuple[nn.Module, list[str]]:
@@ -256,7 +172,3 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"GiB per rank (the largest); 'states' = model states held from the first step, 'working' = "
           f"gathered weights and gradient buffers at their peak, 'device' = both, before activations")
     print(format_table(rows))
-
-
-if __name__ == "__main__":
-    main()
