@@ -36,7 +36,7 @@ def _load_hf_model(name: str, dtype: torch.dtype) -> tuple[nn.Module, list[str]]
         raise SystemExit("--hf needs transformers: pip install transformers") from error
     config = transformers.AutoConfig.from_pretrained(name)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model, list(getattr(model, "_no_split_modules", None) or [])
 
 
