@@ -9,8 +9,12 @@ Per run it reports, on rank 0:
   the model was built;
 - the step's peak: the planned device total (model states and the working set's bound) plus the
   measured activation peak, against ``torch.cuda.max_memory_allocated()`` over the second step.
-  The activation peak is what forward saves for backward (``saved_tensors_hooks``, one count per
-  storage) plus the largest tensor backward creates at once for the loss (the fp32 logits' gradient).
+  The activation peak is measured on the same model in plain PyTorch, bf16, its weights frozen
+  and the embedding's output requiring grad: the peak of forward and backward above the weights
+  is then what activations and their gradients take, without any weight gradient.
+
+Before anything is measured a small matmul with a backward allocates cuBLAS's workspaces, which
+the caching allocator holds from then on (64 MiB on an H100).
 """
 
 from __future__ import annotations
@@ -41,21 +45,27 @@ RUNS = {
 GIB = 2**30
 
 
-class SavedActivations:
-    """Bytes forward saves for backward, each storage once."""
+def warm_up_cublas(device: torch.device) -> None:
+    weight = torch.randn(64, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    (weight @ weight).float().sum().backward()
+    torch.cuda.synchronize()
 
-    def __init__(self) -> None:
-        self.storages: dict[int, int] = {}
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.is_cuda and not isinstance(tensor, torch.nn.Parameter):
-            storage = tensor.untyped_storage()
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.storages.values())
+def activation_peak(config: GPTConfig, tokens: torch.Tensor, device: torch.device) -> int:
+    """Peak bytes above the weights of a forward and backward of the plain model."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(config).to(torch.bfloat16).requires_grad_(False)
+    model.embed.register_forward_hook(lambda module, args, out: out.requires_grad_())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss_of(model, config, tokens).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del model
+    torch.cuda.empty_cache()
+    return peak
 
 
 def loss_of(model: torch.nn.Module, config: GPTConfig, tokens: torch.Tensor) -> torch.Tensor:
@@ -76,6 +86,9 @@ def check(name: str, config_name: str, layers: int | None, cpu_offload: bool, mi
                                      optimizer="adamw", cpu_offload=cpu_offload)
     planning_s = time.perf_counter() - started
     planned = plan.for_rank(dist.get_rank())
+    generator = torch.Generator(device).manual_seed(dist.get_rank())
+    tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len + 1), device=device, generator=generator)
+    activations = activation_peak(config, tokens, device)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     model = meta  # built on the meta device, materialised unit by unit on the GPU
@@ -84,25 +97,18 @@ def check(name: str, config_name: str, layers: int | None, cpu_offload: bool, mi
         model, optimizer, fsdp_unit_modules=[TransformerBlock], mixed_precision_policy=policy,
         init_model_with_meta_device=True, device=device, cpu_offload=cpu_offload,
     )
-    generator = torch.Generator(device).manual_seed(dist.get_rank())
-    tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len + 1), device=device, generator=generator)
     loss_of(model, config, tokens).backward()
     optimizer.step()
     torch.cuda.synchronize()
-    states = torch.cuda.memory_allocated() - base - tokens.untyped_storage().nbytes()
+    states = torch.cuda.memory_allocated() - base
     optimizer.zero_grad()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     model.pool.reset_high_water_mark()
-    saved = SavedActivations()
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-        loss = loss_of(model, config, tokens)
-    loss.backward()
+    loss_of(model, config, tokens).backward()
     optimizer.step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    logits_grad = micro_batch * seq_len * config.vocab_size * 4
-    activations = saved.nbytes + logits_grad
     predicted = planned.device_total + activations
     return {
         "run": name, "config": config_name, "layers": config.layers, "world": world, "micro_batch": micro_batch, "seq_len": seq_len,
@@ -126,6 +132,7 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
+    warm_up_cublas(device)
     results = []
     for name in args.runs.split(","):
         run = RUNS[name]

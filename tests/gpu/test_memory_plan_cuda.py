@@ -33,7 +33,15 @@ def _model(layers: int) -> nn.Module:
     return nn.Sequential(nn.Linear(WIDTH, WIDTH), *(Block() for _ in range(layers)), nn.Linear(WIDTH, 11)).to(torch.bfloat16)
 
 
+def _warm_up_cublas() -> None:
+    """cuBLAS's workspaces come from the caching allocator on the first matmul and stay: not model states."""
+    weight = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    (weight @ weight).float().sum().backward()
+    torch.cuda.synchronize()
+
+
 def _states(rank: int, world: int, strategy: str) -> tuple[int, int]:
+    _warm_up_cublas()
     with torch.device("meta"):
         meta = _model(4)
     plan = megatron_fsdp.plan_memory(meta, world, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, optimizer="adamw")
