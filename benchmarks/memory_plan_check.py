@@ -7,8 +7,10 @@ Per run it reports, on rank 0:
 - model states: planned (each tensor rounded as the CUDA caching allocator rounds it) against
   ``torch.cuda.memory_allocated()`` after the first optimizer step, less what was allocated before
   the model was built;
-- the step's peak: the planned device total (model states and the working set's bound) plus the
-  measured activation peak, against ``torch.cuda.max_memory_allocated()`` over the second step.
+- forward and backward's peak: the planned device total (model states and the working set's
+  bound) plus the measured activation peak, against ``torch.cuda.max_memory_allocated()`` over the
+  second step's forward and backward; and what the optimizer step allocates on top, apart (torch's
+  foreach AdamW makes temporaries the size of its state).
   The activation peak is measured on the same model in plain PyTorch, bf16, its weights frozen
   and the embedding's output requiring grad: the peak of forward and backward above the weights
   is then what activations and their gradients take, without any weight gradient.
@@ -40,7 +42,7 @@ from step_time import CONFIGS  # noqa: E402
 RUNS = {
     "1.3B": dict(config="1.3B", layers=None, cpu_offload=False),
     "1.3B offloaded": dict(config="1.3B", layers=None, cpu_offload=True),
-    "8B, 8 of 32 layers": dict(config="8B", layers=8, cpu_offload=False),
+    "8B width, 8 layers": dict(config="8B", layers=8, cpu_offload=False),
 }
 GIB = 2**30
 
@@ -106,9 +108,13 @@ def check(name: str, config_name: str, layers: int | None, cpu_offload: bool, mi
     torch.cuda.reset_peak_memory_stats()
     model.pool.reset_high_water_mark()
     loss_of(model, config, tokens).backward()
-    optimizer.step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
+    before_step = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    optimizer.step()
+    torch.cuda.synchronize()
+    step_transient = torch.cuda.max_memory_allocated() - before_step
     predicted = planned.device_total + activations
     return {
         "run": name, "config": config_name, "layers": config.layers, "world": world, "micro_batch": micro_batch, "seq_len": seq_len,
@@ -117,7 +123,7 @@ def check(name: str, config_name: str, layers: int | None, cpu_offload: bool, mi
         "states_difference_bytes": states - planned.allocator_bytes,
         "planned_working_set_gib": planned.working_set / GIB, "pool_peak_gib": model.pool.high_water_mark() / GIB,
         "activations_gib": activations / GIB, "predicted_peak_gib": predicted / GIB, "measured_peak_gib": peak / GIB,
-        "peak_error": (predicted - peak) / peak, "planned_host_gib": planned.host_model_states / GIB,
+        "peak_error": (predicted - peak) / peak, "optimizer_step_transient_gib": step_transient / GIB, "planned_host_gib": planned.host_model_states / GIB,
         "breakdown": {k: v / GIB for k, v in planned.device.items()},
     }
 
