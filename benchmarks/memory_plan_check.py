@@ -7,10 +7,9 @@ Per run it reports, on rank 0:
 - model states: planned (each tensor rounded as the CUDA caching allocator rounds it) against
   ``torch.cuda.memory_allocated()`` after the first optimizer step, less what was allocated before
   the model was built;
-- forward and backward's peak: the planned device total (model states and the working set's
-  bound) plus the measured activation peak, against ``torch.cuda.max_memory_allocated()`` over the
-  second step's forward and backward; and what the optimizer step allocates on top, apart (torch's
-  foreach AdamW makes temporaries the size of its state).
+- the step's peak: the planned model states plus the larger of the working set's bound with the
+  measured activation peak (forward and backward) and the optimizer step's planned temporaries,
+  against ``torch.cuda.max_memory_allocated()`` over the second step, each phase also apart.
   The activation peak is measured on the same model in plain PyTorch, bf16, its weights frozen
   and the embedding's output requiring grad: the peak of forward and backward above the weights
   is then what activations and their gradients take, without any weight gradient.
@@ -42,7 +41,7 @@ from step_time import CONFIGS  # noqa: E402
 RUNS = {
     "1.3B": dict(config="1.3B", layers=None, cpu_offload=False),
     "1.3B offloaded": dict(config="1.3B", layers=None, cpu_offload=True),
-    "8B width, 8 layers": dict(config="8B", layers=8, cpu_offload=False),
+    "8B width 8 layers": dict(config="8B", layers=8, cpu_offload=False),
 }
 GIB = 2**30
 
@@ -115,15 +114,20 @@ def check(name: str, config_name: str, layers: int | None, cpu_offload: bool, mi
     optimizer.step()
     torch.cuda.synchronize()
     step_transient = torch.cuda.max_memory_allocated() - before_step
-    predicted = planned.device_total + activations
+    predicted_backward = planned.allocator_bytes + planned.working_set + activations
+    predicted_step = planned.allocator_bytes + planned.optimizer_step
+    predicted = max(predicted_backward, predicted_step)
+    measured = max(peak, before_step - base + step_transient)
     return {
         "run": name, "config": config_name, "layers": config.layers, "world": world, "micro_batch": micro_batch, "seq_len": seq_len,
         "cpu_offload": cpu_offload, "planning_s": round(planning_s, 3),
         "planned_states_gib": planned.allocator_bytes / GIB, "measured_states_gib": states / GIB,
         "states_difference_bytes": states - planned.allocator_bytes,
         "planned_working_set_gib": planned.working_set / GIB, "pool_peak_gib": model.pool.high_water_mark() / GIB,
-        "activations_gib": activations / GIB, "predicted_peak_gib": predicted / GIB, "measured_peak_gib": peak / GIB,
-        "peak_error": (predicted - peak) / peak, "optimizer_step_transient_gib": step_transient / GIB, "planned_host_gib": planned.host_model_states / GIB,
+        "activations_gib": activations / GIB, "predicted_backward_peak_gib": predicted_backward / GIB,
+        "measured_backward_peak_gib": peak / GIB, "planned_optimizer_step_gib": planned.optimizer_step / GIB,
+        "measured_optimizer_step_gib": step_transient / GIB, "predicted_peak_gib": predicted / GIB,
+        "measured_peak_gib": measured / GIB, "peak_error": (predicted - measured) / measured, "planned_host_gib": planned.host_model_states / GIB,
         "breakdown": {k: v / GIB for k, v in planned.device.items()},
     }
 

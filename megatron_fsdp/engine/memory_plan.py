@@ -119,6 +119,9 @@ class RankMemory:
     allocator_bytes: int = 0  # the device model states as the CUDA caching allocator rounds each tensor
     gathered_weights: int = 0
     grad_buffers: int = 0
+    # What the optimizer step allocates on top while it runs: torch's foreach Adam keeps one
+    # temporary the size of its state (the square roots of the second moments).
+    optimizer_step: int = 0
 
     @property
     def device_model_states(self) -> int:
@@ -134,8 +137,10 @@ class RankMemory:
 
     @property
     def device_total(self) -> int:
-        """Model states and the working set's peak: what the device needs before activations."""
-        return self.allocator_bytes + self.working_set
+        """Model states and the larger of the working set's peak and the optimizer step's
+        temporaries: what the device needs besides activations (which the working set meets,
+        in forward and backward)."""
+        return self.allocator_bytes + max(self.working_set, self.optimizer_step)
 
     def merge(self, other: RankMemory, times: int) -> None:
         """Adds ``times`` copies of ``other``'s model states (a bucket repeated in every layer)."""
@@ -144,6 +149,7 @@ class RankMemory:
         for category, nbytes in other.host.items():
             self.host[category] += nbytes * times
         self.pinned_host += other.pinned_host * times
+        self.optimizer_step += other.optimizer_step * times
         self.padding += other.padding * times
         self.allocator_bytes += other.allocator_bytes * times
 
@@ -258,6 +264,8 @@ def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptio
     spec = options.optimizer
     state = _element_size(spec.state_dtype) if spec.state_dtype is not None else main
     location = "host" if geometry.offloaded else "device"
+    if spec.step_counter and spec.states >= 2 and not geometry.offloaded:
+        memory.optimizer_step += sum(hi - lo for lo, hi in geometry.main_pieces()) * state
     for lo, hi in geometry.main_pieces():
         for _ in range(spec.states):
             memory.add(location, "optimizer state", (hi - lo) * state)

@@ -2,7 +2,7 @@
 optimizer asked the caching allocator for, from before the model is built to after its first
 optimizer step, still held then (torch's memory snapshot: each live block's requested size and
 the Python frame that allocated it), for each strategy, bf16 with fp32 main weights; the
-allocator's own count (memory_allocated) is within 1% of them, the rest being blocks it handed
+allocator's own count (memory_allocated) is within 5% of them, the rest being blocks it handed
 out larger than asked (a cached block reused). And a model whose planned states exceed the free
 device memory is refused at the wrap, on every rank, naming the biggest item and what would fit,
 before any buffer is allocated."""
@@ -83,7 +83,7 @@ def test_planned_model_states_equal_what_the_model_allocated_after_the_first_ste
         run_distributed(_states, nccl_world(), strategy, backend="nccl")
     ):
         assert requested == planned, f"rank {rank}: the model's live allocations asked for {requested} bytes, planned {planned}"
-        assert planned_blocks <= grown <= 1.01 * planned_blocks, f"rank {rank}: the allocator grew by {grown}, planned {planned_blocks}"
+        assert planned_blocks <= grown <= 1.05 * planned_blocks, f"rank {rank}: the allocator grew by {grown}, planned {planned_blocks}"
 
 
 def _too_big(rank: int, world: int) -> str:
