@@ -21,6 +21,7 @@ the caching allocator holds from then on (64 MiB on an H100).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -151,6 +152,7 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
             with open(args.out, "w") as out:
                 json.dump(results, out, indent=1)
+        gc.collect()  # the run's model and optimizer hold cycles
         torch.cuda.empty_cache()
     dist.destroy_process_group()
 
