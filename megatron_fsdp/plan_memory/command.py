@@ -170,5 +170,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     print(f"{params / 1e9:.2f}B parameters ({args.dtype}), units: {', '.join(c.__name__ for c in units) or 'none'}; "
           f"GiB per rank (the largest); 'states' = model states held from the first step, 'working' = "
-          f"gathered weights and gradient buffers at their peak, 'device' = both, before activations")
+          f"gathered weights and gradient buffers at their peak, 'device' = states plus the larger of 'working' and the optimizer step's temporaries, before activations")
     print(format_table(rows))
