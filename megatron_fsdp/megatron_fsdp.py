@@ -147,9 +147,9 @@ class MegatronFSDP(nn.Module):
         self.pool = _ops.new_bucket_pool(settings.fsdp_double_buffer)
         unit_modules = find_unit_modules(module, plan.unit_classes, units_required=settings.strategy.shards_weights)
         assignment = assign_params_to_units(module, [m for _, m in unit_modules])
-        # Where the buffers will live: the meta-device target, else where the model is.
-        device = plan.meta_init_device or next((p.device for p in module.parameters()), torch.device("cpu"))
-        self.offload_transfers = OffloadTransfers(device, settings.offload_pin_memory) if settings.cpu_offload else None
+        self.offload_transfers = (
+            OffloadTransfers(plan.buffers_device, settings.offload_pin_memory) if settings.cpu_offload else None
+        )
         module_names = {m: name for name, m in unit_modules}
 
         def build_unit(owner: nn.Module | None) -> FSDPUnit:

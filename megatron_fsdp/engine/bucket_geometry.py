@@ -105,6 +105,18 @@ class BucketGeometry:
         """Main params in the compute dtype are the compute weights themselves: nothing to copy."""
         return self.dtypes.main_params == self.dtypes.compute and not self.offloaded
 
+    def reduces_in_place(self, grad_divisor: int) -> bool:
+        """Whether the reduction leaves each gradient as it is, so gradients go straight into
+        the main gradient: a group of one rank, nothing to divide by, no change of dtype, and a
+        buffer that lives one backward (strategies 2/3; 0/1 may hold theirs back past a
+        ``zero_grad``). Saves a bucket-sized buffer and a pass over it per micro-batch."""
+        return (
+            self.layout.world_size == 1
+            and grad_divisor == 1
+            and self.strategy.shards_grads
+            and self.dtypes.comm == self.dtypes.main_grads
+        )
+
     def piece(self, index: int, start: int, end: int) -> tuple[int, int]:
         """The part of parameter ``index`` inside bucket range ``[start, end)``, as bucket offsets
         (empty, start == end, when it holds none of it)."""

@@ -11,7 +11,7 @@ those and the gradients the optimizer reads live on the host (offload.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -250,6 +250,7 @@ class Bucket(BucketCheckpointing):
                 "only grad_comm_dtype can change after fully_shard; main_params_dtype and main_grads_dtype size the buffers"
             )
         self.dtypes = new
+        self.geometry = replace(self.geometry, dtypes=new)
 
     def note_grad(self, index: int) -> bool:
         """Parameter ``index``'s ``.grad`` holds a new gradient (torch adds a second one of the
@@ -318,16 +319,7 @@ class Bucket(BucketCheckpointing):
         return self.unreduced_grad
 
     def _reduces_in_place(self) -> bool:
-        """Whether the reduction leaves each gradient as it is, so gradients go straight into
-        the main gradient: a group of one rank, nothing to divide by, no change of dtype, and a
-        buffer that lives one backward (strategies 2/3; 0/1 may hold theirs back past a
-        ``zero_grad``). Saves a bucket-sized buffer and a pass over it per micro-batch."""
-        return (
-            self.dp.size == 1
-            and self.grad_divisor == 1
-            and self.strategy.shards_grads
-            and self.dtypes.comm == self.dtypes.main_grads
-        )
+        return self.geometry.reduces_in_place(self.grad_divisor)
 
     def end_backward(self) -> None:
         self.grads_received = [False] * len(self.params)

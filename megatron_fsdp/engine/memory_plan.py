@@ -10,7 +10,6 @@ on the step's timing and is planned as an upper bound.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,14 +18,11 @@ import torch
 from torch import nn
 
 from megatron_fsdp.engine.bucket_geometry import BucketGeometry
-from megatron_fsdp.engine.config import ShardingStrategy
+from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.units import ROOT_UNIT_NAME, assign_params_to_units, bucket_groups, find_unit_modules
-from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
 # The CUDA caching allocator and the bucket pool hand out multiples of this many bytes.
 ALLOCATION_GRANULE = 512
-# Reductions in flight at once, plus the bucket being filled (FSDPSettings.max_reductions_in_flight + 1).
-GRAD_BUCKETS_IN_FLIGHT = 3
 
 DEVICE_CATEGORIES = ("compute weights", "main weights", "main grads", "optimizer state", "module buffers", "bookkeeping")
 HOST_CATEGORIES = ("main weights", "main grads", "optimizer state", "offload staging")
@@ -83,22 +79,16 @@ class OptimizerSpec:
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """How the model is sharded: fully_shard's choices, with the mesh given as sizes."""
+    """How the model is sharded: the settings a MegatronFSDP is built with, the mesh given as
+    sizes, and what the plan cannot learn from those (the optimizer, micro-batches, the device)."""
 
     world_size: int
-    strategy: ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS
+    settings: FSDPSettings = field(default_factory=FSDPSettings)
     outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD
     outer_size: int = 1
-    policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     optimizer: OptimizerSpec = field(default_factory=lambda: OptimizerSpec.parse("adamw"))
-    overlap_param_gather: bool = True
-    fsdp_double_buffer: bool = False
-    cpu_offload: bool = False
-    offload_pin_memory: bool = True
-    report_nan_in_param_grad: bool = False
     micro_batches: int = 1
     device_type: str = "cuda"
-    alignment_bytes: int = 128
 
     @property
     def shard_size(self) -> int:
@@ -172,14 +162,17 @@ class _BucketPlan:
     dtype: torch.dtype
     requires_grad: bool
 
+    @property
+    def shape(self) -> _BucketShape:
+        """What its geometry depends on: alike buckets (the same bucket of every layer) share it."""
+        return self.numels, self.dtype, self.requires_grad
+
+
+_BucketShape = tuple[tuple[int, ...], torch.dtype, bool]
+
 
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
-
-
-@functools.cache
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def check_meta_model(module: nn.Module) -> None:
@@ -219,10 +212,12 @@ def plan_buckets(module: nn.Module, unit_classes: tuple[type, ...], strategy: Sh
     return buckets
 
 
-def _geometry(bucket: _BucketPlan, options: PlanOptions, shard_rank: int, outer_rank: int) -> BucketGeometry:
+def _geometry(shape: _BucketShape, options: PlanOptions, shard_rank: int, outer_rank: int) -> BucketGeometry:
+    numels, dtype, requires_grad = shape
+    settings = options.settings
     return BucketGeometry.build(
-        bucket.numels, _element_size(bucket.dtype), options.alignment_bytes, shard_rank, options.shard_size,
-        options.strategy, options.policy.resolve(bucket.dtype), bucket.requires_grad, options.cpu_offload,
+        numels, dtype.itemsize, settings.alignment_bytes, shard_rank, options.shard_size, settings.strategy,
+        settings.mixed_precision.resolve(dtype), requires_grad, settings.cpu_offload,
         outer_size=options.outer_size, outer_rank=outer_rank,
         outer_shards_optimizer=options.outer_strategy is ShardingStrategy.OPTIM,
     )
@@ -231,7 +226,7 @@ def _geometry(bucket: _BucketPlan, options: PlanOptions, shard_rank: int, outer_
 def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptions) -> None:
     """The bucket's persistent tensors on this rank, as buffer.py allocates them."""
     dtypes = geometry.dtypes
-    compute, main, grads = (_element_size(d) for d in (dtypes.compute, dtypes.main_params, dtypes.main_grads))
+    compute, main, grads = (d.itemsize for d in (dtypes.compute, dtypes.main_params, dtypes.main_grads))
     weights = geometry.weight_range
     if weights is not None:
         memory.add("device", "compute weights", (weights[1] - weights[0]) * compute)
@@ -239,14 +234,13 @@ def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptio
     padding = geometry.padding_numel(0, geometry.layout.padded_numel)
     if padding:
         memory.add("device", "bookkeeping", padding * 8)  # the int64 index that zeroes padding
-    if options.report_nan_in_param_grad:
+    if options.settings.report_nan_in_param_grad:
         memory.add("device", "bookkeeping", len(geometry.layout.slots))  # one bool flag per parameter
     if not geometry.requires_grad:
         return
     main_start, main_end = geometry.main_range
     main_numel = main_end - main_start
-    on_gpu_host = options.cpu_offload and options.device_type == "cuda"
-    pinned = on_gpu_host and options.offload_pin_memory
+    pinned = options.device_type == "cuda" and options.settings.offload_pin_memory
     if geometry.offloaded:
         memory.add("host", "main weights", main_numel * main)
         memory.add("host", "main grads", main_numel * main, pinned=pinned)
@@ -262,7 +256,7 @@ def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptio
         if dtypes.main_grads != dtypes.main_params:
             memory.add("device", "main grads", main_numel * main)  # what the optimizer reads, cast
     spec = options.optimizer
-    state = _element_size(spec.state_dtype) if spec.state_dtype is not None else main
+    state = spec.state_dtype.itemsize if spec.state_dtype is not None else main
     location = "host" if geometry.offloaded else "device"
     if spec.step_counter and spec.states >= 2 and not geometry.offloaded:
         memory.optimizer_step += sum(hi - lo for lo, hi in geometry.main_pieces()) * state
@@ -276,32 +270,32 @@ def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptio
 
 def _working_set(memory: RankMemory, plans: list[tuple[_BucketPlan, BucketGeometry]], options: PlanOptions) -> None:
     """The transient peak: gathered units (optim_grads_params) and gradient buffers in flight."""
-    if options.strategy.shards_weights:
+    if options.settings.strategy.shards_weights:
         per_unit: dict[str, int] = defaultdict(int)
         for bucket, geometry in plans:
-            compute = _element_size(geometry.dtypes.compute)
+            compute = geometry.dtypes.compute.itemsize
             gathered = _round_up(geometry.layout.padded_numel * compute, ALLOCATION_GRANULE)
             if geometry.gathers_from_main and geometry.layout.world_size > 1:
                 gathered += _round_up(geometry.layout.shard_numel * compute, ALLOCATION_GRANULE)
             per_unit[bucket.unit] += gathered
         root = per_unit.pop(ROOT_UNIT_NAME, 0)
-        in_flight = 2 if options.overlap_param_gather else 1
+        in_flight = 2 if options.settings.overlap_param_gather else 1
         memory.gathered_weights = root + sum(sorted(per_unit.values(), reverse=True)[:in_flight])
-    buffers = sorted((_grad_buffer_bytes(geometry, options) for _, geometry in plans), reverse=True)
-    memory.grad_buffers = sum(buffers[:GRAD_BUCKETS_IN_FLIGHT])
+    buffers = sorted((_grad_buffer_bytes(geometry) for _, geometry in plans), reverse=True)
+    # The reductions in flight, plus the bucket being filled.
+    memory.grad_buffers = sum(buffers[: options.settings.max_reductions_in_flight + 1])
 
 
-def _grad_buffer_bytes(geometry: BucketGeometry, options: PlanOptions) -> int:
+def _grad_buffer_bytes(geometry: BucketGeometry) -> int:
     """One bucket's pooled gradient buffers during its reduction (buffer.py's start_reduction)."""
     if not geometry.requires_grad:
         return 0
     dtypes, layout = geometry.dtypes, geometry.layout
-    comm = _element_size(dtypes.comm)
+    comm = dtypes.comm.itemsize
     unreduced_dtype = dtypes.comm if geometry.strategy.shards_grads else dtypes.main_grads
-    in_place = (layout.world_size == 1 and geometry.strategy.shards_grads and dtypes.comm == dtypes.main_grads)
-    if in_place:
+    if geometry.reduces_in_place(grad_divisor=layout.world_size):  # planned over the dense group
         return 0
-    total = _round_up(layout.padded_numel * _element_size(unreduced_dtype), ALLOCATION_GRANULE)
+    total = _round_up(layout.padded_numel * unreduced_dtype.itemsize, ALLOCATION_GRANULE)
     if unreduced_dtype != dtypes.comm:
         total += _round_up(layout.padded_numel * comm, ALLOCATION_GRANULE)
     if dtypes.promotes_reduction:
@@ -316,17 +310,15 @@ def plan_rank(buckets: Sequence[_BucketPlan], module: nn.Module, options: PlanOp
     alike (the same bucket of every layer) are planned once and counted as often as they occur."""
     outer_rank, shard_rank = divmod(rank, options.shard_size)
     memory = RankMemory(rank)
-    shapes = Counter((b.numels, b.dtype, b.requires_grad) for b in buckets)
     geometries = {}
-    for shape, count in shapes.items():
-        numels, dtype, requires_grad = shape
-        geometries[shape] = geometry = _geometry(_BucketPlan("", numels, dtype, requires_grad), options, shard_rank, outer_rank)
+    for shape, count in Counter(b.shape for b in buckets).items():
+        geometries[shape] = geometry = _geometry(shape, options, shard_rank, outer_rank)
         one = RankMemory(rank)
         _add_bucket(one, geometry, options)
         memory.merge(one, count)
     for buffer in module.buffers():
         memory.add("device", "module buffers", buffer.numel() * buffer.element_size())
-    plans = [(b, geometries[(b.numels, b.dtype, b.requires_grad)]) for b in buckets]
+    plans = [(b, geometries[b.shape]) for b in buckets]
     _add_offload_staging(memory, plans, options)
     _working_set(memory, plans, options)
     return memory
@@ -336,7 +328,7 @@ def _add_offload_staging(memory: RankMemory, plans: list[tuple[_BucketPlan, Buck
     """On a GPU, offloading keeps two pinned staging buffers per compute dtype for new weights
     and, when micro-batches accumulate on the host, two landing buffers for gradients, each as
     large as the largest bucket range (offload.py)."""
-    if not options.cpu_offload or options.device_type != "cuda":
+    if not options.settings.cpu_offload or options.device_type != "cuda":
         return
     largest: dict[torch.dtype, int] = defaultdict(int)
     largest_grads = 0
@@ -344,11 +336,11 @@ def _add_offload_staging(memory: RankMemory, plans: list[tuple[_BucketPlan, Buck
         if geometry.offloaded:
             start, end = geometry.main_range
             largest[geometry.dtypes.compute] = max(largest[geometry.dtypes.compute], end - start)
-            largest_grads = max(largest_grads, (end - start) * _element_size(geometry.dtypes.main_params))
-    pinned = options.offload_pin_memory
+            largest_grads = max(largest_grads, (end - start) * geometry.dtypes.main_params.itemsize)
+    pinned = options.settings.offload_pin_memory
     for dtype, numel in largest.items():
         for _ in range(2):
-            memory.add("host", "offload staging", numel * _element_size(dtype), pinned=pinned)
+            memory.add("host", "offload staging", numel * dtype.itemsize, pinned=pinned)
     if options.micro_batches > 1:
         for _ in range(2):
             memory.add("host", "offload staging", largest_grads, pinned=pinned)
@@ -366,7 +358,7 @@ def planned_ranks(options: PlanOptions) -> list[int]:
 def plan_model(module: nn.Module, unit_classes: tuple[type, ...], options: PlanOptions) -> tuple[RankMemory, list[RankMemory]]:
     """The largest rank's plan and every planned rank's (see :func:`planned_ranks`)."""
     check_options(options)
-    buckets = plan_buckets(module, unit_classes, options.strategy)
+    buckets = plan_buckets(module, unit_classes, options.settings.strategy)
     ranks = [plan_rank(buckets, module, options, rank) for rank in planned_ranks(options)]
     largest = max(ranks, key=lambda m: (m.device_total, m.host_model_states))
     return largest, ranks

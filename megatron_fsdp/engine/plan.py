@@ -24,7 +24,7 @@ from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.consistency import check_same_configuration_on_all_ranks, describe_configuration
 from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
 from megatron_fsdp.engine.dtensor_params import check_parallel_params, is_expert_param, mark_experts_by_name
-from megatron_fsdp.engine.memory_check import device_memory_shortfall, plan_this_rank, wrap_options
+from megatron_fsdp.engine.memory_check import check_device_memory
 from megatron_fsdp.engine.mesh import submesh
 from megatron_fsdp.engine.units import resolve_unit_classes
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
@@ -34,13 +34,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ShardingPlan:
-    """What :class:`megatron_fsdp.MegatronFSDP` builds: groups, settings, units, and the device
-    to materialise a meta-device model on (None: the model is already materialised)."""
+    """What :class:`megatron_fsdp.MegatronFSDP` builds: groups, settings, units, the device to
+    materialise a meta-device model on (None: the model is already materialised), and the device
+    the buffers live on (that one, or where the model is)."""
 
     dist_index: FSDPDistributedIndex
     settings: FSDPSettings
     unit_classes: tuple[type, ...]
     meta_init_device: torch.device | None
+    buffers_device: torch.device
 
 
 def check_upstream_options(use_decoupled_grad: bool = False, **performance_only: bool) -> None:
@@ -217,9 +219,7 @@ def plan_sharding(
     dp = dist_index.data_parallel
     meta_device = (torch.device(device) if device is not None else _meta_init_device()) if init_model_with_meta_device else None
     buffers_device = meta_device or next((p.device for p in module.parameters()), torch.device("cpu"))
-    options, rank = wrap_options(dp, full_settings, buffers_device)
-    memory = plan_this_rank(module, unit_classes, options, rank)
-    shortfall = device_memory_shortfall(module, unit_classes, options, rank, memory, buffers_device)
+    shortfall = check_device_memory(module, unit_classes, dp, full_settings, buffers_device)
     if shortfall is not None:
         logger.error("%s", shortfall)
     description = describe_configuration(module, full_settings, unit_classes, dp)
@@ -228,7 +228,7 @@ def plan_sharding(
     check_same_configuration_on_all_ranks(description, dp, full_settings.collective_timeout)
     if shortfall is not None:
         raise ValueError(shortfall)
-    return ShardingPlan(dist_index, full_settings, unit_classes, meta_device)
+    return ShardingPlan(dist_index, full_settings, unit_classes, meta_device, buffers_device)
 
 
 def _policy_from_ddp_config(ddp_config: Any) -> MixedPrecisionPolicy:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import OffloadPolicy
 
-from megatron_fsdp.engine.config import ShardingStrategy
+from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.memory_plan import (
     OptimizerSpec,
     PlanOptions,
@@ -81,13 +81,14 @@ def plan_memory(
     outer = check_outer_strategy(outer_dp_sharding_strategy, strategy, "dp_outer" if dp_outer_size > 1 else None)
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
-    offload = resolve_offload(cpu_offload, offload_policy)
+    settings = FSDPSettings(
+        strategy=strategy, mixed_precision=mixed_precision_policy or MixedPrecisionPolicy(),
+        overlap_param_gather=overlap_param_gather, fsdp_double_buffer=fsdp_double_buffer or nccl_ub, nccl_ub=nccl_ub,
+        report_nan_in_param_grad=report_nan_in_param_grad, **resolve_offload(cpu_offload, offload_policy),
+    )
     options = PlanOptions(
-        world_size=world_size, strategy=strategy, outer_strategy=outer, outer_size=dp_outer_size,
-        policy=mixed_precision_policy or MixedPrecisionPolicy(), optimizer=OptimizerSpec.parse(optimizer),
-        overlap_param_gather=overlap_param_gather, fsdp_double_buffer=fsdp_double_buffer or nccl_ub,
-        cpu_offload=offload["cpu_offload"], offload_pin_memory=offload["offload_pin_memory"],
-        report_nan_in_param_grad=report_nan_in_param_grad, micro_batches=micro_batches, device_type=device_type,
+        world_size=world_size, settings=settings, outer_strategy=outer, outer_size=dp_outer_size,
+        optimizer=OptimizerSpec.parse(optimizer), micro_batches=micro_batches, device_type=device_type,
     )
     largest, ranks = plan_model(module, resolve_unit_classes(fsdp_unit_modules), options)
     return MemoryPlan(options, largest, ranks)
