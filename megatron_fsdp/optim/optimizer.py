@@ -19,6 +19,7 @@ from megatron_fsdp.checkpoint import state_dicts
 from megatron_fsdp.engine.piece_dtensor import plain_attribute_access
 from megatron_fsdp.engine.sharded_params import sharded_dtensor
 from megatron_fsdp.optim.host_optimizer import host_step_for
+from megatron_fsdp.optim.initial_state import InitialStatePlaceholders
 
 if TYPE_CHECKING:  # the wrapper sits above this module; it is passed in
     from megatron_fsdp.megatron_fsdp import MegatronFSDP
@@ -126,11 +127,9 @@ class PieceSwap:
         self._pairs = pairs_now
         return shown
 
-    def init_state(self, optimizer: torch.optim.Optimizer, unwrapped_step: Any) -> None:
-        """Creates a fresh optimizer's state (so ``dcp.load`` has tensors to fill) with one step
-        of zero gradients at zero learning rate, as torch's distributed state-dict helpers do."""
-        if optimizer.state:
-            return
+    def take_zero_step(self, optimizer: torch.optim.Optimizer, unwrapped_step: Any) -> None:
+        """One step of zero gradients at zero learning rate on the pieces, as torch's distributed
+        state-dict helpers take: it creates the optimizer's state and moves no weight."""
         saved_lrs = []
         for group in optimizer.param_groups:
             saved_lrs.append(group.get("lr"))
@@ -259,9 +258,15 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) 
     # Bound methods, as LR schedulers re-wrap ``optimizer.step`` through its ``__func__``.
     optimizer.step = types.MethodType(step, optimizer)
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+    placeholders = InitialStatePlaceholders()
     if model.settings.preproc_state_dict_for_dcp_ckpt:
-        # A fresh optimizer's state dict then holds the tensors dcp.load fills in place.
-        optimizer.register_state_dict_pre_hook(lambda opt: swap.init_state(opt, original_step))
-    optimizer.register_load_state_dict_pre_hook(swap.to_face_layouts)
+        # A fresh optimizer's state dict then holds tensors dcp.load fills in place (initial_state.py).
+        optimizer.register_state_dict_pre_hook(
+            lambda opt: placeholders.before_state_dict(opt, lambda: swap.take_zero_step(opt, original_step))
+        )
+        optimizer.register_state_dict_post_hook(placeholders.after_state_dict)
+    optimizer.register_load_state_dict_pre_hook(
+        lambda opt, state_dict: swap.to_face_layouts(opt, {**state_dict, "state": placeholders.drop_unfilled(state_dict["state"])})
+    )
     optimizer._megatron_fsdp_model = model
     return optimizer

@@ -1,0 +1,82 @@
+"""What a fresh sharded optimizer's ``state_dict()`` holds, and why loading it back changes nothing.
+
+``dcp.load`` fills tensors in place, so loading a checkpoint into a fresh optimizer through
+``optimizer.state_dict()`` needs state tensors there to fill (docs/checkpointing.md). torch's
+fresh optimizer has none: its first step creates them. So ``state_dict()`` on an optimizer without
+state returns **placeholders**, the state one zero-gradient, zero-learning-rate step creates with
+its step counters put back to 0 ("no step taken"), while the optimizer itself keeps no state.
+Loading a state dict back drops each parameter's placeholders that nothing wrote into since
+(Accelerate's ``load_state_dict(state_dict())`` when it wraps an optimizer): that parameter keeps
+no state, and the next step is the very step torch's fresh optimizer takes. Placeholders that
+``dcp.load`` filled are state like any other and load as such.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+# torch's optimizers all name their step counter so (Adam, AdamW, SGD has none).
+STEP_COUNTER = "step"
+
+
+def _storage_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The plain tensor that ``dcp.load`` writes into: a DTensor's local tensor (its
+    ``__get_tensor_shard__`` hands DCP a view of it, and views share the version counter)."""
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+def _per_element(entries: dict[str, Any]) -> Iterator[torch.Tensor]:
+    return (value for value in entries.values() if isinstance(value, torch.Tensor) and value.dim() > 0)
+
+
+class InitialStatePlaceholders:
+    """The placeholders of one optimizer's latest fresh ``state_dict()``, and their tensors'
+    version counters then (an in-place write, such as ``dcp.load``'s, bumps them)."""
+
+    def __init__(self) -> None:
+        # id -> (weak reference, version when handed out); ids of dead tensors are never matched.
+        self._handed_out: dict[int, tuple[weakref.ref, int]] = {}
+        self._created_state = False
+
+    def before_state_dict(self, optimizer: torch.optim.Optimizer, create_state: Callable[[], None]) -> None:
+        """A state-dict pre-hook: gives an optimizer without state the placeholders to pack."""
+        self._created_state = not optimizer.state
+        if not self._created_state:
+            return
+        create_state()
+        for entries in optimizer.state.values():
+            if STEP_COUNTER in entries:
+                step = entries[STEP_COUNTER]
+                entries[STEP_COUNTER] = torch.zeros_like(step) if isinstance(step, torch.Tensor) else 0
+
+    def after_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A state-dict post-hook: the optimizer gives the placeholders away and keeps no state,
+        as a fresh torch optimizer."""
+        if self._created_state:
+            self._created_state = False
+            self._handed_out = {
+                id(tensor): (weakref.ref(tensor), _storage_tensor(tensor)._version)
+                for entries in state_dict["state"].values()
+                for tensor in _per_element(entries)
+            }
+            optimizer.state = defaultdict(dict)
+        return state_dict
+
+    def drop_unfilled(self, state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
+        """``state`` without the entries whose per-element tensors are all placeholders nothing
+        wrote into: those parameters had taken no step, and get no state."""
+        return {key: entries for key, entries in state.items() if not self._unfilled(entries)}
+
+    def _unfilled(self, entries: dict[str, Any]) -> bool:
+        tensors = list(_per_element(entries))
+        return bool(tensors) and all(self._is_unfilled_placeholder(tensor) for tensor in tensors)
+
+    def _is_unfilled_placeholder(self, tensor: torch.Tensor) -> bool:
+        handed_out = self._handed_out.get(id(tensor))
+        return handed_out is not None and handed_out[0]() is tensor and _storage_tensor(tensor)._version == handed_out[1]
