@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -23,6 +22,7 @@ from megatron_fsdp.engine.offload import OffloadTransfers
 from megatron_fsdp.engine.plan import ShardingPlan, check_upstream_options, plan_from_upstream_arguments
 from megatron_fsdp.engine.schedule import FAILED_BACKWARD_ADVICE, StepScheduler, StepState
 from megatron_fsdp.engine.sharded_params import MeshCache, ShardedParam
+from megatron_fsdp.engine.step_hooks import StepHooks
 from megatron_fsdp.engine.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_to_units, find_unit_modules
 from megatron_fsdp.engine.upstream_param_attributes import mark_distributed_params
 from megatron_fsdp.engine.user_buffers import NCCLUserBuffers
@@ -30,32 +30,6 @@ from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.param_and_grad_buffer import ParamAndGradBuffer
 
 logger = logging.getLogger(__name__)
-
-
-def _tensors_requiring_grad(output: Any) -> list[torch.Tensor]:
-    """The tensors inside a module output (tensors, tuples, lists, dicts, dataclass-like
-    model outputs) that autograd will differentiate."""
-    found: list[torch.Tensor] = []
-    stack = [output]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            if item.requires_grad:
-                found.append(item)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif hasattr(item, "__dataclass_fields__"):
-            stack.extend(getattr(item, field) for field in item.__dataclass_fields__)
-    return found
-
-
-def _deliver_grad(scheduler: weakref.ref, unit_index: int, bucket_index: int, index: int, param: nn.Parameter) -> None:
-    live = scheduler()
-    if live is not None:
-        unit = live.units[unit_index]
-        live.on_grad(unit, unit.trainable_buckets[bucket_index], index)
 
 
 class MegatronFSDP(nn.Module):
@@ -194,59 +168,18 @@ class MegatronFSDP(nn.Module):
     # -- hooks --------------------------------------------------------------------------------
 
     def _register_hooks(self, unit_modules: list[tuple[str, nn.Module]]) -> None:
+        """The engine's hooks (engine/step_hooks.py) on each unit's module and trainable parameter;
+        the root unit's run from :meth:`forward`."""
+        self._step_hooks = StepHooks(self.scheduler, self.zero_grad_buffer)
         units_by_name = {unit.name: unit for unit in self.units}
         for name, module in unit_modules:
-            unit = units_by_name[name]
-            module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
-            module.register_forward_hook(functools.partial(self._post_forward, unit))
-        # Gradient hooks live in C++ on the parameters, where Python's garbage collector cannot
-        # see them: they hold the scheduler weakly, so a model nobody uses is freed.
-        scheduler = weakref.ref(self.scheduler)
-        for unit_index, unit in enumerate(self.units):
-            for bucket_index, bucket in enumerate(unit.trainable_buckets):
-                for index, param in enumerate(bucket.params):
-                    param.register_post_accumulate_grad_hook(
-                        functools.partial(_deliver_grad, scheduler, unit_index, bucket_index, index)
-                    )
-
-    # The hooks gather, reshard and re-point parameters through the C++ pool and collectives:
-    # under torch.compile they run eagerly between graphs (a graph break at each unit boundary)
-    # instead of being traced.
-
-    @torch.compiler.disable
-    def _pre_forward(self, unit: FSDPUnit, module: nn.Module, args: Any) -> None:
-        if unit.is_root and self.scheduler.backward_failed():
-            # A retry without zero_grad (Accelerate's find_executable_batch_size does that).
-            logger.warning("the last backward raised: its step's gradients are dropped and a new step starts")
-            self.zero_grad_buffer()
-        self.scheduler.before_unit_forward(unit)
-
-    @torch.compiler.disable
-    def _post_forward(self, unit: FSDPUnit, module: nn.Module, args: Any, output: Any) -> None:
-        if self.scheduler.after_unit_forward(unit):
-            self._arm_pre_backward(unit, output)
-
-    @torch.compiler.disable
-    def _after_root_forward(self, output: Any) -> None:
-        if not self._arm_pre_backward(None, output):
-            self.scheduler.end_forward_without_backward()
-
-    def _arm_pre_backward(self, unit: FSDPUnit | None, output: Any) -> bool:
-        tensors = _tensors_requiring_grad(output) if torch.is_grad_enabled() else []
-        if len(tensors) == 1:
-            # The usual unit output: a plain tensor hook fires at the same point for a fraction
-            # of a multi-grad hook's cost.
-            tensors[0].register_hook(lambda grad: self.scheduler.before_unit_backward(unit))
-        elif tensors:
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grads: self.scheduler.before_unit_backward(unit), mode="any"
-            )
-        return bool(tensors)
+            self._step_hooks.register_forward_hooks(module, units_by_name[name])
+        self._step_hooks.register_grad_hooks()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._pre_forward(self.root_unit, self.module, args)
+        self._step_hooks.pre_forward(self.root_unit, self.module, args)
         output = self.module(*args, **kwargs)
-        self._after_root_forward(output)
+        self._step_hooks.after_root_forward(output)
         return output
 
     # -- training-loop controls ---------------------------------------------------------------

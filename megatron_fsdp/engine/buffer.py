@@ -58,8 +58,11 @@ class Bucket(BucketCheckpointing):
         pool_role: str,
         grad_divisor: int | None = None,
         transfers: OffloadTransfers | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
-        """``transfers``: the model's offload stream and staging buffers, given when it offloads."""
+        """``transfers``: the model's offload stream and staging buffers, given when it offloads.
+        ``compute_dtype``: the weights' dtype when it is not the parameters' own (FSDP2's
+        ``param_dtype``); the main parameters are then made from the parameters' exact values."""
         self.names = names
         # Pool keys are "<purpose>/<role>": buckets of the same role in different units take
         # turns on the same persistent blocks under fsdp_double_buffer.
@@ -78,7 +81,7 @@ class Bucket(BucketCheckpointing):
         self.strategy = settings.strategy
         self.collective_timeout = settings.collective_timeout
         self.pool = pool
-        self.dtype = self.locals[0].dtype
+        self.dtype = compute_dtype or self.locals[0].dtype
         self.dtypes = settings.mixed_precision.resolve(self.dtype)
         self.device = self.locals[0].device
         self.requires_grad = params[0].requires_grad
@@ -90,7 +93,7 @@ class Bucket(BucketCheckpointing):
         self.shapes = [t.shape for t in self.locals]
         self.outer = dp.outer
         self.geometry = BucketGeometry.build(
-            [t.numel() for t in self.locals], self.locals[0].element_size(), settings.alignment_bytes, dp.rank, dp.size,
+            [t.numel() for t in self.locals], self.dtype.itemsize, settings.alignment_bytes, dp.rank, dp.size,
             self.strategy, self.dtypes, self.requires_grad, self.offloaded,
             outer_size=self.outer.size if self.outer is not None else 1,
             outer_rank=self.outer.rank if self.outer is not None else 0,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
@@ -145,6 +145,18 @@ def _check_tensor_parallel(module: nn.Module, dist_index: FSDPDistributedIndex, 
     check_parallel_params(module, tp_mesh, expert_mesh_given)
 
 
+def _check_not_sharded_in_place(module: nn.Module) -> None:
+    """A module already sharded in place (FSDP2's ``fully_shard``, torch's or
+    ``megatron_fsdp.fsdp2``'s) holds DTensor pieces, not parameters to shard again."""
+    sharded = [name or "the model itself" for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        raise ValueError(
+            f"{', '.join(sharded[:3])} {'is' if len(sharded) == 1 else 'are'} already sharded in place by an FSDP2-style "
+            "fully_shard (torch.distributed.fsdp or megatron_fsdp.fsdp2): shard the model with one API, either "
+            "fully_shard_model(model, fsdp_unit_modules=[...]) on the plain model, or fully_shard per block and root"
+        )
+
+
 def _check_meta_params(module: nn.Module, meta_init: bool) -> None:
     """Before the model is moved anywhere: meta tensors cannot be copied to a device."""
     devices = {p.device for p in module.parameters()}
@@ -210,6 +222,7 @@ def plan_sharding(
             "calculate_per_token_loss=True with dp_outer_dim (HSDP) is not supported: the outer sync sums "
             "gradients that may already hold an earlier sync's sum; use a mean loss and calculate_per_token_loss=False"
         )
+    _check_not_sharded_in_place(module)
     _check_tensor_parallel(module, dist_index, init_model_with_meta_device)
     _check_meta_params(module, init_model_with_meta_device)
     if device is not None and not init_model_with_meta_device:

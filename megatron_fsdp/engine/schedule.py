@@ -86,7 +86,7 @@ class StepScheduler:
         outputs need no pre-backward hook (backward has reached the unit already)."""
         if self.state is StepState.BACKWARD:
             return False
-        if not unit.is_root:
+        if unit.reshards_after_forward:
             unit.reshard()
         return True
 
@@ -145,7 +145,7 @@ class StepScheduler:
             # their memory (at the end of backward, where memory peaks, for the embedding's).
             bucket.reshard()
         bucket.take_grads()
-        if not self._reduces_now():
+        if not (unit.requires_gradient_sync and self._reduces_now()):
             return
         self._start_reduction(bucket)
         if unit.note_bucket_reduced(bucket) and unit.reshard_on_grads and not unit.is_root:
@@ -177,9 +177,10 @@ class StepScheduler:
                 # A bucket some of whose parameters got no gradient (those contribute zeros), or
                 # one whose parameter got another after the bucket was complete.
                 bucket.take_grads()
-                if bucket.unreduced_grad is not None and reduces:
+                if bucket.unreduced_grad is not None and reduces and unit.requires_gradient_sync:
                     self._start_reduction(bucket)
-            unit.reshard()
+            if unit.reshard_after_backward:
+                unit.reshard()
             unit.end_backward()
         self.state = StepState.IDLE
         if self.auto_sync:
@@ -231,7 +232,8 @@ class StepScheduler:
         self._start_held_back()
 
     def _start_held_back(self) -> None:
-        for unit in self.units:
+        # A unit with gradient sync off (FSDP2's set_requires_gradient_sync) keeps accumulating.
+        for unit in (u for u in self.units if u.requires_gradient_sync):
             for bucket in unit.trainable_buckets:
                 if bucket.unreduced_grad is not None:
                     self._start_reduction(bucket)

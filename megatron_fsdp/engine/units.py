@@ -17,6 +17,7 @@ from megatron_fsdp.engine.config import FSDPSettings
 from megatron_fsdp.engine.dtensor_params import is_expert_param
 from megatron_fsdp.engine.mesh import DataParallelGroup
 from megatron_fsdp.engine.offload import OffloadTransfers
+from megatron_fsdp.engine.registered_params import RegisteredParams
 
 logger = logging.getLogger(__name__)
 
@@ -150,17 +151,32 @@ class FSDPUnit:
         settings: FSDPSettings,
         pool: torch.ScriptObject,
         transfers: OffloadTransfers | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
+        """``compute_dtype``: the dtype forward computes in (FSDP2's ``param_dtype``); None: each
+        parameter's own."""
         self.name = name
         self.settings = settings
+        # The unit whose forward brackets the step (stays gathered into backward). The wrapper's
+        # root unit is one from the start; FSDP2's front door names its root at the first forward.
+        self.is_root = name == ROOT_UNIT_NAME
         self.buckets = [
-            self._bucket(members, dp, settings, pool, pool_role(key, self.is_root), key.expert, transfers)
+            self._bucket(members, dp, settings, pool, pool_role(key, self.is_root), key.expert, transfers, compute_dtype)
             for key, members in bucket_groups(name, named_params).items()
         ]
         self.trainable_buckets = [b for b in self.buckets if b.requires_grad]
         # Frozen weights are still read in backward, but no gradient says when they are done:
         # such a unit is resharded at the end of backward instead of when its grads arrive.
-        self.reshard_on_grads = bool(self.buckets) and all(b.requires_grad for b in self.buckets)
+        self._all_trainable = bool(self.buckets) and all(b.requires_grad for b in self.buckets)
+        # FSDP2's per-module switches; the whole-model wrapper keeps these defaults.
+        # reshard_after_forward None: every unit but the root reshards after its forward.
+        self.reshard_after_forward: bool | None = None
+        self.reshard_after_backward = True
+        # False: gradients stay un-reduced, accumulating, until a backward with it True.
+        self.requires_gradient_sync = True
+        # FSDP2's front door: which tensors the modules' attributes hold (None: the wrapper's
+        # modules keep the compute parameters registered throughout).
+        self.registration: RegisteredParams | None = None
         shards = settings.strategy.shards_weights and bool(self.buckets)
         self.state = UnitState.SHARDED if shards else UnitState.UNSHARDED
         self._reduced_buckets: set[int] = set()
@@ -175,17 +191,26 @@ class FSDPUnit:
         pool_role: str,
         expert: bool,
         transfers: OffloadTransfers | None,
+        compute_dtype: torch.dtype | None,
     ) -> Bucket:
         names, params = [n for n, _ in members], [p for _, p in members]
         if not expert:
-            return Bucket(names, params, dp, settings, pool, pool_role, transfers=transfers)
+            return Bucket(names, params, dp, settings, pool, pool_role, transfers=transfers, compute_dtype=compute_dtype)
         # Expert gradients hold the contributions of every rank whose tokens reached the expert:
         # summed over the expert-data-parallel group, they average over the dense one.
-        return Bucket(names, params, dp.expert, settings, pool, pool_role, grad_divisor=dp.dense_size, transfers=transfers)
+        return Bucket(
+            names, params, dp.expert, settings, pool, pool_role, grad_divisor=dp.dense_size, transfers=transfers,
+            compute_dtype=compute_dtype,
+        )
 
     @property
-    def is_root(self) -> bool:
-        return self.name == ROOT_UNIT_NAME
+    def reshard_on_grads(self) -> bool:
+        """Whether the unit reshards once every gradient of it arrived (not at the end of backward)."""
+        return self._all_trainable and self.reshard_after_backward
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        return not self.is_root if self.reshard_after_forward is None else self.reshard_after_forward
 
     def start_unshard(self) -> None:
         """Launches the all-gathers (asynchronous: on CUDA they overlap with compute)."""
@@ -207,6 +232,8 @@ class FSDPUnit:
             bucket.point_params_at_full_weight()
         self._gathers = []
         self.state = UnitState.UNSHARDED
+        if self.registration is not None:
+            self.registration.show_unsharded()
 
     def reshard(self) -> None:
         if self.state is UnitState.SHARDED or not self.settings.strategy.shards_weights:
@@ -215,6 +242,8 @@ class FSDPUnit:
         for bucket in self.buckets:
             bucket.reshard()
         self.state = UnitState.SHARDED
+        if self.registration is not None:
+            self.registration.show_sharded()
 
     def note_bucket_reduced(self, bucket: Bucket) -> bool:
         """True once every trainable bucket of the unit has launched its reduction."""

@@ -1,0 +1,257 @@
+"""``fully_shard(module, *, mesh, reshard_after_forward, shard_placement_fn, mp_policy,
+offload_policy, ignored_params)``: torch FSDP2's call, sharding ``module`` in place over
+megatron_fsdp's engine.
+
+Each call makes one engine unit of the module's parameters that no earlier call on a submodule
+took: the same flat, dtype-aware buckets, C++ ops and schedule as ``fully_shard_model``'s
+units, with the strategy ``optim_grads_params`` (weights, gradients and optimizer state sharded).
+Every argument is checked, and a call we cannot honour raises, on every rank before any
+collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Shard
+
+from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
+from megatron_fsdp.engine.mesh import DataParallelGroup, resolve_dp_shard_group
+from megatron_fsdp.engine.registered_params import ParamSlot
+from megatron_fsdp.engine.units import FSDPUnit
+from megatron_fsdp.fsdp2.module import MegatronFSDPModule
+from megatron_fsdp.fsdp2.state import STATE_ATTRIBUTE, ModuleShardingState, shared_pool, state_of
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+
+logger = logging.getLogger(__name__)
+
+# The class each module class becomes, made once per class (as FSDP2 does).
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: TorchMixedPrecisionPolicy = TorchMixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> nn.Module:
+    """Shards ``module``'s parameters in place and returns ``module``, now an instance of torch's
+    ``FSDPModule`` (its class becomes ``FSDP<Cls>``). Call it on each block, then on the root.
+
+    - ``mesh``: a 1-D ``DeviceMesh`` to shard over (None: every rank of the default group).
+    - ``reshard_after_forward``: True gives the gathered weights back after forward and gathers
+      again in backward; False keeps them from forward through backward; None (default): True,
+      except for the root (the module whose forward runs first), as FSDP2.
+    - ``shard_placement_fn``: may return None or ``Shard(0)`` for a parameter.
+    - ``mp_policy``: torch's ``MixedPrecisionPolicy``. ``param_dtype`` is the dtype forward
+      computes in (the sharded parameters keep theirs, and the optimizer steps them);
+      ``reduce_dtype`` (default ``param_dtype``) the dtype gradients travel in, summed in the
+      parameters' dtype; ``output_dtype`` and ``cast_forward_inputs`` as FSDP2's.
+    - ``offload_policy``: ``OffloadPolicy()`` (no offloading).
+    - ``ignored_params``: parameters left as they are: not sharded, not reduced.
+
+    After the call, ``module.parameters()`` are DTensors holding this rank's piece of each
+    parameter (a contiguous range of the flattened parameter: see docs/fsdp2.md); a torch
+    optimizer built over them steps the weights the next forward uses.
+    """
+    ignored = _check_call(module, reshard_after_forward, mp_policy, offload_policy, ignored_params)
+    keyed = _managed_registrations(module, ignored)
+    params = list(dict.fromkeys(param for _, _, _, param in keyed))
+    _check_params(module, keyed, shard_placement_fn)
+    dp = _data_parallel_group(mesh)
+    if mesh is not None and params:
+        _move_to_mesh_device(module, params, mesh, ignored)
+    policy, compute_dtype = _mixed_precision(params, mp_policy)
+    settings = FSDPSettings(
+        strategy=ShardingStrategy.OPTIM_GRADS_PARAMS, mixed_precision=policy, sync_model_each_microbatch=True
+    )
+    first_key = {}
+    for key, _, _, param in keyed:
+        first_key.setdefault(param, key)
+    pool = shared_pool()
+    unit = FSDPUnit(
+        type(module).__name__, [(first_key[p], p) for p in params], dp, settings, pool.pool, compute_dtype=compute_dtype
+    )
+    if reshard_after_forward is not None:
+        unit.reshard_after_forward = reshard_after_forward
+    slots = [(key, ParamSlot(owner, name, param, param)) for key, owner, name, param in keyed]
+    state = ModuleShardingState(module, unit, dp, settings, mp_policy, slots, pool)
+    module.__dict__[STATE_ATTRIBUTE] = state
+    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(state.post_forward)
+    module.register_load_state_dict_pre_hook(state.load_state_dict_pre_hook)
+    module.register_load_state_dict_post_hook(state.load_state_dict_post_hook)
+    module.__class__ = _sharded_class(type(module))
+    logger.info(
+        "megatron_fsdp.fsdp2: %s sharded in place over %d ranks (%d parameters, %d buckets)",
+        type(module).__name__, dp.size, len(params), len(unit.buckets),
+    )
+    return module
+
+
+def _check_call(
+    module: Any,
+    reshard_after_forward: Any,
+    mp_policy: Any,
+    offload_policy: Any,
+    ignored_params: Any,
+) -> set[nn.Parameter]:
+    """The arguments that need no look at the parameters; returns the ignored ones."""
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError(
+            "fully_shard([module, ...]) (one group for several modules) is not supported by megatron_fsdp.fsdp2: "
+            "call fully_shard on each module, or on a module holding them"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"{type(module).__name__} is already sharded by fully_shard: call it once per module")
+    if type(module).__name__ == "MegatronFSDP" or any(hasattr(p, "_megatron_fsdp_owner") for p in module.parameters()):
+        raise ValueError(
+            f"{type(module).__name__} is (part of) a model sharded by megatron_fsdp's whole-model fully_shard "
+            "(MegatronFSDP): shard the model with one API, either fully_shard_model(model, fsdp_unit_modules=[...]) "
+            "or megatron_fsdp.fsdp2.fully_shard per block and root, on the plain model"
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard_after_forward!r}: resharding to a smaller world after forward is not "
+            "supported by megatron_fsdp.fsdp2; pass True, False or None"
+        )
+    if not isinstance(mp_policy, TorchMixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy (also exported by megatron_fsdp.fsdp2), "
+            f"got {type(mp_policy).__name__}"
+        )
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError(
+            "offload_policy=CPUOffloadPolicy() is not supported by megatron_fsdp.fsdp2 yet: pass OffloadPolicy(), or "
+            "offload with the whole-model API, fully_shard_model(..., cpu_offload=True)"
+        )
+    if type(offload_policy) is not OffloadPolicy:
+        raise TypeError(f"offload_policy must be torch.distributed.fsdp.OffloadPolicy(), got {offload_policy!r}")
+    ignored = set(ignored_params or ())
+    if any(not isinstance(p, nn.Parameter) for p in ignored):
+        raise TypeError("ignored_params must be a set of nn.Parameter")
+    return ignored
+
+
+def _managed_registrations(module: nn.Module, ignored: set[nn.Parameter]) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+    """(key relative to ``module``, owning module, attribute name, parameter) for every
+    registration of a parameter this call shards: those under ``module`` outside submodules
+    already sharded in place, less the ignored. A tied weight has one entry per registration."""
+    found = []
+
+    def walk(owner: nn.Module, prefix: str) -> None:
+        for name, param in owner._parameters.items():
+            if param is not None and param not in ignored:
+                found.append((prefix + name, owner, name, param))
+        for child_name, child in owner._modules.items():
+            if child is not None and state_of(child) is None:
+                walk(child, f"{prefix}{child_name}.")
+
+    walk(module, "")
+    return found
+
+
+def _check_params(
+    module: nn.Module,
+    keyed: list[tuple[str, nn.Module, str, nn.Parameter]],
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
+) -> None:
+    for key, owner, _, param in keyed:
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                f"{key} is a DTensor (tensor parallel, or sharded by torch's fully_shard): megatron_fsdp.fsdp2 shards "
+                "plain parameters only; for tensor parallelism use fully_shard_model(..., tp_dim=...)"
+            )
+        if param.is_meta:
+            raise NotImplementedError(
+                f"{key} is on the meta device: megatron_fsdp.fsdp2 shards materialised parameters only so far; build "
+                "the model on a device (or use fully_shard_model(..., init_model_with_meta_device=True))"
+            )
+        if isinstance(owner, FSDPModule):
+            raise ValueError(f"{key} belongs to a module sharded by torch's own fully_shard: use one fully_shard for the model")
+        if shard_placement_fn is not None:
+            placement = shard_placement_fn(param)
+            if placement is not None and placement != Shard(0):
+                raise ValueError(
+                    f"shard_placement_fn returned {placement!r} for {key}: megatron_fsdp.fsdp2 shards every parameter "
+                    "into contiguous pieces of its flattened value over the mesh's one dim; return None or Shard(0)"
+                )
+    devices = {param.device for _, _, _, param in keyed}
+    if len(devices) > 1:
+        raise ValueError(f"{type(module).__name__}'s parameters are spread over {sorted(map(str, devices))}: move them to one device")
+
+
+def _data_parallel_group(mesh: Any) -> DataParallelGroup:
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh is not None and mesh.ndim == 2:
+        raise NotImplementedError(
+            f"a 2-D mesh {mesh.mesh_dim_names} (HSDP) is not supported by megatron_fsdp.fsdp2 yet: pass the 1-D shard "
+            "mesh, or use fully_shard_model(..., device_mesh=mesh, dp_shard_dim=..., dp_outer_dim=...)"
+        )
+    if mesh is not None and mesh.ndim != 1:
+        raise ValueError(f"fully_shard needs a 1-D mesh (2-D for HSDP in torch's), got {mesh.ndim} dims {mesh.mesh_dim_names}")
+    return resolve_dp_shard_group(mesh, None)
+
+
+def _move_to_mesh_device(module: nn.Module, params: list[nn.Parameter], mesh: DeviceMesh, ignored: set) -> None:
+    """As FSDP2: the parameters (and the buffers beside them) go to the mesh's device."""
+    if mesh.device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        device = torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
+    with torch.no_grad():
+        for param in params:
+            if param.device != device:
+                param.data = param.data.to(device)
+        for owner in module.modules():
+            for name, buffer in owner._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    owner._buffers[name] = buffer.to(device)
+
+
+def _mixed_precision(
+    params: list[nn.Parameter], mp_policy: TorchMixedPrecisionPolicy
+) -> tuple[MixedPrecisionPolicy, torch.dtype | None]:
+    """The engine's policy and compute dtype for FSDP2's: the sharded (main) parameters and
+    gradients keep the parameters' dtype, forward computes in ``param_dtype``, gradients travel
+    in ``reduce_dtype`` (default ``param_dtype``)."""
+    dtypes = {p.dtype for p in params}
+    param_dtype = mp_policy.param_dtype
+    if param_dtype is not None and dtypes == {param_dtype}:
+        param_dtype = None
+    if param_dtype is None:
+        return MixedPrecisionPolicy(main_params_dtype=None, grad_comm_dtype=mp_policy.reduce_dtype), None
+    if len(dtypes) > 1:
+        raise NotImplementedError(
+            f"mp_policy.param_dtype={param_dtype} with parameters of several dtypes {sorted(map(str, dtypes))} is not "
+            "supported by megatron_fsdp.fsdp2: give the module's parameters one dtype first"
+        )
+    (main,) = dtypes
+    comm = mp_policy.reduce_dtype or param_dtype
+    return MixedPrecisionPolicy(main_params_dtype=main, main_grads_dtype=main, grad_comm_dtype=comm), param_dtype
+
+
+def _refuse_deepcopy(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("a module sharded in place by fully_shard cannot be deep-copied: copy it before fully_shard")
+
+
+def _sharded_class(cls: type) -> type:
+    sharded = _SHARDED_CLASSES.get(cls)
+    if sharded is None:
+        sharded = type(f"FSDP{cls.__name__}", (MegatronFSDPModule, cls), {"__deepcopy__": _refuse_deepcopy})
+        _SHARDED_CLASSES[cls] = sharded
+    return sharded
