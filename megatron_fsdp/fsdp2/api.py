@@ -70,8 +70,11 @@ def fully_shard(
     params = list(dict.fromkeys(param for _, _, _, param in keyed))
     _check_params(module, keyed, shard_placement_fn)
     dp = _data_parallel_group(mesh)
-    if mesh is not None and params:
-        _move_to_mesh_device(module, params, mesh, ignored)
+    if params and params[0].is_meta:
+        keyed = _materialise(keyed, _mesh_device(mesh))
+        params = list(dict.fromkeys(param for _, _, _, param in keyed))
+    elif mesh is not None and params:
+        _move_to_mesh_device(module, params, _mesh_device(mesh))
     policy, compute_dtype = _mixed_precision(params, mp_policy)
     settings = FSDPSettings(
         strategy=ShardingStrategy.OPTIM_GRADS_PARAMS, mixed_precision=policy, sync_model_each_microbatch=True
@@ -175,11 +178,6 @@ def _check_params(
                 f"{key} is a DTensor (tensor parallel, or sharded by torch's fully_shard): megatron_fsdp.fsdp2 shards "
                 "plain parameters only; for tensor parallelism use fully_shard_model(..., tp_dim=...)"
             )
-        if param.is_meta:
-            raise NotImplementedError(
-                f"{key} is on the meta device: megatron_fsdp.fsdp2 shards materialised parameters only so far; build "
-                "the model on a device (or use fully_shard_model(..., init_model_with_meta_device=True))"
-            )
         if isinstance(owner, FSDPModule):
             raise ValueError(f"{key} belongs to a module sharded by torch's own fully_shard: use one fully_shard for the model")
         if shard_placement_fn is not None:
@@ -190,6 +188,11 @@ def _check_params(
                     "into contiguous pieces of its flattened value over the mesh's one dim; return None or Shard(0)"
                 )
     devices = {param.device for _, _, _, param in keyed}
+    if len(devices) > 1 and torch.device("meta") in devices:
+        raise ValueError(
+            f"{type(module).__name__}'s parameters are partly on the meta device ({sorted(map(str, devices))}): build "
+            "the whole model on the meta device, or none of it"
+        )
     if len(devices) > 1:
         raise ValueError(f"{type(module).__name__}'s parameters are spread over {sorted(map(str, devices))}: move them to one device")
 
@@ -207,12 +210,33 @@ def _data_parallel_group(mesh: Any) -> DataParallelGroup:
     return resolve_dp_shard_group(mesh, None)
 
 
-def _move_to_mesh_device(module: nn.Module, params: list[nn.Parameter], mesh: DeviceMesh, ignored: set) -> None:
+def _mesh_device(mesh: DeviceMesh | None) -> torch.device:
+    """The device a mesh computes on (FSDP2's rule); without a mesh, the current CUDA device if
+    there is one, else the CPU."""
+    device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, getattr(torch, device_type).current_device())
+
+
+def _materialise(
+    keyed: list[tuple[str, nn.Module, str, nn.Parameter]], device: torch.device
+) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+    """Meta parameters replaced by parameters of uninitialised memory on ``device``, one call's
+    at a time (the buckets copy them and let them go): as after FSDP2's ``to_empty``, the module's
+    own init then writes the pieces. A meta tensor cannot take data in place, so each is a new
+    object, registered wherever the meta one was (ties survive)."""
+    replacements: dict[nn.Parameter, nn.Parameter] = {}
+    for _, _, _, param in keyed:
+        if param not in replacements:
+            replacements[param] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+    for _, owner, name, param in keyed:
+        owner._parameters[name] = replacements[param]
+    return [(key, owner, name, replacements[param]) for key, owner, name, param in keyed]
+
+
+def _move_to_mesh_device(module: nn.Module, params: list[nn.Parameter], device: torch.device) -> None:
     """As FSDP2: the parameters (and the buffers beside them) go to the mesh's device."""
-    if mesh.device_type == "cpu":
-        device = torch.device("cpu")
-    else:
-        device = torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
     with torch.no_grad():
         for param in params:
             if param.device != device:

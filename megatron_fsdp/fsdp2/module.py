@@ -26,7 +26,8 @@ What each method does here (torch's names and signatures, torch 2.11 and 2.13):
 - Raise ``NotImplementedError`` naming the call: ``set_custom_all_gather``,
   ``set_custom_reduce_scatter``, ``set_all_reduce_hook`` (the engine's collectives are its own),
   ``set_unshard_in_backward(False)``, ``set_reduce_scatter_unused_params(False)``, and
-  ``module.to(...)``/``to_empty``/``half()`` that would move or cast the sharded parameters.
+  ``module.to(...)``/``to_empty``/``half()`` that would move or cast the sharded parameters (on
+  their own device and dtype, these apply to the rest of the module).
 """
 
 from __future__ import annotations
@@ -197,18 +198,21 @@ class MegatronFSDPModule(FSDPModule):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``module.to(...)``, ``float()``, ``to_empty()``: applied to everything but the sharded
-        parameters, which must already be where and what ``fn`` asks (it returns them as they
-        are); otherwise raises before changing anything."""
+        parameters, which must already have the device and dtype ``fn`` gives (``to_empty`` on
+        the device ``fully_shard`` materialised a meta model on: the buffers are allocated, the
+        pieces already are); otherwise raises before changing anything."""
         state = self._get_fsdp_state()
         for dtype, device in {(t.dtype, t.device) for t in state.managed_tensors()}:
             probe = torch.empty(0, dtype=dtype, device=device)
-            if fn(probe) is not probe:
+            applied = fn(probe)
+            if applied.dtype != dtype or applied.device != device:
                 _not_supported(
                     f"{type(self).__name__}._apply (module.to / cuda / float / half / to_empty) after fully_shard",
                     "it would move or cast the sharded parameters: move or cast the module before fully_shard",
                 )
         with _registrations_hidden(state):
-            return super()._apply(fn, recurse)
+            # Past torch's FSDPModule._apply, which reaches into FSDP2's own state.
+            return super(FSDPModule, self)._apply(fn, recurse)
 
 
 def _performance_only(call: str) -> None:
