@@ -8,6 +8,7 @@ from megatron_fsdp.checkpoint.io import (
     load_checkpoint,
     save_checkpoint,
 )
+from megatron_fsdp.checkpoint.safe_reader import SafeFileSystemReader, UnsafeCheckpointError
 from megatron_fsdp.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron_fsdp.engine.config import ShardingStrategy
 from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
@@ -38,7 +39,9 @@ __all__ = [
     "FSDPDistributedIndex",
     "MegatronFSDP",
     "MixedPrecisionPolicy",
+    "SafeFileSystemReader",
     "ShardingStrategy",
+    "UnsafeCheckpointError",
     "add_megatron_fsdp_args",
     "clip_grad_norm_",
     "ddp_config_from_args",

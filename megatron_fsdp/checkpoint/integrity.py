@@ -22,12 +22,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_fsdp import _ops
+from megatron_fsdp.checkpoint.agreement import first_problem_of_any_rank
+from megatron_fsdp.checkpoint.safe_reader import SafeFileSystemReader
 
 MANIFEST = "manifest.json"
 # A key of the DCP state saved with a manifest; its value names the manifest file. Plain
@@ -164,8 +166,8 @@ def _read_manifest(path: str) -> tuple[dict[str, Any] | None, tuple[str, str] | 
 
 def _problem_without_manifest(path: str) -> tuple[str, str] | None:
     try:
-        saved_keys = FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception as error:  # noqa: BLE001 - unpickling damaged bytes raises anything
+        saved_keys = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as error:  # noqa: BLE001 - unpickling damaged or forged bytes raises anything
         return _METADATA, f"it cannot be read ({type(error).__name__}: {error})"
     if MANIFEST_KEY in saved_keys:
         return MANIFEST, "it is missing, but the checkpoint was saved with one"
@@ -212,15 +214,8 @@ def _check_file(path: str, name: str, entry: dict[str, Any]) -> tuple[str, str] 
 
 
 def _raise_if_any_rank_found(problem: tuple[str, str] | None, path: str, step: int) -> None:
-    """One small collective in the common case (nothing found); the problems travel only when
-    there are some, and every rank raises the first rank's."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    found_any = torch.tensor([problem is not None], dtype=torch.int32, device=device)
-    dist.all_reduce(found_any, op=dist.ReduceOp.MAX)
-    if not found_any.item():
-        return
-    problems: list[tuple[str, str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    rank = next(r for r, p in enumerate(problems) if p is not None)
-    file, reason = problems[rank]
-    raise CheckpointCorruptError(step, path, file, rank, reason)
+    """Every rank raises the first rank's problem, or none does."""
+    found = first_problem_of_any_rank(problem)
+    if found is not None:
+        rank, (file, reason) = found
+        raise CheckpointCorruptError(step, path, file, rank, reason)

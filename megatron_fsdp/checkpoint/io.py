@@ -6,7 +6,9 @@
 ``<dir>/latest`` at it (an atomic file replace). A save that fails or is killed at any moment
 leaves ``latest`` naming the previous complete checkpoint. ``load_checkpoint`` verifies the
 files against the manifest before reading anything into the model, and with ``fallback=True``
-walks back to the newest checkpoint that verifies.
+walks back to the newest checkpoint that verifies. Loading runs no code that came with a checkpoint
+(``safe_reader``, ``weights_only``): what it would have to run is refused, on every rank, before the
+model or the optimizer is touched; saving refuses ``extra_state`` that loading would refuse.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from megatron_fsdp.checkpoint.agreement import first_problem_of_any_rank
 from megatron_fsdp.checkpoint.integrity import (
     MANIFEST,
     MANIFEST_KEY,
@@ -30,7 +32,9 @@ from megatron_fsdp.checkpoint.integrity import (
     verify_checkpoint,
     write_manifest,
 )
+from megatron_fsdp.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader, read_metadata_safely, screen_items
 from megatron_fsdp.checkpoint.state_dicts import check_keys, fqn_keyed_optimizer_state_dict
+from megatron_fsdp.checkpoint.weights_only import UnsafeCheckpointError, load_weights_only, serialize_weights_only
 
 if TYPE_CHECKING:  # the wrapper sits above this module; it is passed in
     from megatron_fsdp.megatron_fsdp import MegatronFSDP
@@ -92,12 +96,15 @@ def save_checkpoint(
 ) -> str:
     """Saves model and optimizer (and ``extra_state``, e.g. an LR scheduler's or a data
     loader's, written by rank 0 with ``torch.save``) as step ``step``, with a manifest of the
-    files' checksums; a collective. With ``keep_last`` (default None: keep all), deletes all but
-    the newest ``keep_last`` checkpoints once this one is committed. Returns the checkpoint's
-    directory."""
+    files' checksums; a collective. ``extra_state`` must load with ``torch.load(weights_only=True)``
+    (numbers, strings, containers, tensors, numpy arrays, state dicts of these, torch's, numpy's
+    and Python's RNG states): anything else raises ``ValueError`` on every rank before anything is
+    written. With ``keep_last`` (default None: keep all), deletes all but the newest ``keep_last``
+    checkpoints once this one is committed. Returns the checkpoint's directory."""
     final = _step_dir(checkpoint_dir, step)
     partial = final + ".partial"
     rank = dist.get_rank()
+    extra_bytes = _serialized_extra_state(extra_state)
     if rank == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by an earlier save that died
@@ -107,8 +114,9 @@ def save_checkpoint(
     checksums = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(writer.checksums(), checksums, dst=0)
     if rank == 0:
-        if extra_state is not None:
-            torch.save(extra_state, os.path.join(partial, EXTRA_STATE))
+        if extra_bytes is not None:
+            with open(os.path.join(partial, EXTRA_STATE), "wb") as handle:
+                handle.write(extra_bytes)
         write_manifest(partial, step, checksums)  # last: a checkpoint is complete once it has one
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -119,6 +127,24 @@ def save_checkpoint(
         logger.info("saved checkpoint %s", final)
     dist.barrier()
     return final
+
+
+def _serialized_extra_state(extra_state: dict[str, Any] | None) -> bytes | None:
+    """Rank 0's ``extra_state`` as it will be written (None on the other ranks); a collective:
+    raises ``ValueError`` on every rank when loading would refuse it (only rank 0's is written,
+    so only rank 0 knows)."""
+    serialized, refusal = None, [None]
+    if dist.get_rank() == 0 and extra_state is not None:
+        try:
+            serialized = serialize_weights_only(extra_state, "save_checkpoint's extra_state")
+        except ValueError as error:
+            refusal[0] = str(error)
+        except Exception as error:  # noqa: BLE001 - unpicklable: the other ranks must hear of it too
+            refusal[0] = f"save_checkpoint's extra_state cannot be pickled ({type(error).__name__}: {error})"
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise ValueError(refusal[0])
+    return serialized
 
 
 def _point_latest_at(checkpoint_dir: str, step: int) -> None:
@@ -141,10 +167,12 @@ def _prune(checkpoint_dir: str, keep_last: int) -> None:
         shutil.rmtree(_step_dir(checkpoint_dir, old), ignore_errors=True)
 
 
-def check_checkpoint_fits(path: str, model: MegatronFSDP) -> set[str]:
+def check_checkpoint_fits(path: str, model: MegatronFSDP, metadata: Metadata | None = None) -> set[str]:
     """Raises naming every missing, unexpected and mis-shaped model tensor of the checkpoint at
-    ``path`` before anything is read into the model; returns every key the checkpoint holds."""
-    metadata = FileSystemReader(path).read_metadata()
+    ``path`` (whose DCP ``metadata`` it reads, restricted, unless given) before anything is read
+    into the model; returns every key the checkpoint holds."""
+    if metadata is None:
+        metadata = read_metadata_safely(os.path.join(path, METADATA_FILE))
     saved = {
         key[len("model.") :]: md.size
         for key, md in metadata.state_dict_metadata.items()
@@ -165,6 +193,10 @@ def load_checkpoint(
 ) -> tuple[int, dict[str, Any] | None] | None:
     """Loads step ``step`` (default None: the latest) into model and optimizer; a collective.
     Returns ``(step, extra_state)``, or None when there is no checkpoint yet.
+
+    Nothing that came with the checkpoint is run: an object that loading would have to run code
+    to rebuild raises :class:`UnsafeCheckpointError` on every rank before model and optimizer are
+    touched (docs/checkpointing.md says what loads).
 
     ``verify`` (default True) checks every file against the checkpoint's manifest first and
     raises :class:`CheckpointCorruptError` on every rank, leaving model and optimizer as they
@@ -242,16 +274,42 @@ def _set_aside(checkpoint_dir: str, corrupt_steps: list[int], loaded_step: int) 
 
 
 def _load(path: str, model: MegatronFSDP, optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
-    saved_keys = check_checkpoint_fits(path, model)
+    reader = SafeFileSystemReader(path)
+    metadata, extra = _read_without_running_code(path, reader)
+    saved_keys = check_checkpoint_fits(path, model, metadata)
     state = _training_state(model, optimizer, saved_keys)
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, storage_reader=reader)
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
-    extra_path = os.path.join(path, EXTRA_STATE)
-    extra = torch.load(extra_path, weights_only=False) if os.path.exists(extra_path) else None
     logger.info("loaded checkpoint %s", path)
     return extra
+
+
+def _read_without_running_code(path: str, reader: SafeFileSystemReader) -> tuple[Metadata, dict[str, Any] | None]:
+    """The checkpoint's DCP metadata and extra state, after every rank unpickled its share of the
+    data files' items as the load will (tensors without their data), so that an item the load
+    would refuse raises on every rank before anything reaches the model or the optimizer. A
+    collective: one rank's problem (refused, or unreadable) raises the same error on all."""
+    problem: tuple[str, list[str] | None] | None = None  # (message, refused globals; None: unreadable)
+    metadata, extra = None, None
+    try:
+        metadata = reader.read_metadata()
+        screen_items(path, metadata, dist.get_rank(), dist.get_world_size())
+        extra_path = os.path.join(path, EXTRA_STATE)
+        extra = load_weights_only(extra_path, extra_path) if os.path.exists(extra_path) else None
+    except UnsafeCheckpointError as error:
+        problem = (str(error), error.refused)
+    except Exception as error:  # noqa: BLE001 - a rank that raised alone would leave the others waiting
+        reason = f"checkpoint {path} cannot be read ({type(error).__name__}: {error}); with verify=True, load_checkpoint names a damaged file"
+        problem = (reason, None)
+    found = first_problem_of_any_rank(problem)
+    if found is not None:
+        rank, (message, refused) = found
+        if refused is None:
+            raise RuntimeError(f"rank {rank} found: {message}")
+        raise UnsafeCheckpointError(f"rank {rank} found: {message}", refused)
+    return metadata, extra
 
 
 @torch.no_grad()
