@@ -134,6 +134,7 @@ def fully_shard_model(
     all raise the same ``ValueError`` if not (megatron_fsdp/engine/consistency.py).
     """
     check_argument_types(locals())
+    _check_not_wrapped(module)
     check_timeout(collective_timeout)
     check_upstream_options(
         use_decoupled_grad, disable_bucketing=disable_bucketing,
@@ -145,8 +146,6 @@ def fully_shard_model(
     strategy, outer, unit_classes = check_strategies(
         zero_dp_strategy, outer_dp_sharding_strategy, fsdp_unit_modules, dp_outer_dim
     )
-    if isinstance(module, MegatronFSDP):
-        raise ValueError("this model is already sharded by megatron_fsdp")
     dist_index = FSDPDistributedIndex(
         device_mesh=device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim, tp_dim=tp_dim,
         hybrid_fsdp_group=hybrid_fsdp_group, hybrid_fsdp_expt_group=hybrid_fsdp_expt_group,
@@ -171,6 +170,21 @@ def fully_shard_model(
     return MegatronFSDP.from_plan(module, plan)
 
 
+def _check_not_wrapped(module: nn.Module) -> None:
+    """Refuses, before any collective, a model that something already distributes."""
+    if isinstance(module, MegatronFSDP):
+        raise ValueError(
+            "this model is already sharded by megatron_fsdp: shard a model once, and train the model fully_shard returned"
+        )
+    if isinstance(module, nn.parallel.DistributedDataParallel) or getattr(module, "_is_accelerate_prepared", False):
+        raise ValueError(
+            f"this {type(module).__name__} went through accelerator.prepare (or DistributedDataParallel) before "
+            "fully_shard: shard the plain model first, then prepare the sharded one, e.g. "
+            "model, optimizer = fully_shard(model, optimizer, ...); model, optimizer, dataloader = "
+            "accelerator.prepare(model, optimizer, dataloader)"
+        )
+
+
 def fully_shard_optimizer(
     optimizer: torch.optim.Optimizer,
     preproc_state_dict_for_dcp_ckpt: bool = True,
@@ -185,14 +199,21 @@ def fully_shard_optimizer(
     - ``model``: the MegatronFSDP owning the optimizer's parameters; found from them when
       omitted. megatron_fsdp 0.1's positional form ``fully_shard_optimizer(optimizer, model)``
       still works.
+    - ``optimizer`` may be a wrapper holding the optimizer as ``.optimizer`` (Accelerate's
+      ``AcceleratedOptimizer``): that optimizer is sharded and the wrapper returned.
     """
     if isinstance(preproc_state_dict_for_dcp_ckpt, MegatronFSDP) and model is None:
         model, preproc_state_dict_for_dcp_ckpt = preproc_state_dict_for_dcp_ckpt, True
     if not isinstance(preproc_state_dict_for_dcp_ckpt, bool):
         raise TypeError(f"preproc_state_dict_for_dcp_ckpt must be True or False, got {preproc_state_dict_for_dcp_ckpt!r}")
+    # A wrapper that steps an optimizer it holds as ``.optimizer`` (Accelerate's
+    # AcceleratedOptimizer, after accelerator.prepare) is returned as it is, its optimizer sharded.
+    inner = getattr(optimizer, "optimizer", None)
+    sharded = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
     if model is None:
-        model = _owning_model(optimizer)
-    return distribute_optimizer(optimizer, model)
+        model = _owning_model(sharded)
+    distribute_optimizer(sharded, model)
+    return optimizer
 
 
 def _owning_model(optimizer: torch.optim.Optimizer) -> MegatronFSDP:

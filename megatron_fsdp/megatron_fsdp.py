@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from megatron_fsdp import _ops
-from megatron_fsdp.checkpoint import state_dicts
+from megatron_fsdp.checkpoint import pretrained, state_dicts
 from megatron_fsdp.distributed_data_parallel_config import ddp_config_from_settings
 from megatron_fsdp.engine.argument_types import check_argument_types
 from megatron_fsdp.engine.buffer import Bucket
@@ -30,6 +31,20 @@ from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.param_and_grad_buffer import ParamAndGradBuffer
 
 logger = logging.getLogger(__name__)
+
+
+class _ShowsModuleSignature:
+    """A method that, on an instance, shows the wrapped module's forward signature to
+    ``inspect.signature`` (through ``__wrapped__``): Transformers' Trainer keeps the batch columns
+    it names. On the class it is the plain function."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __get__(self, wrapper: MegatronFSDP | None, owner: type | None = None) -> Callable[..., Any]:
+        if wrapper is None:
+            return self.function
+        return functools.update_wrapper(functools.partial(self.function, wrapper), wrapper.module.forward)
 
 
 class MegatronFSDP(nn.Module):
@@ -59,6 +74,11 @@ class MegatronFSDP(nn.Module):
     objects (their ``.data`` are views into the buffers while gathered, empty while sharded
     under ``optim_grads_params``).
     """
+
+    # Accelerate wraps each model it prepares in DistributedDataParallel unless the model says it
+    # is prepared already. A sharded model reduces its own gradients; DDP's reduction over the
+    # sharded pieces would be wrong (docs/hugging_face.md).
+    _is_accelerate_prepared = True
 
     def __init__(
         self,
@@ -176,7 +196,9 @@ class MegatronFSDP(nn.Module):
             self._step_hooks.register_forward_hooks(module, units_by_name[name])
         self._step_hooks.register_grad_hooks()
 
+    @_ShowsModuleSignature
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the wrapped module between the root unit's hooks."""
         self._step_hooks.pre_forward(self.root_unit, self.module, args)
         output = self.module(*args, **kwargs)
         self._step_hooks.after_root_forward(output)
@@ -392,6 +414,15 @@ class MegatronFSDP(nn.Module):
         ``module``, and the FQNs leave that out."""
         return {"module": "module"}
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        """DistributedDataParallel reads this before any collective: there a sharded model
+        refuses to be wrapped, on every rank, naming the fix."""
+        raise TypeError(
+            "a megatron_fsdp-sharded model reduces its own gradients over the data-parallel group: do not wrap it in "
+            "DistributedDataParallel; train the model fully_shard returned as it is (accelerator.prepare leaves it so)"
+        )
+
     def __getattr__(self, name: str) -> Any:
         """Attributes of the wrapped model (``model.config``, ``model.blocks``) read through the
         wrapper, whose FQNs are the wrapped model's: torch's state-dict helpers walk them so."""
@@ -483,12 +514,22 @@ class MegatronFSDP(nn.Module):
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Loads :meth:`state_dict`'s form (filled in place by ``dcp.load``) or full tensors
-        (e.g. a plain model's state dict); raises naming missing, unexpected and mis-shaped keys."""
+        (e.g. a plain model's state dict); raises naming missing, unexpected and mis-shaped keys.
+        Returns torch's ``(missing_keys, unexpected_keys)``, empty when ``strict``."""
         if assign:
             raise ValueError("assign=True cannot apply: parameters live in megatron_fsdp's buffers")
         if self.scheduler.state is not StepState.IDLE:
             raise RuntimeError("load a state dict between steps, not during forward or backward")
         state_dicts.load_model_state_dict(self, state_dict, strict=strict)
+        return nn.modules.module._IncompatibleKeys(*state_dicts.incompatible_keys(self, state_dict))
+
+    def save_pretrained(self, save_directory: str, *args: Any, state_dict: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """Hugging Face's ``save_pretrained`` of the wrapped model with its full weights, which
+        ``from_pretrained`` loads: a collective, call it on every rank. ``state_dict``: this
+        model's :meth:`state_dict` (``accelerator.get_state_dict(model)``), any of its DTensor
+        values gathered; None: this model's. The first rank writes, where ``is_main_process``
+        (default True) allows; the other keywords go to the wrapped model's ``save_pretrained``."""
+        pretrained.save_pretrained(self, save_directory, *args, state_dict=state_dict, **kwargs)
 
     # -- inspection ---------------------------------------------------------------------------
 

@@ -112,6 +112,13 @@ def load_model_state_dict(model: ShardedModel, state_dict: dict[str, Any], stric
                 bucket.sync_after_load()
 
 
+def incompatible_keys(model: ShardedModel, state_dict: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The keys ``state_dict`` lacks and those the model does not know, as a plain module's
+    ``load_state_dict`` reports them (a tied weight's other name counts as missing, as there)."""
+    expected = model.module.state_dict(keep_vars=True)
+    return [key for key in expected if key not in state_dict], [key for key in state_dict if key not in expected]
+
+
 def holds_this_piece(value: DTensor, spec: ShardSpec) -> bool:
     """Whether ``value``'s local tensor is this rank's piece as ``spec`` places it (our own state
     dict, filled by ``dcp.load``, or a copy of it). Decided from metadata alone, so every rank
