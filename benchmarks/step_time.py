@@ -22,7 +22,8 @@ Without --nvidia-site its row is skipped, saying so.
 Every implementation computes in bf16 with fp32 master weights and fused AdamW (lr 1e-4):
 
 - megatron_fsdp and NVIDIA's megatron-fsdp: a bf16 model, ``MixedPrecisionPolicy(fp32 main
-  params, fp32 main grads, grad_comm_dtype fp32 | bf16)``, the transformer blocks as units;
+  params, fp32 main grads, grad_comm_dtype fp32 | bf16)``, the transformer blocks as units
+  (the ``bf16-grads`` row: bf16 main grads and communication);
 - torch FSDP2: an fp32 model, ``fully_shard`` per block and on the root,
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
 - torch DDP: fp32 weights under bf16 autocast;
@@ -116,13 +117,14 @@ def imports_here(name: str) -> bool:
 
 
 def _megatron(
-    strategy: int, comm: torch.dtype, double_buffer: bool = False, nccl_ub: bool = False, offload: bool = False
+    strategy: int, comm: torch.dtype, double_buffer: bool = False, nccl_ub: bool = False, offload: bool = False,
+    main_grads: torch.dtype = torch.float32,
 ) -> Callable:
     def make(config, device):
         megatron_fsdp = _megatron_fsdp(nvidia=False)
         model = _build(config, device, torch.bfloat16)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32, grad_comm_dtype=comm)
+        policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=main_grads, grad_comm_dtype=comm)
         return megatron_fsdp.fully_shard(
             model, optimizer, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=strategy, mixed_precision_policy=policy,
             fsdp_double_buffer=double_buffer, nccl_ub=nccl_ub, cpu_offload=offload,
@@ -225,6 +227,8 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "megatron_fsdp optim_grads_params fp32-comm": _megatron(3, torch.float32),
     "megatron_fsdp optim_grads_params fp32-comm compiled": _compiled(_megatron(3, torch.float32)),
     "megatron_fsdp optim_grads_params bf16-comm": _megatron(3, torch.bfloat16),
+    # bf16 main gradients: the C++ ops step AdamW reading them as they are (no fp32 copy).
+    "megatron_fsdp optim_grads_params bf16-grads": _megatron(3, torch.bfloat16, main_grads=torch.bfloat16),
     "megatron_fsdp optim_grads_params fp32-comm double-buffer": _megatron(3, torch.float32, double_buffer=True),
     "megatron_fsdp optim_grads_params fp32-comm nccl-ub": _megatron(3, torch.float32, nccl_ub=True),
     "megatron_fsdp optim_grads fp32-comm": _megatron(2, torch.float32),

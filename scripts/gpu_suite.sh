@@ -1,20 +1,67 @@
 #!/usr/bin/env bash
 # On a CUDA machine whose python3 already holds a CUDA torch: build the extension with its CUDA
-# kernels, run the GPU tests, the op bandwidth benchmark and a short main job, logging to $1.
+# kernels, then run one part of the GPU suite, logging to RESULTS_DIR (default gpu_results).
+#
+#   bash scripts/gpu_suite.sh PART [RESULTS_DIR]
+#
+# Parts (each sized to finish within 8 minutes on one H100, the build included):
+#   ops           the op tests on CUDA (tests/gpu/test_ops_cuda.py, tests/test_ops.py) and the op
+#                 bandwidth benchmark
+#   engine        parity, mixed precision, state dicts, user buffers, memory (steady state, the
+#                 plan against the allocator, out-of-memory recovery) over NCCL
+#   megatron-core megatron-core's DDP face (tests/gpu/test_megatron_core.py; needs megatron-core)
+#   megatron-lm   Megatron-LM's own pretrain_gpt.py against the bundled copy
+#                 (tests/gpu/test_megatron_lm_pretrain.py; needs megatron-core and MEGATRON_LM_DIR)
+#   train         the main job on 2 GPUs (skipped with fewer)
+#   all           every part above, one after another
 set -uo pipefail
 cd "$(dirname "$0")/.."
-results=${1:-gpu_results}
+part=${1:?give a part: ops, engine, megatron-core, megatron-lm, train or all}
+results=${2:-gpu_results}
 mkdir -p "$results"
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-nvidia-smi -L | tee "$results/device.txt"
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" | tee -a "$results/device.txt"
-# The system compiler: a toolchain that links its own C++ runtime into _C.so crashes it when a
-# kernel's error message formats a number.
-if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
-MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$results/build.log" 2>&1 || { tail -40 "$results/build.log"; exit 1; }
-python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_ops.py 2>&1 | tee "$results/gpu_tests.log" | tail -25
-python3 benchmarks/op_bandwidth.py --out "$results/op_bandwidth.json" | tee "$results/op_bandwidth.md"
-if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-  torchrun --standalone --nproc_per_node 2 examples/train_gpt.py --steps 60 2>&1 | tail -8 | tee "$results/train_gpt.log"
+
+build() {
+  nvidia-smi -L | tee "$results/device.txt"
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" | tee -a "$results/device.txt"
+  # The system compiler: a toolchain that links its own C++ runtime into _C.so crashes it when a
+  # kernel's error message formats a number.
+  if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
+  MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$results/build.log" 2>&1 || { tail -40 "$results/build.log"; exit 1; }
+}
+
+run_part() {
+  local name=$1 start=$SECONDS
+  case "$name" in
+    ops)
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ops_cuda.py tests/test_ops.py 2>&1 | tee "$results/ops_tests.log" | tail -5
+      python3 benchmarks/op_bandwidth.py --out "$results/op_bandwidth.json" | tee "$results/op_bandwidth.md" ;;
+    engine)
+      python3 -m pytest -q -p no:cacheprovider tests/gpu --ignore=tests/gpu/test_ops_cuda.py \
+        --ignore=tests/gpu/test_megatron_core.py --ignore=tests/gpu/test_megatron_lm_pretrain.py 2>&1 \
+        | tee "$results/engine_tests.log" | tail -15 ;;
+    megatron-core)
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_megatron_core.py 2>&1 | tee "$results/megatron_core_tests.log" | tail -8 ;;
+    megatron-lm)
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_megatron_lm_pretrain.py 2>&1 | tee "$results/megatron_lm_tests.log" | tail -8 ;;
+    train)
+      if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+        torchrun --standalone --nproc_per_node 2 examples/train_gpt.py --steps 60 2>&1 | tail -8 | tee "$results/train_gpt.log"
+      else
+        echo "train: needs 2 GPUs, skipped"
+      fi ;;
+  esac
+  echo "part $name: $((SECONDS - start)) s" | tee -a "$results/part_times.txt"
+}
+
+case "$part" in
+  ops|engine|megatron-core|megatron-lm|train|all) ;;
+  *) echo "unknown part '$part': ops, engine, megatron-core, megatron-lm, train or all" >&2; exit 2 ;;
+esac
+build
+if [ "$part" = all ]; then
+  for name in ops engine megatron-core megatron-lm train; do run_part "$name"; done
+else
+  run_part "$part"
 fi

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import megatron_fsdp
 from _dist import run_distributed
 from models import Block, make_batch, make_model
-from parity import Setup, compare, reference_run, sharded_runs
+from parity import Setup, check_collectives, compare, reference_run, sharded_runs
 
 WORLD = 4
 SETUPS = {
@@ -24,8 +24,15 @@ SETUPS = {
     for strategy in strategies
     for accum in (1, 3)
 }
-SETUPS["no_shard-s3-deferred"] = Setup(strategy=3, accum=3, hsdp=(2, 2), sync_each_microbatch=False)
-SETUPS["optim-s3-no-sync"] = Setup(strategy=3, accum=3, hsdp=(2, 2), outer_strategy="optim", no_sync_until_last=True)
+# Accumulation, with the collectives counted (test_accumulation_collectives below).
+ACCUMULATING = {
+    "no_shard-s3-deferred": Setup(strategy=3, accum=3, hsdp=(2, 2), sync_each_microbatch=False, count_collectives=True),
+    "optim-s3-no-sync": Setup(
+        strategy=3, accum=3, hsdp=(2, 2), outer_strategy="optim", no_sync_until_last=True, count_collectives=True
+    ),
+    "no_shard-s1-no-sync": Setup(strategy=1, accum=3, hsdp=(2, 2), no_sync_until_last=True, count_collectives=True),
+}
+SETUPS.update(ACCUMULATING)
 # Clipping: HSDP replicas must not count twice; HFSDP pieces live on the 2-D mesh.
 for _outer, _way in (("no_shard", "torch"), ("no_shard", "fused"), ("optim", "torch"), ("optim", "fused")):
     SETUPS[f"{_outer}-s3-clip-{_way}"] = Setup(strategy=3, accum=2, hsdp=(2, 2), outer_strategy=_outer, clip=_way, steps=4)
@@ -41,6 +48,13 @@ def _results() -> dict:
 def test_hsdp_and_hfsdp_match_single_process(name: str) -> None:
     setup = SETUPS[name]
     compare(_results()[name], reference_run(setup, WORLD), 1e-5, 1e-5, 1e-5, f"{name} 2x2")
+
+
+@pytest.mark.parametrize("name", list(ACCUMULATING))
+def test_accumulation_defers_the_outer_average_to_the_sync(name: str) -> None:
+    """Counted with torch's profiler: micro-batches that hold back reduce only over dp_shard
+    (strategy 3) or not at all (strategy 1); the dp_outer average runs once, at the sync."""
+    check_collectives(_results()[name], SETUPS[name], name)
 
 
 def _hfsdp_optimizer_sizes(rank: int, world: int) -> dict:

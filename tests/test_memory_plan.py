@@ -1,12 +1,14 @@
 """plan_memory (issue 33): the model states planned for each rank equal, to the byte, what the
 wrapped model holds after its first optimizer step: every live tensor storage of the rank that
 appeared since before the model was built (found through the garbage collector, so a buffer the
-planner forgot cannot hide), for every strategy, precision policy, HSDP/HFSDP, CPU offload and
-the double buffer, on gloo at world sizes 1, 2 and 4. The pool's blocks are not tensors Python
-holds; the working set is an upper bound on them (the pool's high-water mark)."""
+planner forgot cannot hide), for every strategy, precision policy, HSDP/HFSDP, CPU offload, the
+double buffer and each way of accumulating micro-batches (issue 40), on gloo at world sizes 1, 2
+and 4. The pool's blocks are not tensors Python holds; the working set is an upper bound on them
+(the pool's high-water mark), equal to it where gradients held back are all of it."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import sys
@@ -19,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import megatron_fsdp
 from _dist import run_distributed
+from megatron_fsdp.plan_memory import OptimizerSpec
 from megatron_fsdp.plan_memory.command import main
 from models import Block, make_batch, make_model
 
@@ -40,7 +43,22 @@ def _cases(world: int) -> list[tuple[str, torch.dtype, dict]]:
         ("offload optim fp32", torch.float32, dict(cpu_offload=True, zero_dp_strategy="optim")),
         ("double buffer nan report bf16", torch.bfloat16, dict(fsdp_double_buffer=True, report_nan_in_param_grad=True)),
         ("sgd momentum", torch.float32, dict(optimizer="sgd_momentum")),
+        # Not stepped by the C++ ops: torch's RMSprop reads a copy of the bf16 gradients in fp32.
+        ("rmsprop bf16 default", torch.bfloat16, dict(optimizer="rmsprop")),
     ]
+    if world > 1:
+        # Three micro-batches a step, synced each time or held back until the last (each way a
+        # user asks for it): 0/1 then hold every bucket's un-reduced gradients in between.
+        for s in STRATEGIES:
+            cases += [
+                (f"{s} fp32 3 micro-batches synced each", torch.float32, dict(zero_dp_strategy=s, accumulation="sync_each")),
+                (f"{s} fp32 3 micro-batches no_sync", torch.float32, dict(zero_dp_strategy=s, accumulation="no_sync")),
+                (f"{s} bf16 fp32 grads, bf16 comm 3 micro-batches auto-sync off", torch.bfloat16, dict(
+                    zero_dp_strategy=s, accumulation="auto_sync_off", mixed_precision_policy=BF16_POLICIES[
+                        "bf16 fp32 grads, bf16 comm"])),
+            ]
+        cases.append(("offload optim fp32 3 micro-batches no_sync", torch.float32,
+                      dict(cpu_offload=True, zero_dp_strategy="optim", accumulation="no_sync")))
     if world == 4:
         cases += [
             ("hsdp optim_grads_params bf16", torch.bfloat16, dict(dp_outer_size=2)),
@@ -67,7 +85,13 @@ def _live_storages() -> dict[int, int]:
 def _optimizer(kind: str, params) -> torch.optim.Optimizer:
     if kind == "sgd_momentum":
         return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    if kind == "rmsprop":
+        return torch.optim.RMSprop(params, lr=1e-3)
     return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _optimizer_spec(kind: str) -> str | OptimizerSpec:
+    return OptimizerSpec("rmsprop", states=1) if kind == "rmsprop" else kind
 
 
 def _held_and_planned(rank: int, world: int) -> list[tuple[str, int, int, int, int]]:
@@ -76,6 +100,10 @@ def _held_and_planned(rank: int, world: int) -> list[tuple[str, int, int, int, i
         options = dict(options)
         optimizer_kind = options.pop("optimizer", "adamw")
         dp_outer_size = options.pop("dp_outer_size", 1)
+        accumulation = options.pop("accumulation", None)
+        micro_batches = 1 if accumulation is None else 3
+        if accumulation == "auto_sync_off":
+            options["sync_model_each_microbatch"] = False
         mesh = None
         if dp_outer_size > 1:
             mesh = torch.distributed.device_mesh.init_device_mesh(
@@ -83,16 +111,22 @@ def _held_and_planned(rank: int, world: int) -> list[tuple[str, int, int, int, i
             options.update(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
         with torch.device("meta"):
             meta_model = make_model(layers=3, dtype=dtype)
-        plan_options = {k: v for k, v in options.items() if k not in ("device_mesh", "dp_shard_dim", "dp_outer_dim")}
-        plan = megatron_fsdp.plan_memory(meta_model, world, dp_outer_size=dp_outer_size, fsdp_unit_modules=[Block],
-                                         optimizer=optimizer_kind, device_type="cpu", **plan_options)
+        plan_options = {k: v for k, v in options.items()
+                        if k not in ("device_mesh", "dp_shard_dim", "dp_outer_dim", "sync_model_each_microbatch")}
+        plan = megatron_fsdp.plan_memory(
+            meta_model, world, dp_outer_size=dp_outer_size, fsdp_unit_modules=[Block], optimizer=_optimizer_spec(optimizer_kind),
+            device_type="cpu", micro_batches=micro_batches,
+            deferred_reduction=accumulation in ("no_sync", "auto_sync_off"), **plan_options)
         gc.collect()
         before = _live_storages()
         model = make_model(layers=3, dtype=dtype)
         model, optimizer = megatron_fsdp.fully_shard(
             model, _optimizer(optimizer_kind, model.parameters()), fsdp_unit_modules=[Block], **options)
-        tokens, targets = make_batch(rank, 2)
-        model(tokens, targets).backward()
+        for micro in range(micro_batches):
+            tokens, targets = make_batch(rank * micro_batches + micro, 2)
+            held_back = accumulation == "no_sync" and micro < micro_batches - 1
+            with model.no_sync() if held_back else contextlib.nullcontext():
+                model(tokens, targets).backward()
         optimizer.step()
         del tokens, targets
         gc.collect()
@@ -113,6 +147,10 @@ def test_planned_model_states_equal_what_each_rank_holds_after_the_first_step(wo
                 wrong.append(f"rank {rank} {name}: holds {held} bytes, planned {planned}")
             if pool_peak > working_set:
                 wrong.append(f"rank {rank} {name}: the pool peaked at {pool_peak} bytes, above the planned working set {working_set}")
+            if name.endswith("fp32 3 micro-batches no_sync") and not name.startswith("optim_grads") and working_set > 1.01 * pool_peak:
+                # Where gradients are the whole working set and need no cast, the plan is the peak
+                # (within the root bucket's allocation granule).
+                wrong.append(f"rank {rank} {name}: planned {working_set} bytes for a pool peak of {pool_peak}")
     assert not wrong, f"world {world}:\n" + "\n".join(wrong)
 
 
@@ -179,3 +217,40 @@ def test_bad_choices_are_named(change: dict, message: str) -> None:
 def test_a_model_not_on_the_meta_device_is_refused() -> None:
     with pytest.raises(ValueError, match=r"needs a model on the meta device .*torch.device\('meta'\)"):
         megatron_fsdp.plan_memory(make_model(), 2, fsdp_unit_modules=[Block])
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--world-sizes", "6", "--dp-outer-sizes", "4"], "world size 6 with dp_outer 4 (6 is not divisible by 4)"),
+    (["--world-sizes", "0"], "--world-sizes: expected integers >= 1"),
+    (["--dp-outer-sizes", "-2"], "--dp-outer-sizes: expected integers >= 1"),
+    (["--device-memory", "-5"], "--device-memory: expected a number > 0"),
+    (["--micro-batches", "0"], "--micro-batches: expected integers >= 1"),
+    (["--strategies", "zero9"], "unknown zero_dp_strategy 'zero9'"),
+])
+def test_the_command_refuses_impossible_choices_without_a_traceback(arguments: list, message: str, capsys) -> None:
+    model_arguments = ["--model", str(REPO / "examples/gpt_model.py") + ":gpt", "--units", "TransformerBlock"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(model_arguments + arguments)
+    printed = capsys.readouterr().err + (exit_info.value.code if isinstance(exit_info.value.code, str) else "")
+    assert exit_info.value.code not in (0, None) and message in printed and "Traceback" not in printed, printed
+
+
+def test_the_command_names_a_missing_config_file(tmp_path) -> None:
+    missing = tmp_path / "config.json"
+    with pytest.raises(SystemExit, match=f"--hf {missing}: no such file or folder"):
+        main(["--hf", str(missing)])
+
+
+def test_the_command_plans_micro_batches_held_back_as_the_function_does(capsys) -> None:
+    """--micro-batches/--deferred-reduction reach plan_memory: under optim, held-back
+    micro-batches keep every bucket's un-reduced gradients, so the working set grows."""
+    model, block = _meta_gpt()
+    common = ["--model", str(REPO / "examples/gpt_model.py") + ":gpt", "--model-kwargs", json.dumps(GPT_KWARGS),
+              "--units", "TransformerBlock", "--world-sizes", "4", "--strategies", "optim", "--json"]
+    main(common + ["--micro-batches", "4", "--deferred-reduction"])
+    held = json.loads(capsys.readouterr().out)
+    main(common + ["--micro-batches", "4"])
+    synced = json.loads(capsys.readouterr().out)
+    plan = megatron_fsdp.plan_memory(model, 4, fsdp_unit_modules=[block], zero_dp_strategy="optim",
+                                     micro_batches=4, deferred_reduction=True)
+    assert held["working_set"] == plan.largest.working_set > synced["working_set"], (held, synced)

@@ -30,11 +30,12 @@ def _setup(strategy: int, combo: tuple[str, str, str]) -> Setup:
 
 SETUPS = {f"s{s}-{'-'.join(c)}": _setup(s, c) for s in range(4) for c in COMBOS}
 # Clipping under mixed precision: fp32 main gradients of a bf16 model, bf16 communication summed
-# in fp32, and main params of another dtype than the main gradients (the optimizer reads a cast
-# copy, which the clip scales). torch's clip of bf16 gradients computes their norm in bf16, so
-# bf16 main params are clipped the fused way only.
+# in fp32, bf16 main params under fp32 main gradients (the optimizer reads a cast copy, which the
+# clip scales), and bf16 main gradients under fp32 main params (the C++ ops read them as they
+# are, and the clip scales them). torch's clip of bf16 gradients computes their norm in bf16, so
+# bf16 gradients are clipped the fused way only.
 for _strategy, _combo, _way in ((2, ("fp32", "fp32", "fp32"), "fused"), (3, ("fp32", "fp32", "bf16"), "torch"),
-                                (3, ("bf16", "fp32", "fp32"), "fused"), (1, ("fp32", "bf16", "bf16"), "torch")):
+                                (3, ("bf16", "fp32", "fp32"), "fused"), (1, ("fp32", "bf16", "bf16"), "fused")):
     SETUPS[f"clip-{_way}-s{_strategy}-{'-'.join(_combo)}"] = dataclasses.replace(_setup(_strategy, _combo), clip=_way)
 
 
@@ -247,3 +248,33 @@ def test_deprecated_flags_map_onto_the_policy_with_a_warning(single_rank_group) 
         )
     with pytest.raises(ValueError, match="float dtype"):
         MixedPrecisionPolicy(grad_comm_dtype=torch.int8)
+
+
+def _optimizer_grads(rank: int, world: int) -> dict:
+    """Per optimizer, after one backward: the dtype of what it reads, and whether that is the
+    main gradient itself (no copy)."""
+    from models import Block, make_batch, make_model
+
+    found = {}
+    for name, build in (("adamw", lambda p: torch.optim.AdamW(p, lr=1e-3)),
+                        ("sgd momentum", lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9)),
+                        ("rmsprop", lambda p: torch.optim.RMSprop(p, lr=1e-3))):
+        model = make_model(dtype=torch.bfloat16)
+        model, optimizer = megatron_fsdp.fully_shard(model, build(model.parameters()), fsdp_unit_modules=[Block])
+        tokens, targets = make_batch(rank, 2)
+        model(tokens, targets).backward()
+        model.finish_grad_sync()
+        bucket = model.trainable_buckets()[0]
+        found[name] = (bucket.optimizer_grads.dtype, bucket.optimizer_grads is bucket.main_grad)
+        optimizer.step()
+    return found
+
+
+def test_bf16_main_grads_are_read_as_they_are_by_adam_and_sgd_and_cast_for_other_optimizers() -> None:
+    """Issue 40: bf16 main gradients under fp32 main params cost 2 bytes a parameter shard, not 2 + 4:
+    the C++ ops step Adam/AdamW/SGD reading them as they are (test_policy_... checks the numbers),
+    and only optimizers they do not implement get an fp32 copy."""
+    found = run_distributed(_optimizer_grads, 2)[0]
+    assert found == {
+        "adamw": (torch.bfloat16, True), "sgd momentum": (torch.bfloat16, True), "rmsprop": (torch.float32, False),
+    }, found

@@ -22,20 +22,22 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 import megatron_fsdp
 from _dist import run_distributed
-from megatron_fsdp.optim.host_optimizer import unsupported_reason
+from megatron_fsdp.optim.kernel_step import unsupported_reason
 from megatron_fsdp.engine.offload import HostBuffers
 from models import Block, make_batch, make_model
-from parity import Setup, compare, compare_low_precision, reference_run, sharded_runs
+from parity import Setup, check_collectives, compare, compare_low_precision, reference_run, sharded_runs
 
 FP32_RTOL = 1e-5
 HOST_OP = unsupported_reason(torch.optim.Adam([torch.zeros(1, requires_grad=True)])) is None
 
 SETUPS = {
-    **{f"s{strategy}": Setup(strategy=strategy, accum=2, offload=True, steps=3) for strategy in range(4)},
+    **{f"s{strategy}": Setup(strategy=strategy, accum=2, offload=True, steps=3, count_collectives=True) for strategy in range(4)},
     "clip-torch-s3": Setup(strategy=3, accum=2, clip="torch", offload=True, steps=3),
     "clip-fused-s1": Setup(strategy=1, accum=2, clip="fused", offload=True, steps=3),
-    # Gradients reach the host at the step, not during backward.
-    "deferred-sync-s2": Setup(strategy=2, accum=3, sync_each_microbatch=False, offload=True, steps=3),
+    # Reduced gradients reach the host each micro-batch, which adds them up; 0/1 hold theirs
+    # back on the device until the sync.
+    "deferred-sync-s2": Setup(strategy=2, accum=3, sync_each_microbatch=False, offload=True, steps=3, count_collectives=True),
+    "no-sync-s1": Setup(strategy=1, accum=3, no_sync_until_last=True, offload=True, steps=3, count_collectives=True),
     "adamw-s3": Setup(strategy=3, optimizer="adamw_foreach", offload=True, steps=3),
     "sgd-s0": Setup(strategy=0, accum=2, optimizer="sgd", offload=True, steps=3),
     "bf16-s3": Setup(strategy=3, accum=2, dtype=torch.bfloat16, optimizer="sgd", offload=True, steps=3),
@@ -59,6 +61,11 @@ def test_offloaded_training_matches_single_process(name: str) -> None:
         compare(got, reference, FP32_RTOL, FP32_RTOL, FP32_RTOL, name)
     else:
         compare_low_precision(got, reference, reference_run(setup, 2, compute_dtype=torch.float32), name)
+
+
+@pytest.mark.parametrize("name", [name for name, setup in SETUPS.items() if setup.count_collectives])
+def test_offloaded_accumulation_launches_the_reductions_the_table_names(name: str) -> None:
+    check_collectives(_results()[name], SETUPS[name], name)
 
 
 def _shard(offload: bool, strategy: int | str = 3, seed: int = 0):
@@ -184,11 +191,11 @@ OPTIMIZERS = {
 @pytest.mark.skipif(not HOST_OP, reason="this build has no host optimizer op")
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_the_host_op_steps_like_torch_with_param_groups_and_a_scheduler(name: str, single_rank_group, monkeypatch) -> None:
-    from megatron_fsdp.optim import host_optimizer
+    from megatron_fsdp.optim import kernel_step
 
     calls = []
-    step_all = host_optimizer.HostStep._step_all
-    monkeypatch.setattr(host_optimizer.HostStep, "_step_all", staticmethod(lambda *a: calls.append(1) or step_all(*a)))
+    step_all = kernel_step.KernelStep._step_all
+    monkeypatch.setattr(kernel_step.KernelStep, "_step_all", staticmethod(lambda *a: calls.append(1) or step_all(*a)))
     optimizer_class, options = OPTIMIZERS[name]
     offloaded, offloaded_lrs = _groups_and_scheduler(True, optimizer_class, **options)
     on_device, device_lrs = _groups_and_scheduler(False, optimizer_class, **options)
@@ -205,7 +212,7 @@ def test_other_optimizers_step_with_their_own_step_and_one_log_line(single_rank_
         model, optimizer = megatron_fsdp.fully_shard(
             model, torch.optim.RMSprop(model.parameters(), lr=1e-3), fsdp_unit_modules=[Block], cpu_offload=offload
         )
-        with caplog.at_level(logging.WARNING, logger="megatron_fsdp.optim.host_optimizer"):
+        with caplog.at_level(logging.WARNING, logger="megatron_fsdp.optim.kernel_step"):
             _train(model, optimizer, 0, 1, range(3))
         results.append(_everything(model, optimizer))
     lines = [r.getMessage() for r in caplog.records if "own step on the host" in r.getMessage()]
@@ -224,7 +231,7 @@ def test_bf16_main_params_step_with_torchs_own_adam_and_one_log_line(single_rank
             model, torch.optim.Adam(model.parameters(), lr=1e-2), fsdp_unit_modules=[Block], cpu_offload=offload,
             mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=None),
         )
-        with caplog.at_level(logging.WARNING, logger="megatron_fsdp.optim.host_optimizer"):
+        with caplog.at_level(logging.WARNING, logger="megatron_fsdp.optim.kernel_step"):
             _train(model, optimizer, 0, 1, range(3))
         results.append(_everything(model, optimizer))
     lines = [r.getMessage() for r in caplog.records if "own step on the host" in r.getMessage()]

@@ -16,22 +16,24 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from parity import Setup, compare, compare_low_precision, reference_run, sharded_runs
+from parity import Setup, check_collectives, compare, compare_low_precision, reference_run, sharded_runs
 
 FP32_RTOL = 1e-5
 
 SETUPS: dict[str, Setup] = {}
 for _strategy in range(4):
     for _accum in (1, 3):
-        SETUPS[f"fp32-s{_strategy}-a{_accum}"] = Setup(strategy=_strategy, accum=_accum)
+        SETUPS[f"fp32-s{_strategy}-a{_accum}"] = Setup(strategy=_strategy, accum=_accum, count_collectives=True)
         SETUPS[f"bf16-s{_strategy}-a{_accum}"] = Setup(strategy=_strategy, accum=_accum, dtype=torch.bfloat16, optimizer="sgd")
     # SGD: with frozen norms and a block run twice some gradients sit near zero on some steps,
     # where Adam turns 1e-7 rounding differences into 1e-5 parameter differences.
     SETUPS[f"untied-frozen-reused-s{_strategy}"] = Setup(
         strategy=_strategy, accum=2, optimizer="sgd", model_options=(("tie", False), ("frozen", True), ("reuse_last_block", True))
     )
-    SETUPS[f"no-sync-s{_strategy}"] = Setup(strategy=_strategy, accum=3, no_sync_until_last=True)
-    SETUPS[f"deferred-sync-s{_strategy}"] = Setup(strategy=_strategy, accum=3, sync_each_microbatch=False)
+    SETUPS[f"no-sync-s{_strategy}"] = Setup(strategy=_strategy, accum=3, no_sync_until_last=True, count_collectives=True)
+    SETUPS[f"deferred-sync-s{_strategy}"] = Setup(
+        strategy=_strategy, accum=3, sync_each_microbatch=False, count_collectives=True
+    )
     # Clipping, either way, with accumulation: every step clips (MAX_NORM is below every norm).
     SETUPS[f"clip-torch-s{_strategy}"] = Setup(strategy=_strategy, accum=2, clip="torch", steps=4)
     SETUPS[f"clip-fused-s{_strategy}"] = Setup(strategy=_strategy, accum=2, clip="fused", steps=4)
@@ -88,6 +90,16 @@ def test_tied_frozen_non_unit_and_reused_modules_match_single_process(strategy: 
 def test_no_sync_and_deferred_sync_accumulate_each_gradient_once(strategy: int, world: int) -> None:
     _check(f"no-sync-s{strategy}", world)
     _check(f"deferred-sync-s{strategy}", world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("strategy", range(4))
+def test_each_micro_batch_launches_the_reductions_the_accumulation_table_names(strategy: int, world: int) -> None:
+    """Counted with torch's profiler: synced each micro-batch, every strategy reduces every
+    bucket each micro-batch; inside no_sync() or with auto-sync off, 0/1 launch no collective
+    until the sync and 2/3 reduce-scatter each bucket once per micro-batch."""
+    for name in (f"fp32-s{strategy}-a3", f"no-sync-s{strategy}", f"deferred-sync-s{strategy}"):
+        check_collectives(_sharded_results(world)[name], SETUPS[name], f"{name} world {world}")
 
 
 @pytest.mark.parametrize("world", WORLDS)

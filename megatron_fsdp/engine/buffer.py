@@ -188,8 +188,10 @@ class Bucket(BucketCheckpointing):
         self.optim_params: list[nn.Parameter] = []
         self.optim_ranges: list[tuple[int, int]] = []
         # What the optimizer reads: the fully reduced gradients in the main-parameter dtype (the
-        # main gradients themselves when the dtypes agree), shown once per change.
+        # main gradients themselves when the dtypes agree, or when it reads them as they are:
+        # see read_main_grads_as_they_are), shown once per change.
         self.optimizer_grads: torch.Tensor | None = None
+        self.optimizer_reads_main_grads = False
         self._grads_shown = True
         for lo, hi in self.geometry.main_pieces():
             self.optim_ranges.append((lo - self.main_start, hi - self.main_start))
@@ -499,6 +501,18 @@ class Bucket(BucketCheckpointing):
 
     # -- optimizer ----------------------------------------------------------------------------
 
+    def read_main_grads_as_they_are(self) -> None:
+        """The optimizer steps with kernels that upcast the gradient in registers: show it the
+        main gradients in their own dtype (bf16 under fp32 main params) instead of a copy in the
+        main-parameter dtype, held from backward to zero_grad. The pieces' and faces' ``.grad``
+        may then differ in dtype from the parameter (torch's ``grad_dtype = None``)."""
+        self.optimizer_reads_main_grads = True
+        self._grads_shown = False
+        with plain_attribute_access():
+            for optim_param, face in zip(self.optim_params, self.faces):
+                optim_param.grad_dtype = None
+                face.param.grad_dtype = None
+
     def show_grads(self) -> None:
         """Points the optimizer's pieces and the parameters' DTensor faces (``.grad``) at the
         fully reduced gradients, once per change of them: a clip in between scales what the
@@ -511,8 +525,8 @@ class Bucket(BucketCheckpointing):
             self.optimizer_grads = self.host.grads()
         else:
             source = self.optimizer_grad_source()
-            main_dtype = self.main_params.dtype
-            self.optimizer_grads = None if source is None else source if source.dtype == main_dtype else source.to(main_dtype)
+            cast = source is not None and source.dtype != self.main_params.dtype and not self.optimizer_reads_main_grads
+            self.optimizer_grads = source.to(self.main_params.dtype) if cast else source
         with plain_attribute_access():
             for optim_param, face, (lo, hi) in zip(self.optim_params, self.faces, self.optim_ranges):
                 piece = None if self.optimizer_grads is None else self.optimizer_grads[lo:hi]

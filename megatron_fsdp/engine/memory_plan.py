@@ -32,12 +32,15 @@ HOST_CATEGORIES = ("main weights", "main grads", "optimizer state", "offload sta
 class OptimizerSpec:
     """What a torch optimizer keeps per parameter piece: ``states`` tensors shaped like it (in
     ``state_dtype``, or the main-parameter dtype when None) and, for Adam-like optimizers, a
-    float32 step counter on the host."""
+    float32 step counter on the host. ``stepped_by_kernels``: torch's Adam, AdamW and SGD, which
+    megatron_fsdp's C++ ops step when the main gradients are of a lower dtype than the main
+    params (optim/kernel_step.py), reading them as they are: no cast copy, no foreach temporary."""
 
     name: str
     states: int
     state_dtype: torch.dtype | None = None
     step_counter: bool = True
+    stepped_by_kernels: bool = False
 
     KINDS = {
         "adamw": (2, True), "adam": (2, True), "adamw_amsgrad": (3, True), "adam_amsgrad": (3, True),
@@ -56,7 +59,7 @@ class OptimizerSpec:
             return cls._from_instance(optimizer)
         if isinstance(optimizer, str) and optimizer.lower() in cls.KINDS:
             states, counter = cls.KINDS[optimizer.lower()]
-            return cls(optimizer.lower(), states, step_counter=counter)
+            return cls(optimizer.lower(), states, step_counter=counter, stepped_by_kernels=optimizer.lower() != "none")
         raise ValueError(
             f"unknown optimizer {optimizer!r}: use one of {', '.join(cls.KINDS)}, a torch optimizer, or an "
             "OptimizerSpec(name, states, state_dtype) for another one"
@@ -65,12 +68,16 @@ class OptimizerSpec:
     @classmethod
     def _from_instance(cls, optimizer: torch.optim.Optimizer) -> OptimizerSpec:
         defaults = optimizer.defaults
+        # The ops step exactly these classes, without capturable or differentiable updates.
+        kernels = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD) and not any(
+            group.get("capturable") or group.get("differentiable") for group in optimizer.param_groups)
         if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             amsgrad = bool(defaults.get("amsgrad"))
-            return cls(type(optimizer).__name__.lower() + ("_amsgrad" if amsgrad else ""), 3 if amsgrad else 2)
+            name = type(optimizer).__name__.lower() + ("_amsgrad" if amsgrad else "")
+            return cls(name, 3 if amsgrad else 2, stepped_by_kernels=kernels)
         if isinstance(optimizer, torch.optim.SGD):
             momentum = bool(defaults.get("momentum"))
-            return cls("sgd_momentum" if momentum else "sgd", int(momentum), step_counter=False)
+            return cls("sgd_momentum" if momentum else "sgd", int(momentum), step_counter=False, stepped_by_kernels=kernels)
         raise ValueError(
             f"plan_memory does not know what {type(optimizer).__name__} keeps per parameter: pass "
             "optimizer=OptimizerSpec(name, states=<tensors per parameter>, state_dtype=...)"
@@ -88,11 +95,20 @@ class PlanOptions:
     outer_size: int = 1
     optimizer: OptimizerSpec = field(default_factory=lambda: OptimizerSpec.parse("adamw"))
     micro_batches: int = 1
+    # Micro-batches before the last run inside no_sync() or with auto-sync off (docs/
+    # sharding_strategies.md's accumulation table): strategies 0/1 then hold every bucket's
+    # un-reduced gradients between micro-batches.
+    deferred_reduction: bool = False
     device_type: str = "cuda"
 
     @property
     def shard_size(self) -> int:
         return self.world_size // self.outer_size
+
+    @property
+    def accumulates_locally(self) -> bool:
+        """Whether un-reduced gradients stay between micro-batches (strategies 0/1 deferring)."""
+        return self.deferred_reduction and self.micro_batches > 1 and not self.settings.strategy.shards_grads
 
 
 @dataclass
@@ -223,8 +239,9 @@ def _geometry(shape: _BucketShape, options: PlanOptions, shard_rank: int, outer_
     )
 
 
-def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptions) -> None:
-    """The bucket's persistent tensors on this rank, as buffer.py allocates them."""
+def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptions, kernel_step: bool) -> None:
+    """The bucket's persistent tensors on this rank, as buffer.py allocates them; ``kernel_step``:
+    the C++ ops step the optimizer, reading low-precision main gradients as they are."""
     dtypes = geometry.dtypes
     compute, main, grads = (d.itemsize for d in (dtypes.compute, dtypes.main_params, dtypes.main_grads))
     weights = geometry.weight_range
@@ -253,12 +270,12 @@ def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptio
         memory.padding += geometry.padding_numel(grad_start, grad_end) * grads
         if geometry.splits_shard:
             memory.add("device", "main grads", main_numel * grads)  # the outer-reduced gradients
-        if dtypes.main_grads != dtypes.main_params:
+        if dtypes.main_grads != dtypes.main_params and not kernel_step:
             memory.add("device", "main grads", main_numel * main)  # what the optimizer reads, cast
     spec = options.optimizer
     state = spec.state_dtype.itemsize if spec.state_dtype is not None else main
     location = "host" if geometry.offloaded else "device"
-    if spec.step_counter and spec.states >= 2 and not geometry.offloaded:
+    if spec.step_counter and spec.states >= 2 and not geometry.offloaded and not kernel_step:
         memory.optimizer_step += sum(hi - lo for lo, hi in geometry.main_pieces()) * state
     for lo, hi in geometry.main_pieces():
         for _ in range(spec.states):
@@ -281,28 +298,52 @@ def _working_set(memory: RankMemory, plans: list[tuple[_BucketPlan, BucketGeomet
         root = per_unit.pop(ROOT_UNIT_NAME, 0)
         in_flight = 2 if options.settings.overlap_param_gather else 1
         memory.gathered_weights = root + sum(sorted(per_unit.values(), reverse=True)[:in_flight])
-    buffers = sorted((_grad_buffer_bytes(geometry) for _, geometry in plans), reverse=True)
-    # The reductions in flight, plus the bucket being filled.
-    memory.grad_buffers = sum(buffers[: options.settings.max_reductions_in_flight + 1])
+    pending = options.settings.max_reductions_in_flight if options.settings.overlap_grad_reduce else 0
+    reductions = [_ReductionBytes.of(geometry) for _, geometry in plans]
+    if options.accumulates_locally:
+        # Every bucket's un-reduced gradients stay from the first micro-batch to the last one,
+        # which reduces them bucket by bucket: a reduction adds what it holds beyond them.
+        extras = sorted((max(0, r.in_flight - r.unreduced) for r in reductions), reverse=True)
+        starting = max((r.starting - r.unreduced for r in reductions), default=0)
+        memory.grad_buffers = sum(r.unreduced for r in reductions) + sum(extras[:pending]) + max(0, starting)
+        return
+    # The reductions in flight, and the next bucket filled and starting its reduction.
+    in_flight = sorted((r.in_flight for r in reductions), reverse=True)
+    memory.grad_buffers = sum(in_flight[:pending]) + max((r.starting for r in reductions), default=0)
 
 
-def _grad_buffer_bytes(geometry: BucketGeometry) -> int:
-    """One bucket's pooled gradient buffers during its reduction (buffer.py's start_reduction)."""
-    if not geometry.requires_grad:
-        return 0
-    dtypes, layout = geometry.dtypes, geometry.layout
-    comm = dtypes.comm.itemsize
-    unreduced_dtype = dtypes.comm if geometry.strategy.shards_grads else dtypes.main_grads
-    if geometry.reduces_in_place(grad_divisor=layout.world_size):  # planned over the dense group
-        return 0
-    total = _round_up(layout.padded_numel * unreduced_dtype.itemsize, ALLOCATION_GRANULE)
-    if unreduced_dtype != dtypes.comm:
-        total += _round_up(layout.padded_numel * comm, ALLOCATION_GRANULE)
-    if dtypes.promotes_reduction:
-        total += _round_up(layout.padded_numel * comm, ALLOCATION_GRANULE)
-    elif geometry.strategy is not ShardingStrategy.NO_SHARD and layout.world_size > 1:
-        total += _round_up(layout.shard_numel * comm, ALLOCATION_GRANULE)
-    return total
+@dataclass(frozen=True)
+class _ReductionBytes:
+    """One bucket's pooled gradient buffers over its reduction (buffer.py's _grad_buffer and
+    start_reduction): ``unreduced``, the gradients before it (in the communication dtype under
+    strategies 2/3, which reduce every micro-batch, in the main-gradient dtype under 0/1, which
+    may accumulate them); ``starting``, the peak while it starts (a cast copy in the
+    communication dtype beside them, then the copy and what receives the result);
+    ``in_flight``, what it holds until it finishes."""
+
+    unreduced: int = 0
+    starting: int = 0
+    in_flight: int = 0
+
+    @classmethod
+    def of(cls, geometry: BucketGeometry) -> _ReductionBytes:
+        if not geometry.requires_grad or geometry.reduces_in_place(grad_divisor=geometry.layout.world_size):
+            return cls()  # reduced in place: planned over the dense group
+        dtypes, layout = geometry.dtypes, geometry.layout
+        unreduced_dtype = dtypes.comm if geometry.strategy.shards_grads else dtypes.main_grads
+        unreduced = _round_up(layout.padded_numel * unreduced_dtype.itemsize, ALLOCATION_GRANULE)
+        sent = unreduced
+        copy = 0
+        if unreduced_dtype != dtypes.comm:
+            sent = copy = _round_up(layout.padded_numel * dtypes.comm.itemsize, ALLOCATION_GRANULE)
+        received = 0
+        if dtypes.promotes_reduction:
+            received = _round_up(layout.padded_numel * dtypes.comm.itemsize, ALLOCATION_GRANULE)
+            if geometry.strategy is ShardingStrategy.NO_SHARD:  # this rank's sum, before it is gathered
+                received += _round_up(layout.shard_numel * dtypes.main_grads.itemsize, ALLOCATION_GRANULE)
+        elif geometry.strategy is not ShardingStrategy.NO_SHARD and layout.world_size > 1:
+            received = _round_up(layout.shard_numel * dtypes.comm.itemsize, ALLOCATION_GRANULE)
+        return cls(unreduced, max(unreduced + copy, sent + received), sent + received)
 
 
 def plan_rank(buckets: Sequence[_BucketPlan], module: nn.Module, options: PlanOptions, rank: int) -> RankMemory:
@@ -310,11 +351,12 @@ def plan_rank(buckets: Sequence[_BucketPlan], module: nn.Module, options: PlanOp
     alike (the same bucket of every layer) are planned once and counted as often as they occur."""
     outer_rank, shard_rank = divmod(rank, options.shard_size)
     memory = RankMemory(rank)
-    geometries = {}
-    for shape, count in Counter(b.shape for b in buckets).items():
-        geometries[shape] = geometry = _geometry(shape, options, shard_rank, outer_rank)
+    counts = Counter(b.shape for b in buckets)
+    geometries = {shape: _geometry(shape, options, shard_rank, outer_rank) for shape in counts}
+    kernel_step = _stepped_by_kernels(list(geometries.values()), options)
+    for shape, count in counts.items():
         one = RankMemory(rank)
-        _add_bucket(one, geometry, options)
+        _add_bucket(one, geometries[shape], options, kernel_step)
         memory.merge(one, count)
     for buffer in module.buffers():
         memory.add("device", "module buffers", buffer.numel() * buffer.element_size())
@@ -322,6 +364,15 @@ def plan_rank(buckets: Sequence[_BucketPlan], module: nn.Module, options: PlanOp
     _add_offload_staging(memory, plans, options)
     _working_set(memory, plans, options)
     return memory
+
+
+def _stepped_by_kernels(geometries: list[BucketGeometry], options: PlanOptions) -> bool:
+    """Whether the C++ ops step the optimizer on the device because main gradients there are of a
+    lower dtype than fp32 main params (optim/kernel_step.py's reads_main_grads_as_they_are)."""
+    trainable = [g for g in geometries if g.requires_grad]
+    low = [g for g in trainable if not g.offloaded and g.dtypes.main_grads != g.dtypes.main_params]
+    fp32_main = all(g.dtypes.main_params == torch.float32 for g in trainable)
+    return bool(low) and fp32_main and options.optimizer.stepped_by_kernels
 
 
 def _add_offload_staging(memory: RankMemory, plans: list[tuple[_BucketPlan, BucketGeometry]], options: PlanOptions) -> None:

@@ -151,8 +151,15 @@ class StepScheduler:
         if unit.note_bucket_reduced(bucket) and unit.reshard_on_grads and not unit.is_root:
             unit.reshard()
 
+    def _syncs_now(self) -> bool:
+        """Whether this micro-batch synchronises the gradients (docs/sharding_strategies.md's
+        accumulation table): auto-sync on and outside ``no_sync()``."""
+        return self.sync_grads and self.auto_sync
+
     def _reduces_now(self) -> bool:
-        return self.settings.strategy.shards_grads or (self.sync_grads and self.auto_sync)
+        """Strategies 2/3 reduce-scatter every micro-batch, as upstream's do (their gradients
+        are sharded to save memory); 0/1 only when the micro-batch synchronises."""
+        return self.settings.strategy.shards_grads or self._syncs_now()
 
     def _start_reduction(self, bucket: Bucket) -> None:
         overlap = self.settings.overlap_grad_reduce
@@ -165,9 +172,9 @@ class StepScheduler:
     def _finish_oldest(self) -> None:
         pending = self._pending.popleft()
         pending.bucket.finish_reduction(pending)
-        if self.state is StepState.BACKWARD and self.auto_sync:
-            # This backward shows the gradients: an offloaded bucket's go to the host now,
-            # overlapping the rest of backward.
+        if self.state is StepState.BACKWARD:
+            # An offloaded bucket's reduced gradients go to the host now, overlapping the rest of
+            # backward; the host adds later micro-batches' to them (what the memory plan counts).
             pending.bucket.offload_grads()
 
     def _end_backward(self) -> None:
@@ -183,7 +190,7 @@ class StepScheduler:
                 unit.reshard()
             unit.end_backward()
         self.state = StepState.IDLE
-        if self.auto_sync:
+        if self._syncs_now():
             self.finish_grad_sync()
         if self.settings.report_nan_in_param_grad:
             self._report_nonfinite_param_grads()

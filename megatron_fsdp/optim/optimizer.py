@@ -1,6 +1,7 @@
 """The distributed optimizer: any elementwise torch optimizer over the model's DTensor faces,
 stepping only this rank's fp32 main-parameter pieces, then installing them into the compute
-weights. With CPU offloading the pieces are on the host, stepped there (host_optimizer.py)."""
+weights. With CPU offloading, or main gradients of a lower dtype than the main
+params, the C++ ops step them (kernel_step.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from megatron_fsdp.checkpoint import state_dicts
 from megatron_fsdp.engine.piece_dtensor import plain_attribute_access
 from megatron_fsdp.engine.sharded_params import sharded_dtensor
-from megatron_fsdp.optim.host_optimizer import host_step_for
+from megatron_fsdp.optim.kernel_step import kernel_step_for, reads_main_grads_as_they_are
 from megatron_fsdp.optim.initial_state import InitialStatePlaceholders
 
 if TYPE_CHECKING:  # the wrapper sits above this module; it is passed in
@@ -224,18 +225,25 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) 
 
     original_step = optimizer.step
     original_zero_grad = optimizer.zero_grad
+    steps_with_ops = model.settings.cpu_offload or reads_main_grads_as_they_are(optimizer, model.trainable_buckets())
 
     @functools.wraps(original_step)
     def step(self, *args, sync_grad_before_optimizer_step: bool = True, install_optimized_model_weights: bool = True, **kwargs):
         """Upstream's keywords: ``sync_grad_before_optimizer_step=False`` steps on the gradients
         shown so far (the caller synced them); ``install_optimized_model_weights=False`` leaves
         the compute weights to ``model.install_optimized_model_weights()``."""
+        # Offloaded, or reading low-precision main gradients, the ops step Adam/AdamW/SGD and
+        # install bucket by bucket (no closure).
+        kernel_step = kernel_step_for(optimizer, model.trainable_buckets()) if steps_with_ops else None
+        if kernel_step is not None and (args or kwargs) and not model.settings.cpu_offload:
+            raise ValueError(
+                "optimizer.step() got arguments (a closure?), but with main gradients of a lower dtype than the main "
+                "params megatron_fsdp's kernels step this optimizer and take none: call the closure before step()"
+            )
         model.prepare_optimizer_step(sync_grads=sync_grad_before_optimizer_step)
-        # Offloaded, the host ops step Adam/AdamW/SGD and install bucket by bucket (no closure).
-        host_step = host_step_for(optimizer, model.trainable_buckets()) if model.settings.cpu_offload else None
         with swap.pieces(optimizer):
-            if host_step is not None and not args and not kwargs:
-                host_step(install_optimized_model_weights)
+            if kernel_step is not None and not args and not kwargs:
+                kernel_step(install_optimized_model_weights)
                 result, installed = None, install_optimized_model_weights
             else:
                 if not optimizer.state:

@@ -69,13 +69,18 @@ def plan_memory(
     offload_policy: OffloadPolicy | None = None,
     report_nan_in_param_grad: bool = False,
     micro_batches: int = 1,
+    deferred_reduction: bool = False,
     device_type: str = "cuda",
 ) -> MemoryPlan:
     """The bytes each rank holds when ``module`` (on the meta device) is sharded by
     ``fully_shard`` with these arguments over ``world_size`` ranks, ``dp_outer_size`` of them
     replicas (HSDP; the mesh is ``(dp_outer, dp_shard)``). ``optimizer``: what keeps state per
     parameter (a name such as ``"adamw"``, a torch optimizer, or an :class:`OptimizerSpec`);
-    ``device_type``: ``"cuda"`` or ``"cpu"`` (where step counters and pinned buffers live)."""
+    ``device_type``: ``"cuda"`` or ``"cpu"`` (where step counters and pinned buffers live).
+    ``micro_batches`` backward passes make one optimizer step; ``deferred_reduction=True``: all
+    but the last run inside ``model.no_sync()`` or with ``set_model_auto_sync(False)``, so
+    strategies 0/1 hold every bucket's un-reduced gradients between them (2/3 reduce-scatter
+    every micro-batch either way; docs/sharding_strategies.md has the table)."""
     check_meta_model(module)
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     outer = check_outer_strategy(outer_dp_sharding_strategy, strategy, "dp_outer" if dp_outer_size > 1 else None)
@@ -88,7 +93,8 @@ def plan_memory(
     )
     options = PlanOptions(
         world_size=world_size, settings=settings, outer_strategy=outer, outer_size=dp_outer_size,
-        optimizer=OptimizerSpec.parse(optimizer), micro_batches=micro_batches, device_type=device_type,
+        optimizer=OptimizerSpec.parse(optimizer), micro_batches=micro_batches,
+        deferred_reduction=deferred_reduction, device_type=device_type,
     )
     largest, ranks = plan_model(module, resolve_unit_classes(fsdp_unit_modules), options)
     return MemoryPlan(options, largest, ranks)

@@ -34,7 +34,13 @@ def _load_hf_model(name: str, dtype: torch.dtype) -> tuple[nn.Module, list[str]]
         import transformers
     except ImportError as error:
         raise SystemExit("--hf needs transformers: pip install transformers") from error
-    config = transformers.AutoConfig.from_pretrained(name)
+    path = Path(name).expanduser()
+    if (name.endswith(".json") or name.startswith((".", "/", "~"))) and not path.exists():
+        raise SystemExit(f"--hf {name}: no such file or folder; give a config.json, its folder, or a model id")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path) if path.exists() else name)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--hf {name}: transformers could not load a config from it: {error}") from error
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model, list(getattr(model, "_no_split_modules", None) or [])
@@ -69,11 +75,31 @@ def _csv(value: str) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
-def _ints(value: str) -> list[int]:
+def _positive_ints(value: str) -> list[int]:
     try:
-        return [int(item) for item in _csv(value)]
+        numbers = [int(item) for item in _csv(value)]
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from error
+    if not numbers or min(numbers) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {value!r}")
+    return numbers
+
+
+def _positive_int(value: str) -> int:
+    numbers = _positive_ints(value)
+    if len(numbers) != 1:
+        raise argparse.ArgumentTypeError(f"expected one integer >= 1, got {value!r}")
+    return numbers[0]
+
+
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from error
+    if not number > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}")
+    return number
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -90,14 +116,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--main-params-dtype", choices=tuple(_DTYPES), default="fp32")
     parser.add_argument("--main-grads-dtype", choices=tuple(_DTYPES), default=None, help="default: the compute dtype")
     parser.add_argument("--grad-comm-dtype", choices=tuple(_DTYPES), default=None, help="default: the main grads dtype")
-    parser.add_argument("--world-sizes", type=_ints, default=[8], help="comma-separated, e.g. 8,64,1024")
-    parser.add_argument("--dp-outer-sizes", type=_ints, default=[1], help="HSDP replica counts to try, e.g. 1,8")
+    parser.add_argument("--world-sizes", type=_positive_ints, default=[8], help="comma-separated, e.g. 8,64,1024")
+    parser.add_argument("--dp-outer-sizes", type=_positive_ints, default=[1], help="HSDP replica counts to try, e.g. 1,8")
     parser.add_argument("--outer-strategy", choices=("no_shard", "optim"), default="no_shard")
     parser.add_argument("--strategies", default="no_shard,optim,optim_grads,optim_grads_params")
     parser.add_argument("--cpu-offload", choices=("off", "on", "both"), default="off")
     parser.add_argument("--optimizer", default="adamw", help=", ".join(OptimizerSpec.KINDS))
     parser.add_argument("--double-buffer", action="store_true", help="fsdp_double_buffer")
-    parser.add_argument("--device-memory", type=float, default=None, help="GiB per device: marks the rows that fit")
+    parser.add_argument("--micro-batches", type=_positive_int, default=1, help="backward passes per optimizer step")
+    parser.add_argument("--deferred-reduction", action="store_true",
+                        help="micro-batches before the last run inside no_sync() or with auto-sync off")
+    parser.add_argument("--device-memory", type=_positive_float, default=None, help="GiB per device: marks the rows that fit")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     return parser.parse_args(argv)
 
@@ -111,16 +140,19 @@ def _rows(model: nn.Module, units: list[type], args: argparse.Namespace) -> list
     offloads = {"off": [False], "on": [True], "both": [False, True]}[args.cpu_offload]
     rows = []
     combos = itertools.product(args.world_sizes, args.dp_outer_sizes, _csv(args.strategies), offloads)
+    impossible = [(w, o) for w in args.world_sizes for o in args.dp_outer_sizes if w % o]
+    if impossible:
+        raise SystemExit("no (dp_outer, dp_shard) mesh for " + ", ".join(
+            f"world size {w} with dp_outer {o} ({w} is not divisible by {o})" for w, o in impossible))
     for world, outer_size, strategy, offload in combos:
-        if world % outer_size:
-            continue  # no such mesh: the row is left out
         outer = args.outer_strategy if outer_size > 1 else "no_shard"
         if outer == "optim" and strategy != "optim_grads_params":
             continue
         plan = plan_memory(
             model, world, dp_outer_size=outer_size, fsdp_unit_modules=units, zero_dp_strategy=strategy,
             outer_dp_sharding_strategy=outer, mixed_precision_policy=policy, optimizer=args.optimizer,
-            fsdp_double_buffer=args.double_buffer, cpu_offload=offload,
+            fsdp_double_buffer=args.double_buffer, cpu_offload=offload, micro_batches=args.micro_batches,
+            deferred_reduction=args.deferred_reduction,
         )
         memory = plan.largest
         row = {
@@ -164,7 +196,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         model, default_units = _load_factory_model(args.model, json.loads(args.model_kwargs), dtype), []
     units = _unit_classes(model, _csv(args.units) if args.units else default_units)
     params = sum(p.numel() for p in model.parameters())
-    rows = _rows(model, units, args)
+    try:
+        rows = _rows(model, units, args)
+    except ValueError as error:  # a choice plan_memory refuses: its message says which
+        raise SystemExit(f"error: {error}") from error
     if args.json:
         print("\n".join(json.dumps(row) for row in rows))
         return

@@ -1,14 +1,21 @@
-"""The optimizer step of a CPU-offloaded model, on the host.
+"""The optimizer step through megatron_fsdp's C++ ops instead of torch's update.
 
 ``torch.optim.Adam``, ``AdamW`` and ``SGD`` (the classes themselves, with options the ops
-implement) are stepped by megatron_fsdp's C++ host ops (``adam_step_`` / ``sgd_step_``),
-one call per main-parameter piece with its param group's hyper-parameters (so per-group
-learning rates and LR schedulers apply), bucket by bucket: each bucket's new weights start for
-the device as soon as it is stepped, while the host steps the next one. The op writes them, cast
-to the compute dtype, into the bucket's staging buffer in the same pass as the step, so the
-updated main parameters are not read a second time to cast them. The state stays torch's
-(same entries, dtypes and step counts), so checkpoints do not depend on which way stepped.
-Every other optimizer runs its own ``step`` over the host pieces (logged once).
+implement) are stepped by the ops ``adam_step_`` / ``sgd_step_``, one call per main-parameter
+piece with its param group's hyper-parameters (so per-group learning rates and LR schedulers
+apply), bucket by bucket. Two cases take this path:
+
+- CPU offloading: the pieces are on the host. Each bucket's new weights start for the device as
+  soon as it is stepped, while the host steps the next one; the op writes them, cast to the
+  compute dtype, into the bucket's staging buffer in the same pass as the step, so the updated
+  main parameters are not read a second time to cast them.
+- Main gradients of a lower dtype than the main parameters (bf16 under fp32): the op upcasts
+  each gradient in registers, so no fp32 copy of the gradients is made for the optimizer to read
+  (torch's optimizers need the gradient in the parameter's dtype).
+
+The state stays torch's (same entries, dtypes and step counts), so checkpoints do not depend on
+which way stepped. Offloaded, every other optimizer runs its own ``step`` over the host pieces
+(logged once); with low-precision main gradients, it reads a cast copy.
 """
 
 from __future__ import annotations
@@ -52,8 +59,8 @@ def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-class HostStep:
-    """Steps an optimizer's host pieces with the C++ ops (see the module docstring). Call
+class KernelStep:
+    """Steps an optimizer's pieces with the C++ ops (see the module docstring). Call
     :meth:`step` inside ``PieceSwap.pieces``, where the param groups hold the pieces."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket]) -> None:
@@ -61,7 +68,7 @@ class HostStep:
         self.buckets = buckets
         self.is_adam = isinstance(optimizer, _ADAM_CLASSES)
         # torch's own hooks and profiler range around the step, as its optimizers have.
-        self._hooked_step = torch.optim.Optimizer.profile_hook_step(HostStep._step_all)
+        self._hooked_step = torch.optim.Optimizer.profile_hook_step(KernelStep._step_all)
 
     def step(self, install: bool) -> None:
         """One step of every piece; with ``install``, each bucket's weights leave for the device
@@ -70,7 +77,7 @@ class HostStep:
 
     @staticmethod
     @torch.no_grad()
-    def _step_all(optimizer: torch.optim.Optimizer, self: HostStep, install: bool) -> None:
+    def _step_all(optimizer: torch.optim.Optimizer, self: KernelStep, install: bool) -> None:
         group_of = {piece: group for group in optimizer.param_groups for piece in group["params"]}
         for bucket in self.buckets:
             staged = bucket.stage_main_params() if install and bucket.dtype in _WEIGHTS_OUT_DTYPES else None
@@ -158,9 +165,9 @@ def _as_flat_fp32(state: dict[str, Any], name: str, piece: torch.Tensor) -> torc
     return value.view(-1)
 
 
-def host_step_for(optimizer: torch.optim.Optimizer, buckets: Iterable[Bucket]) -> Callable[[bool], None] | None:
-    """The fast host step for ``optimizer`` over ``buckets``, or None (logged once per optimizer)
-    when torch's own step must run on the host pieces instead."""
+def kernel_step_for(optimizer: torch.optim.Optimizer, buckets: Iterable[Bucket]) -> Callable[[bool], None] | None:
+    """The ops' step for ``optimizer`` over ``buckets``, or None (logged once per optimizer)
+    when torch's own step must run on the (offloaded) pieces instead."""
     buckets = list(buckets)
     reason = unsupported_reason(optimizer) or _main_params_reason(buckets)
     if reason is not None:
@@ -170,7 +177,19 @@ def host_step_for(optimizer: torch.optim.Optimizer, buckets: Iterable[Bucket]) -
                 "megatron_fsdp: cpu_offload steps this optimizer with its own step on the host (slower): %s", reason
             )
         return None
-    return HostStep(optimizer, buckets).step
+    return KernelStep(optimizer, buckets).step
+
+
+def reads_main_grads_as_they_are(optimizer: torch.optim.Optimizer, buckets: Iterable[Bucket]) -> bool:
+    """Whether the ops will step ``optimizer`` because some device bucket's main gradients are
+    of a lower dtype than its main params; if so, those buckets show them as they are."""
+    buckets = list(buckets)
+    low = [b for b in buckets if b.host is None and b.dtypes.main_grads != b.main_params.dtype]
+    if not low or unsupported_reason(optimizer) is not None or _main_params_reason(buckets) is not None:
+        return False
+    for bucket in low:
+        bucket.read_main_grads_as_they_are()
+    return True
 
 
 def _main_params_reason(buckets: list[Bucket]) -> str | None:
