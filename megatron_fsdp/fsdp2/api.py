@@ -66,6 +66,28 @@ def fully_shard(
     optimizer built over them steps the weights the next forward uses.
     """
     ignored = _check_call(module, reshard_after_forward, mp_policy, offload_policy, ignored_params)
+    return shard_in_place(
+        module, mesh, ignored=ignored, shard_placement_fn=shard_placement_fn,
+        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+    )
+
+
+def shard_in_place(
+    module: nn.Module,
+    mesh: DeviceMesh | None,
+    *,
+    ignored: set[nn.Parameter] = frozenset(),
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    reshard_after_forward: bool | None = None,
+    mp_policy: TorchMixedPrecisionPolicy = TorchMixedPrecisionPolicy(),
+    engine_policy: MixedPrecisionPolicy | None = None,
+    grad_divisor: float = 1.0,
+) -> nn.Module:
+    """What every in-place front door does once its own arguments are checked (``module`` by
+    :func:`check_module`): one unit of ``module``'s parameters, its hooks, ``FSDP<Cls>``.
+    ``engine_policy``: megatron_fsdp's policy as it is (upstream's v2), instead of the one made
+    from FSDP2's ``mp_policy`` (which then only casts inputs and outputs); ``grad_divisor``:
+    reduced gradients are divided by it on top of the group size (upstream's v2)."""
     keyed = _managed_registrations(module, ignored)
     params = list(dict.fromkeys(param for _, _, _, param in keyed))
     _check_params(module, keyed, shard_placement_fn)
@@ -75,7 +97,7 @@ def fully_shard(
         params = list(dict.fromkeys(param for _, _, _, param in keyed))
     elif mesh is not None and params:
         _move_to_mesh_device(module, params, _mesh_device(mesh))
-    policy, compute_dtype = _mixed_precision(params, mp_policy)
+    policy, compute_dtype = (engine_policy, None) if engine_policy is not None else _mixed_precision(params, mp_policy)
     settings = FSDPSettings(
         strategy=ShardingStrategy.OPTIM_GRADS_PARAMS, mixed_precision=policy, sync_model_each_microbatch=True
     )
@@ -88,6 +110,8 @@ def fully_shard(
     )
     if reshard_after_forward is not None:
         unit.reshard_after_forward = reshard_after_forward
+    for bucket in unit.trainable_buckets:
+        bucket.grad_divisor *= grad_divisor
     slots = [(key, ParamSlot(owner, name, param, param)) for key, owner, name, param in keyed]
     state = ModuleShardingState(module, unit, dp, settings, mp_policy, slots, pool)
     module.__dict__[STATE_ATTRIBUTE] = state
@@ -116,16 +140,7 @@ def _check_call(
             "fully_shard([module, ...]) (one group for several modules) is not supported by megatron_fsdp.fsdp2: "
             "call fully_shard on each module, or on a module holding them"
         )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"{type(module).__name__} is already sharded by fully_shard: call it once per module")
-    if type(module).__name__ == "MegatronFSDP" or any(hasattr(p, "_megatron_fsdp_owner") for p in module.parameters()):
-        raise ValueError(
-            f"{type(module).__name__} is (part of) a model sharded by megatron_fsdp's whole-model fully_shard "
-            "(MegatronFSDP): shard the model with one API, either fully_shard_model(model, fsdp_unit_modules=[...]) "
-            "or megatron_fsdp.fsdp2.fully_shard per block and root, on the plain model"
-        )
+    check_module(module)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"reshard_after_forward={reshard_after_forward!r}: resharding to a smaller world after forward is not "
@@ -147,6 +162,21 @@ def _check_call(
     if any(not isinstance(p, nn.Parameter) for p in ignored):
         raise TypeError("ignored_params must be a set of nn.Parameter")
     return ignored
+
+
+def check_module(module: Any) -> None:
+    """A module that can be sharded in place: a plain ``nn.Module``, not sharded already by any
+    API (the whole-model wrapper included)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"{type(module).__name__} is already sharded by fully_shard: call it once per module")
+    if type(module).__name__ == "MegatronFSDP" or any(hasattr(p, "_megatron_fsdp_owner") for p in module.parameters()):
+        raise ValueError(
+            f"{type(module).__name__} is (part of) a model sharded by megatron_fsdp's whole-model fully_shard "
+            "(MegatronFSDP): shard the model with one API, either fully_shard_model(model, fsdp_unit_modules=[...]) "
+            "or megatron_fsdp.fsdp2.fully_shard per block and root, on the plain model"
+        )
 
 
 def _managed_registrations(module: nn.Module, ignored: set[nn.Parameter]) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
