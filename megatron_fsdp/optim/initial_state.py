@@ -31,8 +31,8 @@ def _storage_tensor(value: torch.Tensor) -> torch.Tensor:
     return value._local_tensor if isinstance(value, DTensor) else value
 
 
-def _per_element(entries: dict[str, Any]) -> Iterator[torch.Tensor]:
-    return (value for value in entries.values() if isinstance(value, torch.Tensor) and value.dim() > 0)
+def _tensors(entries: dict[str, Any]) -> Iterator[torch.Tensor]:
+    return (value for value in entries.values() if isinstance(value, torch.Tensor))
 
 
 class InitialStatePlaceholders:
@@ -63,18 +63,19 @@ class InitialStatePlaceholders:
             self._handed_out = {
                 id(tensor): (weakref.ref(tensor), _storage_tensor(tensor)._version)
                 for entries in state_dict["state"].values()
-                for tensor in _per_element(entries)
+                for tensor in _tensors(entries)
             }
             optimizer.state = defaultdict(dict)
         return state_dict
 
     def drop_unfilled(self, state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
-        """``state`` without the entries whose per-element tensors are all placeholders nothing
-        wrote into: those parameters had taken no step, and get no state."""
+        """``state`` without the entries whose tensors are all placeholders nothing wrote into:
+        those parameters had taken no step, and get no state. The step counter counts: where
+        this rank's piece of a parameter is empty, ``dcp.load`` writes only the counter."""
         return {key: entries for key, entries in state.items() if not self._unfilled(entries)}
 
     def _unfilled(self, entries: dict[str, Any]) -> bool:
-        tensors = list(_per_element(entries))
+        tensors = list(_tensors(entries))
         return bool(tensors) and all(self._is_unfilled_placeholder(tensor) for tensor in tensors)
 
     def _is_unfilled_placeholder(self, tensor: torch.Tensor) -> bool:
