@@ -303,13 +303,23 @@ def _working_set(memory: RankMemory, plans: list[tuple[_BucketPlan, BucketGeomet
     if options.accumulates_locally:
         # Every bucket's un-reduced gradients stay from the first micro-batch to the last one,
         # which reduces them bucket by bucket: a reduction adds what it holds beyond them.
-        extras = sorted((max(0, r.in_flight - r.unreduced) for r in reductions), reverse=True)
-        starting = max((r.starting - r.unreduced for r in reductions), default=0)
-        memory.grad_buffers = sum(r.unreduced for r in reductions) + sum(extras[:pending]) + max(0, starting)
+        held = sum(r.unreduced for r in reductions)
+        memory.grad_buffers = held + _peak_of_reductions(
+            [max(0, r.starting - r.unreduced) for r in reductions], [max(0, r.in_flight - r.unreduced) for r in reductions], pending)
         return
     # The reductions in flight, and the next bucket filled and starting its reduction.
-    in_flight = sorted((r.in_flight for r in reductions), reverse=True)
-    memory.grad_buffers = sum(in_flight[:pending]) + max((r.starting for r in reductions), default=0)
+    memory.grad_buffers = _peak_of_reductions([r.starting for r in reductions], [r.in_flight for r in reductions], pending)
+
+
+def _peak_of_reductions(starting: list[int], in_flight: list[int], pending: int) -> int:
+    """The most held at once by one bucket starting its reduction (``starting[i]``) while the
+    ``pending`` largest other reductions are still in flight (``in_flight[j]``, j != i)."""
+    ranked = sorted(range(len(in_flight)), key=in_flight.__getitem__, reverse=True)[: pending + 1]
+    best = 0
+    for i, start in enumerate(starting):
+        others = [j for j in ranked if j != i][:pending]
+        best = max(best, start + sum(in_flight[j] for j in others))
+    return best
 
 
 @dataclass(frozen=True)
