@@ -4,7 +4,7 @@
 batches, in either order of prepare and fully_shard; ``save_state``/``load_state`` (inside
 ``full_state_dicts``) resume it bit for bit; ``unwrap_model(model).save_pretrained(state_dict=
 accelerator.get_state_dict(model))`` writes what ``from_pretrained`` loads; and what would wrap a
-sharded model again is refused on every rank with the fix."""
+sharded model again, or an optimizer over other parameters, is refused on every rank with the fix."""
 
 from __future__ import annotations
 
@@ -130,6 +130,9 @@ def _sharded(rank: int, world: int, out_dir: str) -> dict:
         for name, attempt in {
             "ddp": lambda: torch.nn.parallel.DistributedDataParallel(model),
             "second fully_shard": lambda: megatron_fsdp.fully_shard(model),
+            "optimizer over other parameters": lambda: megatron_fsdp.fully_shard_optimizer(
+                _optimizer(hf_llama.build_model(hf_llama.tiny_llama_config()).parameters()), model=model
+            ),
             "prepared before fully_shard": lambda: megatron_fsdp.fully_shard(
                 accelerator.prepare(hf_llama.build_model(hf_llama.tiny_llama_config())), fsdp_unit_modules=[hf_llama.LLAMA_UNIT]
             ),
@@ -216,5 +219,7 @@ def test_wrapping_a_sharded_model_again_is_refused_with_the_fix(sharded) -> None
     errors = sharded["errors"]
     assert errors["ddp"] is not None and "do not wrap it in DistributedDataParallel" in errors["ddp"], errors["ddp"]
     assert errors["second fully_shard"] is not None and "already sharded" in errors["second fully_shard"]
+    other = errors["optimizer over other parameters"]
+    assert other is not None and "build the optimizer from those" in other, other
     prepared = errors["prepared before fully_shard"]
     assert prepared is not None and "shard the plain model first" in prepared, prepared
