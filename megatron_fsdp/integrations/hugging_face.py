@@ -50,12 +50,15 @@ def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def _full_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A state-dict post-hook: every DTensor entry gathered into its full tensor (collectives,
-    so every rank asks for the state dict, as Accelerate's ``save_state`` does)."""
+    """A state-dict post-hook: every DTensor entry gathered into its full tensor on the host
+    (collectives, so every rank asks for the state dict, as Accelerate's ``save_state`` does)."""
     return {
         **state_dict,
         "state": {
-            key: {name: value.full_tensor() if isinstance(value, DTensor) else value for name, value in entries.items()}
+            key: {
+                name: value.full_tensor().cpu() if isinstance(value, DTensor) else value
+                for name, value in entries.items()
+            }
             for key, entries in state_dict["state"].items()
         },
     }
