@@ -55,6 +55,12 @@ def _sharded(rank: int, world: int) -> dict:
             state_kept = len(optimizer.state)
             for _ in range(3):
                 _round_trip(optimizer)
+            # Accelerate on a GPU moves the state dict to the device: new step counter tensors.
+            moved = optimizer.state_dict()
+            for entries in moved["state"].values():
+                if "step" in entries:
+                    entries["step"] = entries["step"].clone()
+            optimizer.load_state_dict(moved)
             state_after_round_trips = len(optimizer.state)
             _train(model, optimizer, slice(rank * ROWS, (rank + 1) * ROWS))
             results[strategy, name] = {

@@ -69,14 +69,18 @@ class InitialStatePlaceholders:
         return state_dict
 
     def drop_unfilled(self, state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
-        """``state`` without the entries whose tensors are all placeholders nothing wrote into:
-        those parameters had taken no step, and get no state. The step counter counts: where
-        this rank's piece of a parameter is empty, ``dcp.load`` writes only the counter."""
+        """``state`` without the entries whose tensors are placeholders nothing wrote into:
+        those parameters had taken no step, and get no state. A step counter need only read 0:
+        Accelerate copies it to the device (an unfilled placeholder all the same); and it must,
+        as where this rank's piece of a parameter is empty ``dcp.load`` writes only the counter."""
         return {key: entries for key, entries in state.items() if not self._unfilled(entries)}
 
     def _unfilled(self, entries: dict[str, Any]) -> bool:
-        tensors = list(_tensors(entries))
-        return bool(tensors) and all(self._is_unfilled_placeholder(tensor) for tensor in tensors)
+        tensors = [(name, value) for name, value in entries.items() if isinstance(value, torch.Tensor)]
+        return bool(tensors) and all(
+            value.item() == 0 if name == STEP_COUNTER and value.dim() == 0 else self._is_unfilled_placeholder(value)
+            for name, value in tensors
+        )
 
     def _is_unfilled_placeholder(self, tensor: torch.Tensor) -> bool:
         handed_out = self._handed_out.get(id(tensor))
