@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-# torch's optimizers all name their step counter so (Adam, AdamW, SGD has none).
+# The key under which torch's optimizers keep their step count (Adam, AdamW; SGD keeps none).
 STEP_COUNTER = "step"
 
 
