@@ -5,7 +5,9 @@ same model, data and seed (gloo world 2):
 - a chunked loss: the model's forward stops before the head (an attribute written on the
   returned module says so), and the loss calls the separately sharded head once per chunk,
   outside the model's forward; also with the head gathered by hand (``unshard``), kept through
-  forward and backward (``set_reshard_after_forward/backward(False)``) and resharded by hand.
+  forward and backward (``set_reshard_after_forward/backward(False)``) and resharded by hand;
+- a module's own state-dict hooks (a fused QKV weight saved as three and fused back on load) see
+  full-shape parameters: the same keys and values as FSDP2's, through a DCP save and load.
 
 Tolerance 1e-6 relative, as tests/test_fsdp2_parity.py: both run the same fp32 math and sums
 (measured: bit-identical); anything wrong in what the init wrote or in the head's gradients
@@ -122,3 +124,78 @@ def test_meta_init_after_sharding_and_a_head_called_per_chunk_match_fsdp2() -> N
         worst = {key: error for key, error in errors.items() if error > RTOL}
         assert not worst, f"rank {rank}: {worst}"
     assert SEQ * ROWS % CHUNKS == 0
+
+
+class FusedQKV(nn.Module):
+    """torchtitan's fused attention projection: one ``wqkv`` weight, saved and loaded as ``wq``,
+    ``wk``, ``wv`` by the module's own state-dict hooks."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.wqkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.out = nn.Linear(hidden, hidden)
+        self.register_state_dict_post_hook(_split_qkv)
+        self.register_load_state_dict_pre_hook(_fuse_qkv)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.wqkv(x).chunk(3, dim=-1)
+        return x + self.out(torch.tanh(q * k) + v)
+
+
+def _split_qkv(module: nn.Module, state_dict: dict, prefix: str, local_metadata: object) -> None:
+    fused = state_dict.pop(prefix + "wqkv.weight")
+    for name, part in zip("qkv", fused.chunk(3, dim=0)):
+        state_dict[f"{prefix}w{name}.weight"] = part
+
+
+def _fuse_qkv(module: nn.Module, state_dict: dict, prefix: str, *unused: object) -> None:
+    keys = [f"{prefix}w{name}.weight" for name in "qkv"]
+    if all(key in state_dict for key in keys):
+        state_dict[prefix + "wqkv.weight"] = torch.cat([state_dict.pop(key) for key in keys], dim=0)
+
+
+def _fused_qkv_state_dicts(fully_shard, rank: int) -> dict:
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    def full_state_dict() -> dict[str, torch.Tensor]:
+        return {key: value.full_tensor() for key, value in model.state_dict().items()}
+
+    torch.manual_seed(0)
+    model = nn.Sequential(FusedQKV(10), FusedQKV(10), nn.Linear(10, 3))
+    for block in model[:2]:
+        fully_shard(block)
+    fully_shard(model)
+    # model.state_dict(), as torchtitan's checkpointer reads it: torch's get_model_state_dict
+    # refuses keys that name no attribute (wq), under FSDP2 as here.
+    full = full_state_dict()
+    directory = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(directory)
+    dcp.save(model.state_dict(), checkpoint_id=directory[0])
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    loaded = model.state_dict()
+    dcp.load(loaded, checkpoint_id=directory[0])
+    model.load_state_dict(loaded)
+    after = full_state_dict()
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(rank))
+    return {"full": full, "after load": after, "output": model(x).detach()}
+
+
+def _fused_qkv_against_fsdp2(rank: int, world: int) -> dict:
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    return {"ours": _fused_qkv_state_dicts(fully_shard, rank), "fsdp2": _fused_qkv_state_dicts(torch_fully_shard, rank)}
+
+
+def test_a_modules_own_state_dict_hooks_see_full_shape_parameters_as_under_fsdp2() -> None:
+    for rank, found in enumerate(run_distributed(_fused_qkv_against_fsdp2, 2)):
+        ours, fsdp2 = found["ours"], found["fsdp2"]
+        assert sorted(ours["full"]) == sorted(fsdp2["full"]) and "0.wq.weight" in ours["full"], sorted(ours["full"])
+        for key, value in fsdp2["full"].items():
+            assert torch.equal(ours["full"][key], value), (rank, key)
+            assert torch.equal(ours["after load"][key], value), (rank, key, "after a DCP save and load")
+        assert torch.equal(ours["output"], fsdp2["output"]), rank

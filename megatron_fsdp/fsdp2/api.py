@@ -24,7 +24,6 @@ from torch.distributed.tensor import DTensor, Shard
 
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.mesh import DataParallelGroup, resolve_dp_shard_group
-from megatron_fsdp.engine.registered_params import ParamSlot
 from megatron_fsdp.engine.units import FSDPUnit
 from megatron_fsdp.fsdp2.module import MegatronFSDPModule
 from megatron_fsdp.fsdp2.state import STATE_ATTRIBUTE, ModuleShardingState, shared_pool, state_of
@@ -112,13 +111,12 @@ def shard_in_place(
         unit.reshard_after_forward = reshard_after_forward
     for bucket in unit.trainable_buckets:
         bucket.grad_divisor *= grad_divisor
-    slots = [(key, ParamSlot(owner, name, param, param)) for key, owner, name, param in keyed]
-    state = ModuleShardingState(module, unit, dp, settings, mp_policy, slots, pool)
+    registrations = [(owner, name, param) for _, owner, name, param in keyed]
+    state = ModuleShardingState(module, unit, dp, settings, mp_policy, registrations, pool)
     module.__dict__[STATE_ATTRIBUTE] = state
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(state.post_forward)
-    module.register_load_state_dict_pre_hook(state.load_state_dict_pre_hook)
-    module.register_load_state_dict_post_hook(state.load_state_dict_post_hook)
+    state.register_state_dict_hooks(module)
     module.__class__ = _sharded_class(type(module))
     logger.info(
         "megatron_fsdp.fsdp2: %s sharded in place over %d ranks (%d parameters, %d buckets)",

@@ -232,7 +232,7 @@ def _states(modules: list[FSDPModule], call: str) -> list[ModuleShardingState]:
 @contextlib.contextmanager
 def _registrations_hidden(state: ModuleShardingState) -> Iterator[None]:
     """The unit's parameter registrations set to None inside (``nn.Module._apply`` skips them)."""
-    slots = [slot for _, slot in state.keyed_slots]
+    slots = state.slots
     held = [slot.module._parameters[slot.name] for slot in slots]
     for slot in slots:
         slot.module._parameters[slot.name] = None

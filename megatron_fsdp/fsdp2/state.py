@@ -10,6 +10,7 @@ becomes the root, and every module sharded in place under it joins its step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -83,29 +84,30 @@ class ModuleShardingState:
         dp: DataParallelGroup,
         settings: FSDPSettings,
         mp_policy: TorchMixedPrecisionPolicy,
-        slots: list[tuple[str, ParamSlot]],
+        registrations: list[tuple[nn.Module, str, nn.Parameter]],
         pool: _PoolHolder,
     ) -> None:
-        """``slots``: each registration of a unit parameter with its key relative to ``module``."""
+        """``registrations``: (owning module, attribute name, parameter) for each registration of
+        a unit parameter under ``module`` (a tied weight has several)."""
         self.module_ref = weakref.ref(module)
         self.unit = unit
         self.dp = dp
         self.settings = settings
         self.mp_policy = mp_policy
-        self.keyed_slots = slots
         self._pool = pool
         self.step: RootStep | None = None
         # set_modules_to_forward_prefetch / _backward_prefetch: units gathered early.
         self.forward_prefetch: list[ModuleShardingState] = []
         self.backward_prefetch: list[ModuleShardingState] = []
+        # Registrations showing row-sharded copies inside a state_dict() call (state_dict_pre_hook).
+        self._shown_as_rows: list[ParamSlot] = []
         check_timeout(settings.collective_timeout)
         meshes = MeshCache()
         for bucket in unit.buckets:
             bucket.add_faces(meshes)
         self.faces = {p: f for b in unit.buckets for p, f in zip(b.params, b.faces)}
-        unit.registration = RegisteredParams(
-            [ParamSlot(s.module, s.name, s.compute, self.faces[s.compute].param) for _, s in slots]
-        )
+        self.slots = [ParamSlot(owner, name, param, self.faces[param].param) for owner, name, param in registrations]
+        unit.registration = RegisteredParams(self.slots)
         unit.registration.show_sharded()
 
     # -- forward ------------------------------------------------------------------------------
@@ -211,28 +213,77 @@ class ModuleShardingState:
 
     # -- state dicts ---------------------------------------------------------------------------
 
-    def load_state_dict_pre_hook(self, module: nn.Module, state_dict: dict, prefix: str, *unused: Any) -> None:
-        """Entries for this unit's faces become DTensors laid out like them (their own storage
-        when they already are, as after ``dcp.load``; else gathered and cut), so
-        ``nn.Module``'s copy into each face writes this rank's flat piece."""
+    def register_state_dict_hooks(self, module: nn.Module) -> None:
+        """Loading: each module owning a parameter of the unit converts its own entries right
+        before it copies them (after any hook of its parents rewrote them, a fused-QKV hook say);
+        the module sharded in place then installs what was loaded. Saving: see
+        :meth:`state_dict_pre_hook`."""
+        owners: dict[nn.Module, list[ParamSlot]] = {}
+        for slot in self.slots:
+            owners.setdefault(slot.module, []).append(slot)
+        for owner, slots in owners.items():
+            owner.register_load_state_dict_pre_hook(functools.partial(self._load_pre_hook, slots))
+        module.register_load_state_dict_post_hook(self._load_post_hook)
+        module.register_state_dict_pre_hook(functools.partial(self.state_dict_pre_hook))
+        # A partial: torch marks a post-hook with an attribute, which a bound method cannot take.
+        module.register_state_dict_post_hook(functools.partial(self.state_dict_post_hook))
+
+    def _load_pre_hook(self, slots: list[ParamSlot], owner: nn.Module, state_dict: dict, prefix: str, *unused: Any) -> None:
+        """Entries for these faces become DTensors laid out like them (their own storage when
+        they already are, as after ``dcp.load``; else gathered and cut), so ``nn.Module``'s copy
+        into each face writes this rank's flat piece."""
+        sources = self._face_sources()
+        for slot in slots:
+            key = prefix + slot.name
+            value = state_dict.get(key)
+            source = sources[slot.compute]
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(source.spec.global_shape):
+                state_dict[key] = to_face_layout(value, source, key)
+            # otherwise nn.Module reports it as missing or mis-shaped
+
+    def _face_sources(self) -> dict[nn.Parameter, FaceSource]:
+        sources = {}
         for bucket in self.unit.buckets:
-            pieces = bucket.checkpoint_pieces()
-            for index, (param, face) in enumerate(zip(bucket.params, bucket.faces)):
-                for key in self._keys_of(param, prefix):
-                    value = state_dict.get(key)
-                    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(face.spec.global_shape):
-                        continue  # nn.Module reports it as missing or mis-shaped
-                    piece, start = pieces[index]
-                    source = FaceSource(piece, start, bucket.extents[index], face.spec)
-                    state_dict[key] = to_face_layout(value, source, key)
+            for index, ((piece, start), param) in enumerate(zip(bucket.checkpoint_pieces(), bucket.params)):
+                sources[param] = FaceSource(piece, start, bucket.extents[index], bucket.faces[index].spec)
+        return sources
 
-    def _keys_of(self, param: nn.Parameter, prefix: str) -> list[str]:
-        return [prefix + key for key, slot in self.keyed_slots if slot.compute is param]
-
-    def load_state_dict_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
+    def _load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
         """The loaded main weights reach the compute weights."""
         for bucket in self.unit.buckets:
             bucket.sync_after_load()
+
+    def state_dict_pre_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """Where the model has state-dict hooks of its own (which may split, slice or reshape a
+        parameter, as torchtitan's fused QKV does), they see what FSDP2's see: row-sharded
+        DTensors of the full shapes (one gather per parameter, for this call only). Without such
+        hooks the flat pieces go into the state dict as they are, sharing their storage."""
+        root = self.step.states[0].module_ref() if self.step is not None else module
+        if not _has_state_dict_hooks_of_its_own(root):
+            return
+        rows: dict[nn.Parameter, DTensor] = {}
+        with torch.no_grad():
+            for slot in self.slots:
+                if slot.module._parameters.get(slot.name) is slot.face:
+                    if slot.face not in rows:
+                        rows[slot.face] = slot.face.redistribute(placements=slot.face.placements)
+                    slot.module._parameters[slot.name] = rows[slot.face]
+                    self._shown_as_rows.append(slot)
+
+    def state_dict_post_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        for slot in self._shown_as_rows:
+            slot.module._parameters[slot.name] = slot.face
+        self._shown_as_rows = []
+
+
+
+def _has_state_dict_hooks_of_its_own(root: nn.Module) -> bool:
+    """Whether a module under ``root`` has state-dict hooks other than megatron_fsdp's."""
+    for module in root.modules():
+        for hook in (*module._state_dict_hooks.values(), *module._state_dict_pre_hooks.values()):
+            if not isinstance(getattr(getattr(hook, "func", hook), "__self__", None), ModuleShardingState):
+                return True
+    return False
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
