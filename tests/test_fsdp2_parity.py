@@ -1,6 +1,7 @@
 """megatron_fsdp.fsdp2.fully_shard against torch's own FSDP2 and a single process: the same
 TinyGPT (tied head, parameters straddling shard boundaries), sharded per block and then the root,
-a plain torch AdamW built after sharding, the same data and seed, gloo world 2.
+a plain torch AdamW built after sharding, the same data and seed, gloo world 2 (HSDP: world 4,
+2 replicas x 2 shards).
 
 Tolerances (fp32, relative to each tensor's largest entry). Against FSDP2: 1e-6. Both run the
 same forward and backward on the same full weights and reduce-scatter the same sums; measured:
@@ -30,10 +31,10 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
 
 
-def _train(fully_shard, rank: int, world: int, accumulate: int = 1, clip: bool = False) -> dict:
+def _train(fully_shard, rank: int, world: int, accumulate: int = 1, clip: bool = False, **model_options) -> dict:
     """Losses, gradient norms and full parameters after STEPS AdamW steps; with ``accumulate``
     micro-batches per step, the first ones with gradient sync off."""
-    model = make_model(seed=0)
+    model = make_model(seed=0, **model_options)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
@@ -87,6 +88,7 @@ CASES = [
     ("fp32", {}, {}),
     ("fp32 no-sync accumulation, clipping", {}, {"accumulate": 2, "clip": True}),
     ("bf16 param_dtype, fp32 reduce_dtype", {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)}, {}),
+    ("frozen norms, untied head", {}, {"frozen": True, "tie": False}),
 ]
 
 
@@ -107,4 +109,21 @@ def _parity_with_fsdp2(rank: int, world: int) -> list[str]:
 
 def test_training_matches_torch_fsdp2_and_single_process() -> None:
     for rank, problems in enumerate(run_distributed(_parity_with_fsdp2, 2)):
+        assert not problems, f"rank {rank}: " + "; ".join(problems)
+
+
+def _hsdp_parity_with_fsdp2(rank: int, world: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    options = {"accumulate": 2, "clip": True}
+    ours = _train(functools.partial(fully_shard, mesh=mesh), rank, world, **options)
+    theirs = _train(functools.partial(torch_fully_shard, mesh=mesh), rank, world, **options)
+    return _compare(ours, theirs, "HSDP (2 replicas x 2 shards) vs FSDP2, no-sync accumulation, clipping")
+
+
+def test_hsdp_over_a_2d_mesh_matches_torch_fsdp2() -> None:
+    for rank, problems in enumerate(run_distributed(_hsdp_parity_with_fsdp2, 4)):
         assert not problems, f"rank {rank}: " + "; ".join(problems)

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
-from megatron_fsdp.engine.mesh import DataParallelGroup, resolve_dp_shard_group
+from megatron_fsdp.engine.mesh import DataParallelGroup, resolve_dp_shard_group, resolve_outer_group
 from megatron_fsdp.engine.units import FSDPUnit
 from megatron_fsdp.fsdp2.module import MegatronFSDPModule
 from megatron_fsdp.fsdp2.state import STATE_ATTRIBUTE, ModuleShardingState, shared_pool, state_of
@@ -48,7 +48,8 @@ def fully_shard(
     """Shards ``module``'s parameters in place and returns ``module``, now an instance of torch's
     ``FSDPModule`` (its class becomes ``FSDP<Cls>``). Call it on each block, then on the root.
 
-    - ``mesh``: a 1-D ``DeviceMesh`` to shard over (None: every rank of the default group).
+    - ``mesh``: a 1-D ``DeviceMesh`` to shard over (None: every rank of the default group), or a
+      2-D one with named dims (HSDP: replicated over dim 0, sharded over dim 1).
     - ``reshard_after_forward``: True gives the gathered weights back after forward and gathers
       again in backward; False keeps them from forward through backward; None (default): True,
       except for the root (the module whose forward runs first), as FSDP2.
@@ -228,14 +229,17 @@ def _check_params(
 def _data_parallel_group(mesh: Any) -> DataParallelGroup:
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
-    if mesh is not None and mesh.ndim == 2:
-        raise NotImplementedError(
-            f"a 2-D mesh {mesh.mesh_dim_names} (HSDP) is not supported by megatron_fsdp.fsdp2 yet: pass the 1-D shard "
-            "mesh, or use fully_shard_model(..., device_mesh=mesh, dp_shard_dim=..., dp_outer_dim=...)"
+    if mesh is not None and mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard needs a 1-D mesh, or a 2-D one for HSDP; got {mesh.ndim} dims {mesh.mesh_dim_names}")
+    if mesh is None or mesh.ndim == 1:
+        return resolve_dp_shard_group(mesh, None)
+    # HSDP, as FSDP2: replicate over dim 0, shard over dim 1.
+    if mesh.mesh_dim_names is None:
+        raise ValueError(
+            "a 2-D mesh (HSDP) needs dim names: init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
         )
-    if mesh is not None and mesh.ndim != 1:
-        raise ValueError(f"fully_shard needs a 1-D mesh (2-D for HSDP in torch's), got {mesh.ndim} dims {mesh.mesh_dim_names}")
-    return resolve_dp_shard_group(mesh, None)
+    replicate, shard = mesh.mesh_dim_names
+    return resolve_outer_group(resolve_dp_shard_group(mesh, shard), mesh, replicate, None, False)
 
 
 def _mesh_device(mesh: DeviceMesh | None) -> torch.device:

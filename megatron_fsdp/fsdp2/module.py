@@ -17,7 +17,7 @@ What each method does here (torch's names and signatures, torch 2.11 and 2.13):
 - ``reset_iter_state`` (root only): drops a failed step's gradients and reshards everything.
 - Accepted with no change to what is computed: ``set_is_last_backward`` (every backward here
   finishes its reductions), ``set_force_sum_reduction_for_comms`` (reductions here always sum,
-  then scale), ``set_requires_all_reduce`` (no replicate dim: there is no all-reduce),
+  then scale), ``set_requires_all_reduce`` (True; False over a 1-D mesh, which has no all-reduce),
   ``set_reduce_scatter_unused_params(True)`` (unused parameters always reduce zeros),
   ``set_unshard_in_backward(True)``, and the performance knobs
   ``set_reduce_scatter_max_input_buffers``, ``set_separate_reduce_scatter_group``,
@@ -25,6 +25,7 @@ What each method does here (torch's names and signatures, torch 2.11 and 2.13):
   ``_set_unshard_async_op`` (logged).
 - Raise ``NotImplementedError`` naming the call: ``set_custom_all_gather``,
   ``set_custom_reduce_scatter``, ``set_all_reduce_hook`` (the engine's collectives are its own),
+  ``set_requires_all_reduce(False)`` under HSDP,
   ``set_unshard_in_backward(False)``, ``set_reduce_scatter_unused_params(False)``, and
   ``module.to(...)``/``to_empty``/``half()`` that would move or cast the sharded parameters (on
   their own device and dtype, these apply to the rest of the module).
@@ -117,7 +118,14 @@ class MegatronFSDPModule(FSDPModule):
             module._get_fsdp_state().unit.requires_gradient_sync = bool(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """Accepted: over a 1-D mesh (all megatron_fsdp.fsdp2 supports) there is no all-reduce."""
+        """Over a 1-D mesh there is no all-reduce: accepted. Under HSDP, ``False`` (reduce-scatter
+        but hold the replicas' all-reduce back) raises: the engine averages over the replicas
+        whenever gradients sync; use ``set_requires_gradient_sync(False)``."""
+        if not requires_all_reduce and any(m._get_fsdp_state().dp.outer is not None for m in self._fsdp_modules(recurse)):
+            _not_supported(
+                "set_requires_all_reduce(False) under HSDP",
+                "the replicas' average runs whenever gradients sync; hold both back with set_requires_gradient_sync(False)",
+            )
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
