@@ -28,6 +28,7 @@ from megatron_fsdp.engine.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_t
 from megatron_fsdp.engine.upstream_param_attributes import mark_distributed_params
 from megatron_fsdp.engine.user_buffers import NCCLUserBuffers
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.optim.unsharded_step_guard import guard_optimizer_steps
 from megatron_fsdp.param_and_grad_buffer import ParamAndGradBuffer
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,9 @@ class MegatronFSDP(nn.Module):
     # is prepared already. A sharded model reduces its own gradients; DDP's reduction over the
     # sharded pieces would be wrong (docs/hugging_face.md).
     _is_accelerate_prepared = True
+    # An optimizer stepping this model's parameters must be sharded with it, or its first step
+    # raises (optim/unsharded_step_guard.py); megatron-core's face installs the weights itself.
+    refuses_unsharded_optimizers = True
 
     def __init__(
         self,
@@ -172,6 +176,8 @@ class MegatronFSDP(nn.Module):
             # the model's parameters (the faces carry upstream's _megatron_fsdp_model).
             param._megatron_fsdp_owner = weakref.ref(self)
         mark_distributed_params(self, module, self._faces, self.dist_index)
+        if self.refuses_unsharded_optimizers:
+            guard_optimizer_steps(self)
         self.scheduler = StepScheduler(self.units, settings, dp)
         # Where the buffers live (and forward computes).
         self.compute_device = next((b.device for b in self.all_buckets()), torch.device("cpu"))

@@ -164,3 +164,29 @@ def test_save_model_writes_what_from_pretrained_loads(sharded) -> None:
 def test_resume_from_a_step_checkpoint_ends_where_the_uninterrupted_run_did(sharded) -> None:
     differing = [name for name, equal in sharded["resumed_exactly"].items() if not equal]
     assert not differing, f"resumed training differs from the uninterrupted run in {differing}"
+
+
+def _plain_trainer(rank: int, world: int, out_dir: str) -> str:
+    """transformers.Trainer itself over a sharded model: it builds an optimizer nobody shards."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    _reset_accelerate()
+    try:
+        model = hf_trainer.shard(hf_llama.build_model(hf_llama.tiny_llama_config()))
+        before = {name: value.clone() for name, value in model.full_parameters().items()}
+        trainer = Trainer(model=model, args=_arguments(out_dir, ROWS), train_dataset=hf_trainer.dataset(ROWS_IN_ALL, SEQ))
+        with pytest.raises(RuntimeError) as error:
+            trainer.train()
+        unchanged = all(torch.equal(value, before[name]) for name, value in model.full_parameters().items())
+        return f"{error.value} | weights unchanged: {unchanged}"
+    finally:
+        _reset_accelerate()
+
+
+def test_plain_trainer_building_its_own_optimizer_is_refused_at_its_first_step(tmp_path) -> None:
+    """Trainer's optimizer over the sharded faces would step the main weights without installing
+    them and add every step's gradients to the last (silently wrong): its first step raises on
+    every rank, naming MegatronFSDPTrainer, before any weight changes."""
+    for message in run_distributed(_plain_trainer, WORLD, str(tmp_path)):
+        assert "was not sharded with it" in message and "MegatronFSDPTrainer" in message, message
+        assert message.endswith("weights unchanged: True"), message

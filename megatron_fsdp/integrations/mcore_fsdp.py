@@ -61,6 +61,8 @@ class MegatronCoreFSDP(MegatronFSDP):
 
     # Read by named_parameters() while the base class is still being built: nothing swapped yet.
     _faces_registered = False
+    # megatron-core's optimizer steps the faces; it installs the weights and zeroes the buffers.
+    refuses_unsharded_optimizers = False
 
     def __init__(self, module: nn.Module, dist_index: Any = None, ddp_config: Any = None, *args: Any, **kwargs: Any) -> None:
         _check_tensor_parallel(module, dist_index)
