@@ -1,6 +1,7 @@
 """What an FSDP2 program relies on besides the training values (tests/test_fsdp2_parity.py has
 those): the module comes back sharded in place as torch's ``FSDPModule``; ``unshard``/``reshard``;
-no reduce-scatter while gradient sync is off; state dicts through torch's helpers and DCP; and
+no reduce-scatter while gradient sync is off; state dicts through torch's helpers and DCP, and
+checkpoints (model and optimizer) that FSDP2 loads and that load from FSDP2's, resuming exactly;
 errors, raised before any collective, for what megatron_fsdp.fsdp2 cannot honour. gloo world 2.
 """
 
@@ -12,9 +13,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from _dist import run_distributed
@@ -109,6 +117,50 @@ def test_module_is_sharded_in_place_with_fsdp2_methods_and_state_dicts() -> None
         assert found["reduce-scatters with sync"] > 0, (rank, found)
         for what in ("full state dict", "DCP round trip", "full load"):
             assert found[what], (rank, what)
+
+
+def _train_steps(model, optimizer, rank: int, world: int, first: int, count: int) -> list[float]:
+    losses = []
+    for step in range(first, first + count):
+        tokens, targets = make_batch(step * world + rank, 2)
+        loss = model(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _checkpoints_cross_load(rank: int, world: int) -> dict[str, tuple[list[float], list[float]]]:
+    """Model and AdamW state saved with DCP by one implementation after 2 steps, loaded by the
+    other: the next 2 steps' losses, continued and resumed."""
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    directory = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(directory)
+    found = {}
+    for saver, loader, name in ((torch_fully_shard, fully_shard, "FSDP2 -> ours"), (fully_shard, torch_fully_shard, "ours -> FSDP2")):
+        model = _sharded_model(saver)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _train_steps(model, optimizer, rank, world, 0, 2)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        path = f"{directory[0]}/{name.split()[0]}"
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+        continued = _train_steps(model, optimizer, rank, world, 2, 2)
+        resumed_model = _sharded_model(loader)
+        resumed_optimizer = torch.optim.AdamW(resumed_model.parameters(), lr=1e-2)
+        model_state, optimizer_state = get_state_dict(resumed_model, resumed_optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(resumed_model, resumed_optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        found[name] = (continued, _train_steps(resumed_model, resumed_optimizer, rank, world, 2, 2))
+    return found
+
+
+def test_fsdp2_checkpoints_load_here_and_ours_load_in_fsdp2() -> None:
+    for rank, found in enumerate(run_distributed(_checkpoints_cross_load, 2)):
+        for name, (continued, resumed) in found.items():
+            assert continued == resumed, f"rank {rank}, {name}: continued {continued}, resumed {resumed}"
 
 
 def _bad_input_on_one_rank(rank: int, world: int) -> list[str]:

@@ -31,18 +31,25 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
 
 
-def _train(fully_shard, rank: int, world: int, accumulate: int = 1, clip: bool = False, **model_options) -> dict:
+def _train(
+    fully_shard, rank: int, world: int, accumulate: int = 1, clip: bool = False, loop_variants: bool = False,
+    **model_options,
+) -> dict:
     """Losses, gradient norms and full parameters after STEPS AdamW steps; with ``accumulate``
-    micro-batches per step, the first ones with gradient sync off."""
+    micro-batches per step, the first ones with gradient sync off. ``loop_variants``: every
+    micro-batch synchronises (the reduced gradients accumulate), the gradients are cleared in
+    turn by ``optimizer.zero_grad(set_to_none=False)``, ``model.zero_grad()`` and
+    ``optimizer.zero_grad()``, and an inference forward follows each step."""
     model = make_model(seed=0, **model_options)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    clear_grads = [lambda: optimizer.zero_grad(set_to_none=False), model.zero_grad, optimizer.zero_grad]
     losses, norms = [], []
     for step in range(STEPS):
         for micro in range(accumulate):
-            model.set_requires_gradient_sync(micro == accumulate - 1)
+            model.set_requires_gradient_sync(loop_variants or micro == accumulate - 1)
             tokens, targets = make_batch((step * accumulate + micro) * world + rank, ROWS)
             loss = model(tokens, targets) / accumulate
             loss.backward()
@@ -50,8 +57,12 @@ def _train(fully_shard, rank: int, world: int, accumulate: int = 1, clip: bool =
         if clip:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5).full_tensor())
         optimizer.step()
-        optimizer.zero_grad()
-    params = {name: param.full_tensor() for name, param in model.named_parameters()}
+        (clear_grads[step % 3] if loop_variants else optimizer.zero_grad)()
+        if loop_variants:
+            with torch.no_grad():
+                losses.append(model(*make_batch(1000 + rank, ROWS)))
+    # FSDP2 leaves the root's parameters unsharded after an inference forward: plain tensors.
+    params = {name: getattr(param, "full_tensor", param.detach)() for name, param in model.named_parameters()}
     return {"losses": torch.stack(losses), "norms": norms, "params": params, "model": model}
 
 
@@ -89,6 +100,7 @@ CASES = [
     ("fp32 no-sync accumulation, clipping", {}, {"accumulate": 2, "clip": True}),
     ("bf16 param_dtype, fp32 reduce_dtype", {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)}, {}),
     ("frozen norms, untied head", {}, {"frozen": True, "tie": False}),
+    ("every micro-batch synced, zero_grad forms, inference forwards", {}, {"accumulate": 2, "loop_variants": True}),
 ]
 
 
