@@ -7,6 +7,7 @@ errors, raised before any collective, for what megatron_fsdp.fsdp2 cannot honour
 
 from __future__ import annotations
 
+import copy
 import tempfile
 
 import pytest
@@ -154,10 +155,23 @@ def _checkpoints_cross_load(rank: int, world: int) -> dict[str, tuple[list[float
         dcp.load(state, checkpoint_id=path)
         set_state_dict(resumed_model, resumed_optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         found[name] = (continued, _train_steps(resumed_model, resumed_optimizer, rank, world, 2, 2))
+    # Full (unsharded) state dicts, as a single-process tool writes them: torch cuts rows of them
+    # for the optimizer's state, which the first step turns into this rank's pieces.
+    model = _sharded_model(fully_shard)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_steps(model, optimizer, rank, world, 0, 2)
+    full = StateDictOptions(full_state_dict=True)
+    # A copy: torch hands out the optimizer's live step counters, which the next steps advance.
+    model_state, optimizer_state = copy.deepcopy(get_state_dict(model, optimizer, options=full))
+    continued = _train_steps(model, optimizer, rank, world, 2, 2)
+    resumed_model = _sharded_model(fully_shard)
+    resumed_optimizer = torch.optim.AdamW(resumed_model.parameters(), lr=1e-2)
+    set_state_dict(resumed_model, resumed_optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=full)
+    found["full state dicts -> ours"] = (continued, _train_steps(resumed_model, resumed_optimizer, rank, world, 2, 2))
     return found
 
 
-def test_fsdp2_checkpoints_load_here_and_ours_load_in_fsdp2() -> None:
+def test_checkpoints_load_across_fsdp2_and_ours_and_from_full_state_dicts() -> None:
     for rank, found in enumerate(run_distributed(_checkpoints_cross_load, 2)):
         for name, (continued, resumed) in found.items():
             assert continued == resumed, f"rank {rank}, {name}: continued {continued}, resumed {resumed}"

@@ -32,6 +32,7 @@ from megatron_fsdp.engine.schedule import StepScheduler, StepState
 from megatron_fsdp.engine.sharded_params import MeshCache
 from megatron_fsdp.engine.step_hooks import StepHooks, tensors_requiring_grad
 from megatron_fsdp.engine.units import FSDPUnit
+from megatron_fsdp.fsdp2 import optimizer_state
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ class ModuleShardingState:
             bucket.add_faces(meshes)
         self.faces = {p: f for b in unit.buckets for p, f in zip(b.params, b.faces)}
         self.slots = [ParamSlot(owner, name, param, self.faces[param].param) for owner, name, param in registrations]
+        for param, face in self.faces.items():
+            optimizer_state.track(face.param, self, param)
         unit.registration = RegisteredParams(self.slots)
         unit.registration.show_sharded()
 
@@ -247,6 +250,11 @@ class ModuleShardingState:
             for index, ((piece, start), param) in enumerate(zip(bucket.checkpoint_pieces(), bucket.params)):
                 sources[param] = FaceSource(piece, start, bucket.extents[index], bucket.faces[index].spec)
         return sources
+
+    def face_source(self, param: nn.Parameter) -> FaceSource:
+        """Where the piece of the unit's parameter ``param`` lies (what state laid out like its
+        face is cut from)."""
+        return self._face_sources()[param]
 
     def _load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
         """The loaded main weights reach the compute weights."""
