@@ -5,7 +5,8 @@ same model, data and seed (gloo world 2):
 - a chunked loss: the model's forward stops before the head (an attribute written on the
   returned module says so), and the loss calls the separately sharded head once per chunk,
   outside the model's forward; also with the head gathered by hand (``unshard``), kept through
-  forward and backward (``set_reshard_after_forward/backward(False)``) and resharded by hand;
+  forward and backward (``set_reshard_after_forward/backward(False)``) and resharded by hand; and
+  with the final norm and the head sharded as one group (``fully_shard([norm, head])``);
 - a module's own state-dict hooks (a fused QKV weight saved as three and fused back on load) see
   full-shape parameters: the same keys and values as FSDP2's, through a DCP save and load.
 
@@ -62,15 +63,21 @@ def _deterministic_init(model: nn.Module) -> None:
             module.reset_parameters()
 
 
-def _train(fully_shard, rank: int, world: int, on_meta: bool, chunked: bool, explicit: bool = False) -> dict:
+def _train(
+    fully_shard, rank: int, world: int, on_meta: bool, chunked: bool, explicit: bool = False, grouped: bool = False
+) -> dict:
     """``explicit``: the head is gathered once by hand and kept through the chunks' forwards and
-    backward, then resharded by hand (torchtitan-style loss wrappers do that)."""
+    backward, then resharded by hand (torchtitan-style loss wrappers do that). ``grouped``: the
+    final norm (run by the model's forward) and the head (run by the loss) are one unit,
+    ``fully_shard([norm, head])``."""
     torch.manual_seed(0)
     with torch.device("meta" if on_meta else "cpu"):
         model = ChunkedHeadGPT(tie=False)
     for block in model.blocks:
         fully_shard(block)
-    if chunked:
+    if grouped:
+        assert fully_shard([model.norm, model.head]) == [model.norm, model.head]
+    elif chunked:
         fully_shard(model.head)
     fully_shard(model)
     if on_meta:
@@ -109,6 +116,7 @@ def _against_fsdp2(rank: int, world: int) -> dict[str, float]:
         ("meta init", {"on_meta": True, "chunked": False}),
         ("chunked head", {"on_meta": False, "chunked": True}),
         ("chunked head, gathered by hand", {"on_meta": False, "chunked": True, "explicit": True}),
+        ("final norm and chunked head as one group", {"on_meta": False, "chunked": True, "grouped": True}),
     )
     for what, options in cases:
         ours = _train(fully_shard, rank, world, **options)

@@ -97,7 +97,7 @@ def fully_shard(
     if isinstance(grad_divisor, bool) or not isinstance(grad_divisor, (int, float)) or not grad_divisor > 0:
         raise ValueError(f"grad_divisor must be a number > 0, got {grad_divisor!r}")
     shard_in_place(
-        module, mesh, engine_policy=mixed_precision_policy or MixedPrecisionPolicy(), grad_divisor=float(grad_divisor)
+        [module], mesh, engine_policy=mixed_precision_policy or MixedPrecisionPolicy(), grad_divisor=float(grad_divisor)
     )
     _CURRENT[0].modules.append(module)
 

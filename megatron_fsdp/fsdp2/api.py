@@ -36,7 +36,7 @@ _SHARDED_CLASSES: dict[type, type] = {}
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | None = None,
@@ -44,9 +44,11 @@ def fully_shard(
     mp_policy: TorchMixedPrecisionPolicy = TorchMixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
-) -> nn.Module:
+) -> nn.Module | list[nn.Module]:
     """Shards ``module``'s parameters in place and returns ``module``, now an instance of torch's
     ``FSDPModule`` (its class becomes ``FSDP<Cls>``). Call it on each block, then on the root.
+    A list of modules makes one unit of all their parameters (FSDP2's group: a final norm and
+    the head, say, which may run at different times); the list comes back.
 
     - ``mesh``: a 1-D ``DeviceMesh`` to shard over (None: every rank of the default group), or a
       2-D one with named dims (HSDP: replicated over dim 0, sharded over dim 1).
@@ -65,15 +67,17 @@ def fully_shard(
     parameter (a contiguous range of the flattened parameter: see docs/fsdp2.md); a torch
     optimizer built over them steps the weights the next forward uses.
     """
-    ignored = _check_call(module, reshard_after_forward, mp_policy, offload_policy, ignored_params)
-    return shard_in_place(
-        module, mesh, ignored=ignored, shard_placement_fn=shard_placement_fn,
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    ignored = _check_call(modules, reshard_after_forward, mp_policy, offload_policy, ignored_params)
+    shard_in_place(
+        modules, mesh, ignored=ignored, shard_placement_fn=shard_placement_fn,
         reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
     )
+    return modules if isinstance(module, (list, tuple)) else module
 
 
 def shard_in_place(
-    module: nn.Module,
+    modules: list[nn.Module],
     mesh: DeviceMesh | None,
     *,
     ignored: set[nn.Parameter] = frozenset(),
@@ -83,20 +87,21 @@ def shard_in_place(
     engine_policy: MixedPrecisionPolicy | None = None,
     grad_divisor: float = 1.0,
 ) -> nn.Module:
-    """What every in-place front door does once its own arguments are checked (``module`` by
-    :func:`check_module`): one unit of ``module``'s parameters, its hooks, ``FSDP<Cls>``.
+    """What every in-place front door does once its own arguments are checked (each module by
+    :func:`check_module`): one unit of the modules' parameters, its hooks, ``FSDP<Cls>``.
     ``engine_policy``: megatron_fsdp's policy as it is (upstream's v2), instead of the one made
     from FSDP2's ``mp_policy`` (which then only casts inputs and outputs); ``grad_divisor``:
     reduced gradients are divided by it on top of the group size (upstream's v2)."""
-    keyed = _managed_registrations(module, ignored)
+    keyed = [entry for module in modules for entry in _managed_registrations(module, ignored)]
     params = list(dict.fromkeys(param for _, _, _, param in keyed))
-    _check_params(module, keyed, shard_placement_fn)
+    name = ", ".join(type(module).__name__ for module in modules)
+    _check_params(name, keyed, shard_placement_fn)
     dp = _data_parallel_group(mesh)
     if params and params[0].is_meta:
         keyed = _materialise(keyed, _mesh_device(mesh))
         params = list(dict.fromkeys(param for _, _, _, param in keyed))
     elif mesh is not None and params:
-        _move_to_mesh_device(module, params, _mesh_device(mesh))
+        _move_to_mesh_device(modules, params, _mesh_device(mesh))
     policy, compute_dtype = (engine_policy, None) if engine_policy is not None else _mixed_precision(params, mp_policy)
     settings = FSDPSettings(
         strategy=ShardingStrategy.OPTIM_GRADS_PARAMS, mixed_precision=policy, sync_model_each_microbatch=True
@@ -105,41 +110,37 @@ def shard_in_place(
     for key, _, _, param in keyed:
         first_key.setdefault(param, key)
     pool = shared_pool()
-    unit = FSDPUnit(
-        type(module).__name__, [(first_key[p], p) for p in params], dp, settings, pool.pool, compute_dtype=compute_dtype
-    )
+    unit = FSDPUnit(name, [(first_key[p], p) for p in params], dp, settings, pool.pool, compute_dtype=compute_dtype)
     if reshard_after_forward is not None:
         unit.reshard_after_forward = reshard_after_forward
     for bucket in unit.trainable_buckets:
         bucket.grad_divisor *= grad_divisor
     registrations = [(owner, name, param) for _, owner, name, param in keyed]
-    state = ModuleShardingState(module, unit, dp, settings, mp_policy, registrations, pool)
-    module.__dict__[STATE_ATTRIBUTE] = state
-    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(state.post_forward)
-    state.register_state_dict_hooks(module)
-    module.__class__ = _sharded_class(type(module))
+    state = ModuleShardingState(modules, unit, dp, settings, mp_policy, registrations, pool)
+    for module in modules:
+        module.__dict__[STATE_ATTRIBUTE] = state
+        module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(state.post_forward)
+        module.__class__ = _sharded_class(type(module))
+    state.register_state_dict_hooks(modules)
     logger.info(
         "megatron_fsdp.fsdp2: %s sharded in place over %d ranks (%d parameters, %d buckets)",
-        type(module).__name__, dp.size, len(params), len(unit.buckets),
+        name, dp.size, len(params), len(unit.buckets),
     )
-    return module
 
 
 def _check_call(
-    module: Any,
+    modules: list[Any],
     reshard_after_forward: Any,
     mp_policy: Any,
     offload_policy: Any,
     ignored_params: Any,
 ) -> set[nn.Parameter]:
     """The arguments that need no look at the parameters; returns the ignored ones."""
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError(
-            "fully_shard([module, ...]) (one group for several modules) is not supported by megatron_fsdp.fsdp2: "
-            "call fully_shard on each module, or on a module holding them"
-        )
-    check_module(module)
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for module in modules:
+        check_module(module)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"reshard_after_forward={reshard_after_forward!r}: resharding to a smaller world after forward is not "
@@ -197,7 +198,7 @@ def _managed_registrations(module: nn.Module, ignored: set[nn.Parameter]) -> lis
 
 
 def _check_params(
-    module: nn.Module,
+    name: str,
     keyed: list[tuple[str, nn.Module, str, nn.Parameter]],
     shard_placement_fn: Callable[[nn.Parameter], Any] | None,
 ) -> None:
@@ -219,11 +220,11 @@ def _check_params(
     devices = {param.device for _, _, _, param in keyed}
     if len(devices) > 1 and torch.device("meta") in devices:
         raise ValueError(
-            f"{type(module).__name__}'s parameters are partly on the meta device ({sorted(map(str, devices))}): build "
+            f"{name}'s parameters are partly on the meta device ({sorted(map(str, devices))}): build "
             "the whole model on the meta device, or none of it"
         )
     if len(devices) > 1:
-        raise ValueError(f"{type(module).__name__}'s parameters are spread over {sorted(map(str, devices))}: move them to one device")
+        raise ValueError(f"{name}'s parameters are spread over {sorted(map(str, devices))}: move them to one device")
 
 
 def _data_parallel_group(mesh: Any) -> DataParallelGroup:
@@ -267,13 +268,13 @@ def _materialise(
     return [(key, owner, name, replacements[param]) for key, owner, name, param in keyed]
 
 
-def _move_to_mesh_device(module: nn.Module, params: list[nn.Parameter], device: torch.device) -> None:
+def _move_to_mesh_device(modules: list[nn.Module], params: list[nn.Parameter], device: torch.device) -> None:
     """As FSDP2: the parameters (and the buffers beside them) go to the mesh's device."""
     with torch.no_grad():
         for param in params:
             if param.device != device:
                 param.data = param.data.to(device)
-        for owner in module.modules():
+        for owner in (m for module in modules for m in module.modules()):
             for name, buffer in owner._buffers.items():
                 if buffer is not None and buffer.device != device:
                     owner._buffers[name] = buffer.to(device)

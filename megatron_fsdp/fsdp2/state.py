@@ -80,7 +80,7 @@ class ModuleShardingState:
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: list[nn.Module],
         unit: FSDPUnit,
         dp: DataParallelGroup,
         settings: FSDPSettings,
@@ -88,9 +88,10 @@ class ModuleShardingState:
         registrations: list[tuple[nn.Module, str, nn.Parameter]],
         pool: _PoolHolder,
     ) -> None:
-        """``registrations``: (owning module, attribute name, parameter) for each registration of
-        a unit parameter under ``module`` (a tied weight has several)."""
-        self.module_ref = weakref.ref(module)
+        """``modules``: the module sharded in place, or FSDP2's group of them; ``registrations``:
+        (owning module, attribute name, parameter) for each registration of a unit parameter under
+        them (a tied weight has several)."""
+        self.module_ref = weakref.ref(modules[0])
         self.unit = unit
         self.dp = dp
         self.settings = settings
@@ -155,7 +156,8 @@ class ModuleShardingState:
     def _become_root(self, module: nn.Module) -> None:
         """FSDP2's lazy init: this module runs forward first, so it is the root of every module
         sharded in place under it, which now share one step."""
-        states = [self] + [s for m in module.modules() if m is not module and (s := state_of(m)) is not None]
+        # A group of modules shares one state: each appears once.
+        states = list(dict.fromkeys([self] + [s for m in module.modules() if (s := state_of(m)) is not None]))
         owned = [s for s in states if s.step is not None]
         if owned:
             raise RuntimeError(
@@ -216,7 +218,7 @@ class ModuleShardingState:
 
     # -- state dicts ---------------------------------------------------------------------------
 
-    def register_state_dict_hooks(self, module: nn.Module) -> None:
+    def register_state_dict_hooks(self, modules: list[nn.Module]) -> None:
         """Loading: each module owning a parameter of the unit converts its own entries right
         before it copies them (after any hook of its parents rewrote them, a fused-QKV hook say);
         the module sharded in place then installs what was loaded. Saving: see
@@ -226,10 +228,11 @@ class ModuleShardingState:
             owners.setdefault(slot.module, []).append(slot)
         for owner, slots in owners.items():
             owner.register_load_state_dict_pre_hook(functools.partial(self._load_pre_hook, slots))
-        module.register_load_state_dict_post_hook(self._load_post_hook)
-        module.register_state_dict_pre_hook(functools.partial(self.state_dict_pre_hook))
-        # A partial: torch marks a post-hook with an attribute, which a bound method cannot take.
-        module.register_state_dict_post_hook(functools.partial(self.state_dict_post_hook))
+        for module in modules:
+            module.register_load_state_dict_post_hook(self._load_post_hook)
+            module.register_state_dict_pre_hook(functools.partial(self.state_dict_pre_hook))
+            # A partial: torch marks a post-hook with an attribute, which a bound method cannot take.
+            module.register_state_dict_post_hook(functools.partial(self.state_dict_post_hook))
 
     def _load_pre_hook(self, slots: list[ParamSlot], owner: nn.Module, state_dict: dict, prefix: str, *unused: Any) -> None:
         """Entries for these faces become DTensors laid out like them (their own storage when
