@@ -38,14 +38,21 @@ def _train(
     """Losses, gradient norms and full parameters after STEPS AdamW steps; with ``accumulate``
     micro-batches per step, the first ones with gradient sync off. ``loop_variants``: every
     micro-batch synchronises (the reduced gradients accumulate), the gradients are cleared in
-    turn by ``optimizer.zero_grad(set_to_none=False)``, ``model.zero_grad()`` and
+    turn by ``optimizer.zero_grad(set_to_none=False)``, ``model.zero_grad()``, setting two
+    parameters' ``.grad`` to None (the others accumulate into the next step) and
     ``optimizer.zero_grad()``, and an inference forward follows each step."""
     model = make_model(seed=0, **model_options)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    clear_grads = [lambda: optimizer.zero_grad(set_to_none=False), model.zero_grad, optimizer.zero_grad]
+    some = list(model.blocks[0].parameters())[:2]
+    clear_grads = [
+        lambda: optimizer.zero_grad(set_to_none=False),
+        model.zero_grad,
+        lambda: [setattr(param, "grad", None) for param in some],  # the rest accumulate on
+        optimizer.zero_grad,
+    ]
     losses, norms = [], []
     for step in range(STEPS):
         for micro in range(accumulate):
@@ -57,7 +64,7 @@ def _train(
         if clip:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5).full_tensor())
         optimizer.step()
-        (clear_grads[step % 3] if loop_variants else optimizer.zero_grad)()
+        (clear_grads[step % len(clear_grads)] if loop_variants else optimizer.zero_grad)()
         if loop_variants:
             with torch.no_grad():
                 losses.append(model(*make_batch(1000 + rank, ROWS)))

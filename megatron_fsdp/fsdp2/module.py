@@ -144,11 +144,9 @@ class MegatronFSDPModule(FSDPModule):
         self._get_fsdp_state().backward_prefetch = _states(modules, "set_modules_to_backward_prefetch")
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """The root's next forward makes the current stream wait on ``event`` before gathering."""
-        state = self._get_fsdp_state()
-        if state.step is None:
-            raise RuntimeError("set_post_optim_event() needs the root to have run forward once (after the optimizer step)")
-        state.step.post_optim_event = event
+        """On the root: its next forward makes the current stream wait on ``event`` before
+        gathering (instead of on everything before it), then drops it."""
+        self._get_fsdp_state().post_optim_event = event
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated by torch: :meth:`set_gradient_divide_factor`."""

@@ -26,7 +26,6 @@ from megatron_fsdp import _ops
 from megatron_fsdp.checkpoint.state_dicts import FaceSource, to_face_layout
 from megatron_fsdp.engine.config import FSDPSettings
 from megatron_fsdp.engine.mesh import DataParallelGroup
-from megatron_fsdp.engine.plan import check_timeout
 from megatron_fsdp.engine.registered_params import ParamSlot, RegisteredParams
 from megatron_fsdp.engine.schedule import StepScheduler, StepState
 from megatron_fsdp.engine.sharded_params import MeshCache
@@ -71,8 +70,6 @@ class RootStep:
     scheduler: StepScheduler
     hooks: StepHooks
     states: list[ModuleShardingState]
-    # set_post_optim_event(): waited on by the next forward before its first all-gather.
-    post_optim_event: torch.Event | None = None
 
 
 class ModuleShardingState:
@@ -101,9 +98,10 @@ class ModuleShardingState:
         # set_modules_to_forward_prefetch / _backward_prefetch: units gathered early.
         self.forward_prefetch: list[ModuleShardingState] = []
         self.backward_prefetch: list[ModuleShardingState] = []
+        # set_post_optim_event() on the root: waited on by the next forward before its first gather.
+        self.post_optim_event: torch.Event | None = None
         # Registrations showing row-sharded copies inside a state_dict() call (state_dict_pre_hook).
         self._shown_as_rows: list[ParamSlot] = []
-        check_timeout(settings.collective_timeout)
         meshes = MeshCache()
         for bucket in unit.buckets:
             bucket.add_faces(meshes)
@@ -177,28 +175,31 @@ class ModuleShardingState:
     def _before_step(self, step: RootStep) -> None:
         """At the root's forward between steps: what FSDP2 takes from the parameters' ``.grad``
         (which ``optimizer.zero_grad()`` cleared) and from ``set_post_optim_event``."""
-        if step.post_optim_event is not None:
-            step.post_optim_event.wait()
-            step.post_optim_event = None
+        if self.post_optim_event is not None:
+            self.post_optim_event.wait()
+            self.post_optim_event = None
         for state in step.states:
             state.adopt_cleared_grads()
 
     def adopt_cleared_grads(self) -> None:
         """The reduced gradients accumulate into what the faces' ``.grad`` show, as FSDP2's
         sharded gradients do: where the optimizer (or the user) set every face's ``.grad`` of a
-        bucket to None, the bucket's main gradient is released; where only some, their pieces
-        are zeroed."""
+        bucket to None, the bucket's main gradient is released; where only some, their ranges of
+        it (and of the optimizer's cast copy) are zeroed and shown again."""
         for bucket in self.unit.trainable_buckets:
-            if bucket.optimizer_grad_source() is None:
+            source = bucket.optimizer_grad_source()
+            if source is None:
                 continue
-            cleared = [face for face in bucket.faces if face.param.grad is None]
+            cleared = [index for index, face in enumerate(bucket.faces) if face.param.grad is None]
             if len(cleared) == len(bucket.faces):
                 bucket.zero_main_grad(set_to_none=True)
                 continue
-            for face in cleared:
-                if face.shown_grad is not None:
-                    face.shown_grad.to_local().zero_()
-                    face.param.grad = face.shown_grad
+            for index in cleared:
+                lo, hi = bucket.optim_ranges[index]
+                for held in {id(t): t for t in (source, bucket.optimizer_grads) if t is not None}.values():
+                    held[lo:hi].zero_()
+                face = bucket.faces[index]
+                face.param.grad = face.shown_grad
 
     def reset_step(self) -> None:
         """After a forward or backward that raised (FSDP2's ``reset_iter_state``): the step's
