@@ -235,14 +235,16 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) 
         # Offloaded, or reading low-precision main gradients, the ops step Adam/AdamW/SGD and
         # install bucket by bucket (no closure).
         kernel_step = kernel_step_for(optimizer, model.trainable_buckets()) if steps_with_ops else None
-        if kernel_step is not None and (args or kwargs) and not model.settings.cpu_offload:
+        # Accelerate's optimizer wrapper passes closure=None positionally: no closure either.
+        has_closure = any(value is not None for value in (*args, *kwargs.values()))
+        if kernel_step is not None and has_closure and not model.settings.cpu_offload:
             raise ValueError(
                 "optimizer.step() got arguments (a closure?), but with main gradients of a lower dtype than the main "
                 "params megatron_fsdp's kernels step this optimizer and take none: call the closure before step()"
             )
         model.prepare_optimizer_step(sync_grads=sync_grad_before_optimizer_step)
         with swap.pieces(optimizer):
-            if kernel_step is not None and not args and not kwargs:
+            if kernel_step is not None and not has_closure:
                 kernel_step(install_optimized_model_weights)
                 result, installed = None, install_optimized_model_weights
             else:
