@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from _dist import run_distributed
@@ -107,6 +107,8 @@ CASES = [
     ("fp32 no-sync accumulation, clipping", {}, {"accumulate": 2, "clip": True}),
     ("bf16 param_dtype, fp32 reduce_dtype", {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)}, {}),
     ("frozen norms, untied head", {}, {"frozen": True, "tie": False}),
+    # pin_memory=False: torch pins through an accelerator, which a CPU run has not.
+    ("CPU offload", {"offload_policy": CPUOffloadPolicy(pin_memory=False)}, {"accumulate": 2}),
     ("every micro-batch synced, zero_grad forms, inference forwards", {}, {"accumulate": 2, "loop_variants": True}),
 ]
 

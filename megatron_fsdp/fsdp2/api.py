@@ -26,7 +26,7 @@ from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.mesh import DataParallelGroup, resolve_dp_shard_group, resolve_outer_group
 from megatron_fsdp.engine.units import FSDPUnit
 from megatron_fsdp.fsdp2.module import MegatronFSDPModule
-from megatron_fsdp.fsdp2.state import STATE_ATTRIBUTE, ModuleShardingState, shared_pool, state_of
+from megatron_fsdp.fsdp2.state import STATE_ATTRIBUTE, ModuleShardingState, shared_resources, state_of
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,10 @@ def fully_shard(
       computes in (the sharded parameters keep theirs, and the optimizer steps them);
       ``reduce_dtype`` (default ``param_dtype``) the dtype gradients travel in, summed in the
       parameters' dtype; ``output_dtype`` and ``cast_forward_inputs`` as FSDP2's.
-    - ``offload_policy``: ``OffloadPolicy()`` (no offloading).
+    - ``offload_policy``: ``OffloadPolicy()`` (no offloading) or ``CPUOffloadPolicy(pin_memory)``:
+      the sharded parameters (what the optimizer steps), their gradients and so the optimizer
+      state live on the host (docs/offloading.md); the stepped parameters reach the device at
+      the root's next forward.
     - ``ignored_params``: parameters left as they are: not sharded, not reduced.
 
     After the call, ``module.parameters()`` are DTensors holding this rank's piece of each
@@ -72,6 +75,7 @@ def fully_shard(
     shard_in_place(
         modules, mesh, ignored=ignored, shard_placement_fn=shard_placement_fn,
         reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+        offload_pin_memory=offload_policy.pin_memory if isinstance(offload_policy, CPUOffloadPolicy) else None,
     )
     return modules if isinstance(module, (list, tuple)) else module
 
@@ -86,12 +90,14 @@ def shard_in_place(
     mp_policy: TorchMixedPrecisionPolicy = TorchMixedPrecisionPolicy(),
     engine_policy: MixedPrecisionPolicy | None = None,
     grad_divisor: float = 1.0,
-) -> nn.Module:
+    offload_pin_memory: bool | None = None,
+) -> None:
     """What every in-place front door does once its own arguments are checked (each module by
     :func:`check_module`): one unit of the modules' parameters, its hooks, ``FSDP<Cls>``.
     ``engine_policy``: megatron_fsdp's policy as it is (upstream's v2), instead of the one made
     from FSDP2's ``mp_policy`` (which then only casts inputs and outputs); ``grad_divisor``:
-    reduced gradients are divided by it on top of the group size (upstream's v2)."""
+    reduced gradients are divided by it on top of the group size (upstream's v2);
+    ``offload_pin_memory``: offload (FSDP2's ``CPUOffloadPolicy(pin_memory)``), None: do not."""
     keyed = [entry for module in modules for entry in _managed_registrations(module, ignored)]
     params = list(dict.fromkeys(param for _, _, _, param in keyed))
     name = ", ".join(type(module).__name__ for module in modules)
@@ -103,20 +109,26 @@ def shard_in_place(
     elif mesh is not None and params:
         _move_to_mesh_device(modules, params, _mesh_device(mesh))
     policy, compute_dtype = (engine_policy, None) if engine_policy is not None else _mixed_precision(params, mp_policy)
+    offloads = offload_pin_memory is not None
     settings = FSDPSettings(
-        strategy=ShardingStrategy.OPTIM_GRADS_PARAMS, mixed_precision=policy, sync_model_each_microbatch=True
+        strategy=ShardingStrategy.OPTIM_GRADS_PARAMS, mixed_precision=policy, sync_model_each_microbatch=True,
+        cpu_offload=offloads, offload_pin_memory=bool(offload_pin_memory),
     )
     first_key = {}
     for key, _, _, param in keyed:
         first_key.setdefault(param, key)
-    pool = shared_pool()
-    unit = FSDPUnit(name, [(first_key[p], p) for p in params], dp, settings, pool.pool, compute_dtype=compute_dtype)
+    resources = shared_resources()
+    device = params[0].device if params else _mesh_device(mesh)
+    transfers = resources.transfers(device, bool(offload_pin_memory)) if offloads else None
+    unit = FSDPUnit(
+        name, [(first_key[p], p) for p in params], dp, settings, resources.pool, transfers, compute_dtype=compute_dtype
+    )
     if reshard_after_forward is not None:
         unit.reshard_after_forward = reshard_after_forward
     for bucket in unit.trainable_buckets:
         bucket.grad_divisor *= grad_divisor
     registrations = [(owner, name, param) for _, owner, name, param in keyed]
-    state = ModuleShardingState(modules, unit, dp, settings, mp_policy, registrations, pool)
+    state = ModuleShardingState(modules, unit, dp, settings, mp_policy, registrations, resources)
     for module in modules:
         module.__dict__[STATE_ATTRIBUTE] = state
         module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
@@ -151,13 +163,8 @@ def _check_call(
             f"mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy (also exported by megatron_fsdp.fsdp2), "
             f"got {type(mp_policy).__name__}"
         )
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError(
-            "offload_policy=CPUOffloadPolicy() is not supported by megatron_fsdp.fsdp2 yet: pass OffloadPolicy(), or "
-            "offload with the whole-model API, fully_shard_model(..., cpu_offload=True)"
-        )
-    if type(offload_policy) is not OffloadPolicy:
-        raise TypeError(f"offload_policy must be torch.distributed.fsdp.OffloadPolicy(), got {offload_policy!r}")
+    if type(offload_policy) not in (OffloadPolicy, CPUOffloadPolicy):
+        raise TypeError(f"offload_policy must be torch's OffloadPolicy() or CPUOffloadPolicy(pin_memory=...), got {offload_policy!r}")
     ignored = set(ignored_params or ())
     if any(not isinstance(p, nn.Parameter) for p in ignored):
         raise TypeError("ignored_params must be a set of nn.Parameter")

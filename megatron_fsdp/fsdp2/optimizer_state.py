@@ -1,4 +1,5 @@
-"""Optimizer state of a plain torch optimizer laid out like the DTensor parameters it steps.
+"""A plain torch optimizer over DTensor parameters sharded in place: its state laid out like the
+pieces, and the stepped pieces reaching the compute weights where a gather does not read them.
 
 A torch optimizer built over parameters sharded in place makes its state with ``zeros_like``
 of each parameter: flat pieces laid out like the parameter. A state dict loaded into it from
@@ -8,6 +9,9 @@ with. The optimizer belongs to the user, so megatron_fsdp cannot hook its ``load
 a global optimizer step pre-hook, registered by the first ``fully_shard`` call, turns such
 entries into this rank's pieces before the step (one gather per entry, once). For state already
 laid out so it costs an identity check per entry.
+
+With CPU offloading the pieces live on the host and the device keeps a weight shard; a global
+step post-hook sends the stepped pieces of each unit the optimizer stepped to the device.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from megatron_fsdp.checkpoint.state_dicts import FaceSource, to_face_layout
@@ -25,15 +29,15 @@ from megatron_fsdp.checkpoint.state_dicts import FaceSource, to_face_layout
 # The attribute on a DTensor parameter sharded in place: (its state, weakly; its compute parameter).
 OWNER_ATTRIBUTE = "_megatron_fsdp2_owner"
 
-_hook: RemovableHandle | None = None
+_hooks: list[RemovableHandle] = []
 
 
 def track(face: torch.nn.Parameter, state: Any, compute: torch.nn.Parameter) -> None:
     """``face`` (stepped by optimizers) is ``compute``'s piece in ``state``'s unit."""
     setattr(face, OWNER_ATTRIBUTE, (weakref.ref(state), compute))
-    global _hook
-    if _hook is None:
-        _hook = register_optimizer_step_pre_hook(_state_to_piece_layout)
+    if not _hooks:
+        _hooks.append(register_optimizer_step_pre_hook(_state_to_piece_layout))
+        _hooks.append(register_optimizer_step_post_hook(_install_stepped_pieces))
 
 
 def _state_to_piece_layout(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -56,3 +60,15 @@ def _state_to_piece_layout(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
             source: FaceSource = state.face_source(compute)
             for key in stale:
                 entries[key] = to_face_layout(entries[key], source, f"optimizer state {key!r}")
+
+
+def _install_stepped_pieces(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    stepped = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            owner = getattr(param, OWNER_ATTRIBUTE, None)
+            state = owner[0]() if owner is not None else None
+            if state is not None:
+                stepped[id(state)] = state
+    for state in stepped.values():
+        state.install_stepped_main_params()

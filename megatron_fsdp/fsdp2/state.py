@@ -26,6 +26,7 @@ from megatron_fsdp import _ops
 from megatron_fsdp.checkpoint.state_dicts import FaceSource, to_face_layout
 from megatron_fsdp.engine.config import FSDPSettings
 from megatron_fsdp.engine.mesh import DataParallelGroup
+from megatron_fsdp.engine.offload import OffloadTransfers
 from megatron_fsdp.engine.registered_params import ParamSlot, RegisteredParams
 from megatron_fsdp.engine.schedule import StepScheduler, StepState
 from megatron_fsdp.engine.sharded_params import MeshCache
@@ -39,23 +40,31 @@ logger = logging.getLogger(__name__)
 STATE_ATTRIBUTE = "_megatron_fsdp2_state"
 
 
-class _PoolHolder:
-    """Keeps the shared bucket pool alive while any module sharded in place uses it."""
+class SharedResources:
+    """What every module sharded in place shares, as the units of one wrapper do: the bucket
+    pool, so units take turns on the same memory (on CPU the pool caches blocks by size), and
+    with CPU offloading the offload stream and staging buffers."""
 
     def __init__(self) -> None:
         self.pool = _ops.new_bucket_pool(False)
+        self._transfers: dict[tuple[torch.device, bool], OffloadTransfers] = {}
+
+    def transfers(self, device: torch.device, pin_memory: bool) -> OffloadTransfers:
+        key = (device, pin_memory)
+        if key not in self._transfers:
+            self._transfers[key] = OffloadTransfers(device, pin_memory)
+        return self._transfers[key]
 
 
-# One bucket pool for every module sharded in place, so units take turns on the same memory
-# (on CPU the pool caches blocks by size); it goes when the last state holding it goes.
-_POOLS: weakref.WeakValueDictionary[str, _PoolHolder] = weakref.WeakValueDictionary()
+# They go when the last state holding them goes.
+_SHARED: weakref.WeakValueDictionary[str, SharedResources] = weakref.WeakValueDictionary()
 
 
-def shared_pool() -> _PoolHolder:
-    holder = _POOLS.get("pool")
-    if holder is None:
-        holder = _POOLS["pool"] = _PoolHolder()
-    return holder
+def shared_resources() -> SharedResources:
+    resources = _SHARED.get("resources")
+    if resources is None:
+        resources = _SHARED["resources"] = SharedResources()
+    return resources
 
 
 def state_of(module: nn.Module) -> ModuleShardingState | None:
@@ -83,7 +92,7 @@ class ModuleShardingState:
         settings: FSDPSettings,
         mp_policy: TorchMixedPrecisionPolicy,
         registrations: list[tuple[nn.Module, str, nn.Parameter]],
-        pool: _PoolHolder,
+        resources: SharedResources,
     ) -> None:
         """``modules``: the module sharded in place, or FSDP2's group of them; ``registrations``:
         (owning module, attribute name, parameter) for each registration of a unit parameter under
@@ -93,7 +102,7 @@ class ModuleShardingState:
         self.dp = dp
         self.settings = settings
         self.mp_policy = mp_policy
-        self._pool = pool
+        self._resources = resources
         self.step: RootStep | None = None
         # set_modules_to_forward_prefetch / _backward_prefetch: units gathered early.
         self.forward_prefetch: list[ModuleShardingState] = []
@@ -181,14 +190,25 @@ class ModuleShardingState:
         for state in step.states:
             state.adopt_cleared_grads()
 
+    def install_stepped_main_params(self) -> None:
+        """After an optimizer stepped this unit's pieces: offloaded buckets send the stepped main
+        parameters (on the host) to the device weights the next gather reads. The whole-model
+        wrapper does this in its optimizer's step; a plain optimizer's step is seen by
+        optimizer_state.py's step hook. Elsewhere the gathers read the main parameters."""
+        for bucket in self.unit.trainable_buckets:
+            if bucket.host is not None:
+                bucket.install_main_params()
+
     def adopt_cleared_grads(self) -> None:
         """The reduced gradients accumulate into what the faces' ``.grad`` show, as FSDP2's
         sharded gradients do: where the optimizer (or the user) set every face's ``.grad`` of a
         bucket to None, the bucket's main gradient is released; where only some, their ranges of
         it (and of the optimizer's cast copy) are zeroed and shown again."""
         for bucket in self.unit.trainable_buckets:
-            source = bucket.optimizer_grad_source()
-            if source is None:
+            # The reduced gradients and what the faces show of them (a cast copy, or offloaded,
+            # the host's, the device ones being released once sent).
+            held = {id(t): t for t in (bucket.optimizer_grad_source(), bucket.optimizer_grads) if t is not None}
+            if not held:
                 continue
             cleared = [index for index, face in enumerate(bucket.faces) if face.param.grad is None]
             if len(cleared) == len(bucket.faces):
@@ -196,8 +216,8 @@ class ModuleShardingState:
                 continue
             for index in cleared:
                 lo, hi = bucket.optim_ranges[index]
-                for held in {id(t): t for t in (source, bucket.optimizer_grads) if t is not None}.values():
-                    held[lo:hi].zero_()
+                for grads in held.values():
+                    grads[lo:hi].zero_()
                 face = bucket.faces[index]
                 face.param.grad = face.shown_grad
 
