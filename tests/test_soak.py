@@ -90,5 +90,10 @@ def test_500_steps_with_accumulation_and_checkpoints_leak_nothing_and_repeat_exa
                 if name == "rss_bytes":
                     growth = value - baseline[name]
                     assert growth <= RSS_SLACK_BYTES, f"run/rank {rank}: RSS grew by {growth / 2**20:.1f} MiB by step {step}"
+                elif name in ("open_fds", "native_threads", "python_threads"):
+                    # A pooled rank process may still be closing an earlier run's process-group
+                    # sockets and threads at the warm-up sample (seen in the full suite: 44 fds
+                    # at step 100, 42 from then on): a leak is growth.
+                    assert value <= baseline[name], f"run/rank {rank}: {name} {baseline[name]} at step {WARM_UP}, {value} at {step}"
                 else:
                     assert value == baseline[name], f"run/rank {rank}: {name} {baseline[name]} at step {WARM_UP}, {value} at {step}"
