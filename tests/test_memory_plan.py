@@ -254,3 +254,56 @@ def test_the_command_plans_micro_batches_held_back_as_the_function_does(capsys) 
     plan = megatron_fsdp.plan_memory(model, 4, fsdp_unit_modules=[block], zero_dp_strategy="optim",
                                      micro_batches=4, deferred_reduction=True)
     assert held["working_set"] == plan.largest.working_set > synced["working_set"], (held, synced)
+
+
+def test_fsdp2s_gradient_sync_off_holds_every_strategys_unreduced_gradients() -> None:
+    """Under no_sync() strategies 2/3 reduce-scatter each micro-batch, so holding back changes
+    nothing in their plan; under FSDP2's set_requires_gradient_sync(False) every bucket's
+    un-reduced gradients (in the communication dtype) stay, which the working set then holds."""
+    model, block = _meta_gpt()
+    plans = {mode: megatron_fsdp.plan_memory(model, 4, fsdp_unit_modules=[block], micro_batches=3, deferred_reduction=mode)
+             for mode in (False, "no_sync", "requires_gradient_sync")}
+    assert plans[False].largest.working_set == plans["no_sync"].largest.working_set
+    held = sum(p.numel() for p in model.parameters()) * 2  # bf16 communication, before padding
+    sync_off = plans["requires_gradient_sync"].largest.grad_buffers
+    # Everything held, plus at most what one micro-batch's reductions take on top (and padding).
+    assert held <= sync_off <= 1.05 * held + plans[False].largest.grad_buffers, (held, sync_off)
+    with pytest.raises(ValueError, match="deferred_reduction must be one of"):
+        megatron_fsdp.plan_memory(model, 4, fsdp_unit_modules=[block], micro_batches=3, deferred_reduction="always")
+
+
+def _fsdp2_pool_peaks(rank: int, world: int) -> dict:
+    """Through megatron_fsdp.fsdp2 (per Block, then the root; AdamW after), three micro-batches
+    a step, synced each time or with set_requires_gradient_sync(False) until the last: the bucket
+    pool's peak and the plan's working set."""
+    from megatron_fsdp.fsdp2 import fully_shard
+    from megatron_fsdp.fsdp2.state import shared_resources
+
+    peaks = {}
+    for mode in (False, "requires_gradient_sync"):
+        model = make_model(layers=3)
+        for module in model.modules():
+            if isinstance(module, Block):
+                fully_shard(module)
+        fully_shard(model)
+        pool = shared_resources().pool
+        pool.reset_high_water_mark()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for micro in range(3):
+            model.set_requires_gradient_sync(not mode or micro == 2)
+            model(*make_batch(rank * 3 + micro, 2)).backward()
+        optimizer.step()
+        with torch.device("meta"):
+            meta_model = make_model(layers=3)
+        plan = megatron_fsdp.plan_memory(meta_model, world, fsdp_unit_modules=[Block], micro_batches=3,
+                                         deferred_reduction=mode, device_type="cpu")
+        peaks[mode] = (pool.high_water_mark(), plan.for_rank(rank).working_set)
+        del model, optimizer
+    return peaks
+
+
+def test_the_plan_bounds_fsdp2s_accumulation_without_gradient_sync() -> None:
+    for rank, peaks in enumerate(run_distributed(_fsdp2_pool_peaks, 2)):
+        for mode, (peak, planned) in peaks.items():
+            assert 0 < peak <= planned, f"rank {rank} deferred_reduction={mode!r}: pool peaked at {peak}, planned {planned}"
+        assert peaks["requires_gradient_sync"][0] > peaks[False][0], f"rank {rank}: holding back held nothing more: {peaks}"

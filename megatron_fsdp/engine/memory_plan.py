@@ -95,10 +95,8 @@ class PlanOptions:
     outer_size: int = 1
     optimizer: OptimizerSpec = field(default_factory=lambda: OptimizerSpec.parse("adamw"))
     micro_batches: int = 1
-    # Micro-batches before the last run inside no_sync() or with auto-sync off (docs/
-    # sharding_strategies.md's accumulation table): strategies 0/1 then hold every bucket's
-    # un-reduced gradients between micro-batches.
-    deferred_reduction: bool = False
+    # How micro-batches before the last hold back (DEFERRED_REDUCTIONS).
+    deferred_reduction: bool | str = False
     device_type: str = "cuda"
 
     @property
@@ -107,8 +105,18 @@ class PlanOptions:
 
     @property
     def accumulates_locally(self) -> bool:
-        """Whether un-reduced gradients stay between micro-batches (strategies 0/1 deferring)."""
-        return self.deferred_reduction and self.micro_batches > 1 and not self.settings.strategy.shards_grads
+        """Whether every bucket's un-reduced gradients stay between micro-batches."""
+        if self.micro_batches == 1 or not self.deferred_reduction:
+            return False
+        return self.deferred_reduction == "requires_gradient_sync" or not self.settings.strategy.shards_grads
+
+
+# What micro-batches before the last do (docs/sharding_strategies.md's accumulation table):
+# False: each synchronises; True or "no_sync": they run inside no_sync() or with auto-sync off,
+# so strategies 0/1 hold every bucket's un-reduced gradients and 2/3 reduce-scatter each time;
+# "requires_gradient_sync": FSDP2's set_requires_gradient_sync(False) (megatron_fsdp.fsdp2),
+# under which every strategy holds them.
+DEFERRED_REDUCTIONS = (False, True, "no_sync", "requires_gradient_sync")
 
 
 @dataclass
@@ -212,6 +220,10 @@ def check_options(options: PlanOptions) -> None:
         raise ValueError("outer_dp_sharding_strategy='optim' needs dp_outer_size > 1")
     if options.micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {options.micro_batches}")
+    if not (isinstance(options.deferred_reduction, bool) or options.deferred_reduction in DEFERRED_REDUCTIONS):
+        raise ValueError(
+            f"deferred_reduction must be one of {', '.join(map(repr, DEFERRED_REDUCTIONS))}, got {options.deferred_reduction!r}"
+        )
 
 
 def plan_buckets(module: nn.Module, unit_classes: tuple[type, ...], strategy: ShardingStrategy) -> list[_BucketPlan]:

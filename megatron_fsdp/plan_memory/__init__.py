@@ -69,7 +69,7 @@ def plan_memory(
     offload_policy: OffloadPolicy | None = None,
     report_nan_in_param_grad: bool = False,
     micro_batches: int = 1,
-    deferred_reduction: bool = False,
+    deferred_reduction: bool | str = False,
     device_type: str = "cuda",
 ) -> MemoryPlan:
     """The bytes each rank holds when ``module`` (on the meta device) is sharded by
@@ -77,10 +77,13 @@ def plan_memory(
     replicas (HSDP; the mesh is ``(dp_outer, dp_shard)``). ``optimizer``: what keeps state per
     parameter (a name such as ``"adamw"``, a torch optimizer, or an :class:`OptimizerSpec`);
     ``device_type``: ``"cuda"`` or ``"cpu"`` (where step counters and pinned buffers live).
-    ``micro_batches`` backward passes make one optimizer step; ``deferred_reduction=True``: all
-    but the last run inside ``model.no_sync()`` or with ``set_model_auto_sync(False)``, so
-    strategies 0/1 hold every bucket's un-reduced gradients between them (2/3 reduce-scatter
-    every micro-batch either way; docs/sharding_strategies.md has the table)."""
+    ``micro_batches`` backward passes make one optimizer step; ``deferred_reduction=True`` (or
+    ``"no_sync"``): all but the last run inside ``model.no_sync()`` or with
+    ``set_model_auto_sync(False)``, so strategies 0/1 hold every bucket's un-reduced gradients
+    between them (2/3 reduce-scatter every micro-batch either way);
+    ``"requires_gradient_sync"``: FSDP2's ``set_requires_gradient_sync(False)``
+    (``megatron_fsdp.fsdp2``), under which every strategy holds them
+    (docs/sharding_strategies.md has the table)."""
     check_meta_model(module)
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     outer = check_outer_strategy(outer_dp_sharding_strategy, strategy, "dp_outer" if dp_outer_size > 1 else None)

@@ -124,8 +124,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--optimizer", default="adamw", help=", ".join(OptimizerSpec.KINDS))
     parser.add_argument("--double-buffer", action="store_true", help="fsdp_double_buffer")
     parser.add_argument("--micro-batches", type=_positive_int, default=1, help="backward passes per optimizer step")
-    parser.add_argument("--deferred-reduction", action="store_true",
-                        help="micro-batches before the last run inside no_sync() or with auto-sync off")
+    parser.add_argument("--deferred-reduction", nargs="?", const="no_sync", default=False,
+                        choices=("no_sync", "requires_gradient_sync"),
+                        help="micro-batches before the last hold back: inside no_sync() or with auto-sync off (the "
+                             "default when given alone), or under FSDP2's set_requires_gradient_sync(False)")
     parser.add_argument("--device-memory", type=_positive_float, default=None, help="GiB per device: marks the rows that fit")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     return parser.parse_args(argv)
