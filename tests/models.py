@@ -63,6 +63,15 @@ def make_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:, :-1], data[:, 1:]
 
 
+def train_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int, steps: range) -> None:
+    """One optimizer step per ``steps`` entry, each rank on its rows of make_batch(step, 2 * world)."""
+    for step in steps:
+        tokens, targets = make_batch(step, 2 * world)
+        model(tokens[rank::world], targets[rank::world]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, **options) -> TinyGPT:
     torch.manual_seed(seed)
     return TinyGPT(**options).to(dtype)

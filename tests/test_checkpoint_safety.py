@@ -31,7 +31,7 @@ import megatron_fsdp
 from _dist import run_distributed
 from megatron_fsdp.checkpoint.integrity import write_manifest
 from megatron_fsdp.checkpoint.weights_only import load_weights_only, serialize_weights_only
-from models import Block, make_batch, make_model
+from models import Block, make_batch, make_model, train_steps
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
@@ -53,14 +53,6 @@ class Opaque:
 def _shard(seed: int, strategy: str = "optim_grads_params"):
     model = make_model(seed=seed)
     return megatron_fsdp.fully_shard(model, torch.optim.Adam(model.parameters(), lr=1e-2), fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
-
-
-def _train(model, optimizer, rank: int, world: int, steps: range) -> None:
-    for step in steps:
-        tokens, targets = make_batch(step, 2 * world)
-        model(tokens[rank::world], targets[rank::world]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 def _snapshot(model, optimizer) -> list[torch.Tensor]:
@@ -144,7 +136,7 @@ PAYLOAD_CASES = ["extra_state.pt", ".metadata, verify=False", ".metadata, manife
 def _payload_scenario(rank: int, world: int, root: str) -> dict:
     pristine = os.path.join(root, "pristine")
     model, optimizer = _shard(seed=0)
-    _train(model, optimizer, rank, world, range(1))
+    train_steps(model, optimizer, rank, world, range(1))
     megatron_fsdp.save_checkpoint(pristine, 3, model, optimizer, extra_state={"data_step": 3})
     results: dict = {"cases": {}}
     for case in PAYLOAD_CASES:
@@ -297,33 +289,33 @@ def _plain_scenario(rank: int, world: int, root: str) -> dict:
     for strategy in STRATEGIES:
         directory = os.path.join(root, strategy)
         model, optimizer = _shard(seed=0, strategy=strategy)
-        _train(model, optimizer, rank, world, range(1))
+        train_steps(model, optimizer, rank, world, range(1))
         megatron_fsdp.save_checkpoint(directory, 1, model, optimizer, extra_state=extra)
-        _train(model, optimizer, rank, world, range(1, 2))
+        train_steps(model, optimizer, rank, world, range(1, 2))
         reference = model.full_parameters()
         model, optimizer = _shard(seed=7, strategy=strategy)
         step, loaded_extra = megatron_fsdp.load_checkpoint(directory, model, optimizer)
-        _train(model, optimizer, rank, world, range(1, 2))
+        train_steps(model, optimizer, rank, world, range(1, 2))
         same_extra = torch.equal(loaded_extra["rng"], extra["rng"]) and numpy.array_equal(loaded_extra["numpy_rng"][1], extra["numpy_rng"][1])
         results[strategy] = step == 1 and same_extra and _same(reference, model.full_parameters())
 
     # torch's own dcp.save, read by load_checkpoint and by dcp.load through the safe reader.
     model, optimizer = _shard(seed=0)
-    _train(model, optimizer, rank, world, range(1))
+    train_steps(model, optimizer, rank, world, range(1))
     plain = os.path.join(root, "dcp", "step_00000001")
     dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=plain)
-    _train(model, optimizer, rank, world, range(1, 2))
+    train_steps(model, optimizer, rank, world, range(1, 2))
     reference = model.full_parameters()
     model, optimizer = _shard(seed=7)
     loaded = megatron_fsdp.load_checkpoint(os.path.dirname(plain), model, optimizer, step=1)
-    _train(model, optimizer, rank, world, range(1, 2))
+    train_steps(model, optimizer, rank, world, range(1, 2))
     results["dcp.save by load_checkpoint"] = loaded == (1, None) and _same(reference, model.full_parameters())
     model, optimizer = _shard(seed=7)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     dcp.load(state, storage_reader=megatron_fsdp.SafeFileSystemReader(plain))
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    _train(model, optimizer, rank, world, range(1, 2))
+    train_steps(model, optimizer, rank, world, range(1, 2))
     results["dcp.save by dcp.load"] = _same(reference, model.full_parameters())
     return results
 

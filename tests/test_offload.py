@@ -24,7 +24,7 @@ import megatron_fsdp
 from _dist import run_distributed
 from megatron_fsdp.optim.kernel_step import unsupported_reason
 from megatron_fsdp.engine.offload import HostBuffers
-from models import Block, make_batch, make_model
+from models import Block, make_batch, make_model, train_steps
 from parity import Setup, check_collectives, compare, compare_low_precision, reference_run, sharded_runs
 
 FP32_RTOL = 1e-5
@@ -76,14 +76,6 @@ def _shard(offload: bool, strategy: int | str = 3, seed: int = 0):
     )
 
 
-def _train(model, optimizer, rank: int, world: int, steps: range) -> None:
-    for step in steps:
-        tokens, targets = make_batch(step, 2 * world)
-        model(tokens[rank::world], targets[rank::world]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
 def _everything(model, optimizer) -> dict:
     """Full parameters and full optimizer state (a collective)."""
     state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
@@ -105,10 +97,10 @@ def _max_relative_gap(a: dict, b: dict) -> float:
 
 def _save_and_resume(rank: int, world: int, path: str, save_offload: bool, load_offload: bool) -> dict:
     model, optimizer = _shard(save_offload)
-    _train(model, optimizer, rank, world, range(3))
+    train_steps(model, optimizer, rank, world, range(3))
     dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
     saved = _everything(model, optimizer)
-    _train(model, optimizer, rank, world, range(3, 5))
+    train_steps(model, optimizer, rank, world, range(3, 5))
     uninterrupted = _everything(model, optimizer)
 
     model, optimizer = _shard(load_offload, seed=7)  # other weights, a fresh optimizer
@@ -117,7 +109,7 @@ def _save_and_resume(rank: int, world: int, path: str, save_offload: bool, load_
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     loaded = _everything(model, optimizer)
-    _train(model, optimizer, rank, world, range(3, 5))
+    train_steps(model, optimizer, rank, world, range(3, 5))
     resumed = _everything(model, optimizer)
     return {
         "not restored": _unequal(loaded, saved),
@@ -176,7 +168,7 @@ def _groups_and_scheduler(offload: bool, optimizer_class: type, **options) -> tu
     optimizer = optimizer_class([{"params": decay, "weight_decay": 0.1}, {"params": rest, "lr": 3e-3}], lr=1e-2, **options)
     model, optimizer = megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[Block], cpu_offload=offload)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
-    _train(model, optimizer, 0, 1, range(3))
+    train_steps(model, optimizer, 0, 1, range(3))
     scheduler.step()
     return _everything(model, optimizer), [g["lr"] for g in optimizer.param_groups]
 
@@ -213,7 +205,7 @@ def test_other_optimizers_step_with_their_own_step_and_one_log_line(single_rank_
             model, torch.optim.RMSprop(model.parameters(), lr=1e-3), fsdp_unit_modules=[Block], cpu_offload=offload
         )
         with caplog.at_level(logging.WARNING, logger="megatron_fsdp.optim.kernel_step"):
-            _train(model, optimizer, 0, 1, range(3))
+            train_steps(model, optimizer, 0, 1, range(3))
         results.append(_everything(model, optimizer))
     lines = [r.getMessage() for r in caplog.records if "own step on the host" in r.getMessage()]
     assert len(lines) == 1, lines
@@ -232,7 +224,7 @@ def test_bf16_main_params_step_with_torchs_own_adam_and_one_log_line(single_rank
             mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=None),
         )
         with caplog.at_level(logging.WARNING, logger="megatron_fsdp.optim.kernel_step"):
-            _train(model, optimizer, 0, 1, range(3))
+            train_steps(model, optimizer, 0, 1, range(3))
         results.append(_everything(model, optimizer))
     lines = [r.getMessage() for r in caplog.records if "own step on the host" in r.getMessage()]
     assert len(lines) == 1 and "torch.bfloat16, not float32" in lines[0], lines
@@ -244,7 +236,7 @@ def test_offloaded_main_params_are_a_copy_that_each_step_installs(single_rank_gr
     for bucket in model.trainable_buckets():
         weights = bucket.full_weight.untyped_storage()
         assert bucket.main_params.untyped_storage().data_ptr() != weights.data_ptr()
-    _train(model, optimizer, 0, 1, range(2))
+    train_steps(model, optimizer, 0, 1, range(2))
     for name, param in model.module.named_parameters():
         assert torch.equal(param.detach(), model.face_of(param).to_local().view(param.shape)), name
 
