@@ -177,7 +177,12 @@ def _collectives(setup: Setup, windows: list[Counter]) -> Iterator[None]:
         return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         yield
-    windows.append(Counter(event.name for event in profiler.events() if event.name.startswith("c10d::")))
+        # gloo's barrier first waits for every collective launched before it: none may still be
+        # recording an event from gloo's threads while the profiler stops (that crashed it).
+        dist.barrier()
+    windows.append(Counter(
+        event.name for event in profiler.events() if event.name.startswith("c10d::") and event.name != "c10d::barrier"
+    ))
 
 
 # What reduces gradients, as torch's profiler names it: reduce-scatter, all-reduce, and the
