@@ -48,6 +48,12 @@ class _ShowsModuleSignature:
         return functools.update_wrapper(functools.partial(self.function, wrapper), wrapper.module.forward)
 
 
+DDP_WRAP_REFUSAL = (
+    "a megatron_fsdp-sharded model reduces its own gradients over the data-parallel group: do not wrap it in "
+    "DistributedDataParallel; train the model fully_shard returned as it is (accelerator.prepare leaves it so)"
+)
+
+
 class MegatronFSDP(nn.Module):
     """Wraps ``module`` so every FSDP unit's parameters live in flat, sharded buffers.
 
@@ -424,10 +430,7 @@ class MegatronFSDP(nn.Module):
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
         """DistributedDataParallel reads this before any collective: there a sharded model
         refuses to be wrapped, on every rank, naming the fix."""
-        raise TypeError(
-            "a megatron_fsdp-sharded model reduces its own gradients over the data-parallel group: do not wrap it in "
-            "DistributedDataParallel; train the model fully_shard returned as it is (accelerator.prepare leaves it so)"
-        )
+        raise TypeError(DDP_WRAP_REFUSAL)
 
     def __getattr__(self, name: str) -> Any:
         """Attributes of the wrapped model (``model.config``, ``model.blocks``) read through the

@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from megatron_fsdp.fsdp2.state import ModuleShardingState, state_of
+from megatron_fsdp.megatron_fsdp import DDP_WRAP_REFUSAL
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,15 @@ class MegatronFSDPModule(FSDPModule):
 
     # Where the module's own class sits in the MRO: [FSDP<Cls>, MegatronFSDPModule, FSDPModule, Cls].
     _orig_cls_mro_index: int = 3
+    # Accelerate wraps a model in DistributedDataParallel unless it says it is prepared (on GPU
+    # its FSDP2 plugin takes an FSDPModule as it is; without the plugin, and on CPU, it would wrap).
+    _is_accelerate_prepared = True
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        """DistributedDataParallel reads this before any collective: a module sharded in place
+        refuses to be wrapped, on every rank, naming the fix."""
+        raise TypeError(DDP_WRAP_REFUSAL)
 
     def _get_fsdp_state(self) -> ModuleShardingState:
         state = state_of(self)
