@@ -82,6 +82,13 @@ class PieceDTensor(DTensor):
 
     # -- operations that move data between ranks -----------------------------------------------
 
+    def data_ptr(self) -> int:
+        """The local piece's address. Accelerate reads a DTensor's parameter identity from its
+        local tensor, but by an exact type check that misses this subclass (a DTensor's own
+        ``data_ptr()`` is 0 for every parameter): its FSDP2 path then maps optimizer parameters
+        to the wrong ones."""
+        return self._local_tensor.data_ptr()
+
     def full_tensor(self, *, grad_placements: Any = None) -> torch.Tensor:
         """The whole tensor on every rank (a collective over the mesh)."""
         home = self._local_tensor.device
