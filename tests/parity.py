@@ -9,6 +9,7 @@ reduced gradients of the last step and the parameters after the last step.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -63,7 +64,7 @@ class Result:
     norms: list[float] = field(default_factory=list)
     other_norms: list[float] = field(default_factory=list)
     # count_collectives: per step, the collectives of each micro-batch and then of
-    # finish_grad_sync() (torch's profiler names, e.g. "c10d::_reduce_scatter_base_"), and the
+    # finish_grad_sync() (torch.distributed's function names, e.g. "reduce_scatter_single"), and the
     # number of trainable buckets, each of which a step must reduce.
     collectives: list[list[Counter]] = field(default_factory=list)
     trainable_buckets: int = 0
@@ -170,24 +171,45 @@ def sharded_run(rank: int, world: int, setup: Setup, device: str = "cpu") -> Res
 
 @contextlib.contextmanager
 def _collectives(setup: Setup, windows: list[Counter]) -> Iterator[None]:
-    """With ``setup.count_collectives``, appends to ``windows`` the c10d collectives launched
-    inside, as torch's profiler records them."""
+    """With ``setup.count_collectives``, appends to ``windows`` the torch.distributed collective
+    calls made inside (the outermost call of torch's public functions: a deprecated alias that
+    calls its successor counts once), by a Python profile hook on this thread, which launches
+    every collective. torch's profiler was the first choice; stopping it while gloo's threads
+    still recorded events crashed it in CI."""
     if not setup.count_collectives:
         yield
         return
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+    counted: Counter = Counter()
+    inside: list = []
+
+    def profile(frame, event, arg) -> None:
+        code = frame.f_code
+        if code.co_name not in TORCH_COLLECTIVES or code.co_filename != _C10D_FILE:
+            return
+        if event == "call":
+            if not inside:
+                counted[code.co_name] += 1
+            inside.append(frame)
+        elif event == "return" and inside and inside[-1] is frame:
+            inside.pop()
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
         yield
-        # gloo's barrier first waits for every collective launched before it: none may still be
-        # recording an event from gloo's threads while the profiler stops (that crashed it).
-        dist.barrier()
-    windows.append(Counter(
-        event.name for event in profiler.events() if event.name.startswith("c10d::") and event.name != "c10d::barrier"
-    ))
+    finally:
+        sys.setprofile(previous)
+    windows.append(counted)
 
 
-# What reduces gradients, as torch's profiler names it: reduce-scatter, all-reduce, and the
-# all-to-all of a promoting reduction.
-GRADIENT_REDUCTIONS = ("c10d::_reduce_scatter_base_", "c10d::allreduce_", "c10d::alltoall_base_")
+# torch.distributed's collective functions, as megatron_fsdp calls them.
+TORCH_COLLECTIVES = frozenset((
+    "all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all_single", "all_gather_single",
+    "all_gather_into_tensor", "broadcast", "all_gather",
+))
+_C10D_FILE = torch.distributed.distributed_c10d.__file__
+# What reduces gradients: reduce-scatter, all-reduce, and the all-to-all of a promoting reduction.
+GRADIENT_REDUCTIONS = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
 
 
 def expected_reductions(setup: Setup) -> list[int]:

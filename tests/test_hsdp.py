@@ -52,7 +52,7 @@ def test_hsdp_and_hfsdp_match_single_process(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(ACCUMULATING))
 def test_accumulation_defers_the_outer_average_to_the_sync(name: str) -> None:
-    """Counted with torch's profiler: micro-batches that hold back reduce only over dp_shard
+    """Counted at torch.distributed's functions: micro-batches that hold back reduce only over dp_shard
     (strategy 3) or not at all (strategy 1); the dp_outer average runs once, at the sync."""
     check_collectives(_results()[name], SETUPS[name], name)
 

@@ -95,7 +95,7 @@ def test_no_sync_and_deferred_sync_accumulate_each_gradient_once(strategy: int, 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("strategy", range(4))
 def test_each_micro_batch_launches_the_reductions_the_accumulation_table_names(strategy: int, world: int) -> None:
-    """Counted with torch's profiler: synced each micro-batch, every strategy reduces every
+    """Counted at torch.distributed's functions: synced each micro-batch, every strategy reduces every
     bucket each micro-batch; inside no_sync() or with auto-sync off, 0/1 launch no collective
     until the sync and 2/3 reduce-scatter each bucket once per micro-batch."""
     for name in (f"fp32-s{strategy}-a3", f"no-sync-s{strategy}", f"deferred-sync-s{strategy}"):
