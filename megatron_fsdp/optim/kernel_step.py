@@ -38,14 +38,14 @@ _WEIGHTS_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _ops_available() -> bool:
-    """Whether this build has the host optimizer ops (wrapper and compiled kernel)."""
+    """Whether this build has the optimizer ops (wrapper and compiled kernel)."""
     return hasattr(_ops, "adam_step_") and hasattr(_ops, "sgd_step_") and hasattr(_ops._ops, "adam_step_")
 
 
 def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why the host ops cannot step ``optimizer`` (None: they can)."""
+    """Why the ops cannot step ``optimizer`` (None: they can)."""
     if not _ops_available():
-        return "this build of megatron_fsdp has no host optimizer op"
+        return "this build of megatron_fsdp has no optimizer op"
     kind = type(optimizer)
     if kind not in (*_ADAM_CLASSES, torch.optim.SGD):
         return f"{kind.__qualname__} is not torch.optim.Adam, AdamW or SGD"
@@ -193,7 +193,7 @@ def reads_main_grads_as_they_are(optimizer: torch.optim.Optimizer, buckets: Iter
 
 
 def _main_params_reason(buckets: list[Bucket]) -> str | None:
-    """Why the host ops cannot step these buckets' main params (they step float32 ones, and
+    """Why the ops cannot step these buckets' main params (they step float32 ones, and
     torch.optim keeps the state of others in their own dtype)."""
     dtypes = sorted({str(b.main_params.dtype) for b in buckets if b.main_params.dtype != torch.float32})
     if dtypes:
