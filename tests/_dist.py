@@ -144,6 +144,14 @@ def _close_pools() -> None:
         _POOLS.popitem()[1].close(kill=False)
 
 
+def use_deterministic_kernels() -> None:
+    """Deterministic kernels, so that resumed runs compare bit for bit. On CUDA also cuBLAS's
+    workspace setting they need, and a warning instead of an error for a kernel that has no
+    deterministic version (attention's backward in some torch builds)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
+
+
 def nccl_world(most: int = 2) -> int:
     """How many GPUs the NCCL tests run on: up to ``most``; on a one-GPU machine one, which
     still runs every CUDA code path (pool events, streams, NCCL calls) against the reference."""

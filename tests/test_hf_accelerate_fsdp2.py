@@ -28,7 +28,7 @@ from _dist import run_distributed  # noqa: E402
 STEPS, ROWS, SEQ = 3, 2, 16
 
 
-def _train(rank: int, world: int, shard_in_place: bool) -> dict:
+def _train(rank: int, world: int, shard_in_place: bool, device_type: str = "cpu") -> dict:
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["OMP_NUM_THREADS"] = "1"  # else Accelerate gives each rank every core
     from accelerate import Accelerator
@@ -42,11 +42,11 @@ def _train(rank: int, world: int, shard_in_place: bool) -> dict:
     GradientState._reset_state()
     PartialState._reset_state()
     try:
-        model = hf_llama.build_model(hf_llama.tiny_llama_config())
+        model = hf_llama.build_model(hf_llama.tiny_llama_config()).to(device_type)
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"]
         )
-        accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
+        accelerator = Accelerator(fsdp_plugin=plugin, cpu=device_type == "cpu")
         if shard_in_place:
             for module in model.modules():
                 if isinstance(module, LlamaDecoderLayer):
@@ -57,7 +57,7 @@ def _train(rank: int, world: int, shard_in_place: bool) -> dict:
         result = {"type": type(model).__name__, "losses": [], "norms": []}
         for step in range(STEPS):
             generator = torch.Generator().manual_seed(step * world + rank)
-            ids = torch.randint(0, hf_llama.VOCAB, (ROWS, SEQ), generator=generator)
+            ids = torch.randint(0, hf_llama.VOCAB, (ROWS, SEQ), generator=generator).to(device_type)
             loss = model(input_ids=ids, labels=ids).loss
             accelerator.backward(loss)
             result["norms"].append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
@@ -74,11 +74,14 @@ def _train(rank: int, world: int, shard_in_place: bool) -> dict:
         PartialState._reset_state()
 
 
-def test_accelerate_trains_an_fsdp2_sharded_model_as_its_ddp_trains_the_plain_one() -> None:
-    ddp = run_distributed(_train, 2, False)
-    ours = run_distributed(_train, 2, True)
-    for rank, (reference, got) in enumerate(zip(ddp, ours)):
-        assert reference["type"] == "DistributedDataParallel" and got["type"] == "FSDPLlamaForCausalLM", (reference, got)
+def compare_runs(reference_runs: list[dict], our_runs: list[dict], reference_type: str) -> None:
+    """Each rank's losses and clip norms against the reference's (fp32, 1e-5 relative)."""
+    for rank, (reference, got) in enumerate(zip(reference_runs, our_runs)):
+        assert reference["type"] == reference_type and got["type"] == "FSDPLlamaForCausalLM", (reference, got)
         for key in ("losses", "norms"):
             for a, b in zip(got[key], reference[key]):
-                assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} {key}: {got[key]} against DDP's {reference[key]}"
+                assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} {key}: {got[key]} against {reference_type}'s {reference[key]}"
+
+
+def test_accelerate_trains_an_fsdp2_sharded_model_as_its_ddp_trains_the_plain_one() -> None:
+    compare_runs(run_distributed(_train, 2, False), run_distributed(_train, 2, True), "DistributedDataParallel")

@@ -21,13 +21,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import hf_llama  # noqa: E402
 import hf_trainer  # noqa: E402
-from _dist import run_distributed  # noqa: E402
+from _dist import run_distributed, use_deterministic_kernels  # noqa: E402
 from transformers import LlamaForCausalLM, Trainer  # noqa: E402
 
 WORLD, ROWS, SEQ, ACCUM, STEPS, LR = 2, 2, 32, 2, 4, 3e-3
 
 
-ROWS_IN_ALL = STEPS * ACCUM * WORLD * ROWS
+def _rows_in_all(world: int) -> int:
+    return STEPS * ACCUM * world * ROWS
 
 
 def _arguments(output_dir: str, rows_per_device: int):
@@ -58,61 +59,68 @@ def _reset_accelerate() -> None:
     PartialState._reset_state()
 
 
-def _sharded(rank: int, world: int, out_dir: str) -> dict:
+def _on_host(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value.detach().cpu() for name, value in params.items()}
+
+
+def _sharded(rank: int, world: int, out_dir: str, device_type: str = "cpu") -> dict:
     from megatron_fsdp.integrations.hugging_face import MegatronFSDPTrainer
 
     os.environ["LOCAL_RANK"] = str(rank)  # what a launcher sets: Trainer's Accelerate reads it
     os.environ["OMP_NUM_THREADS"] = "1"  # else Accelerate gives each rank every core
-    torch.use_deterministic_algorithms(True)
+    use_deterministic_kernels()
+    rows_in_all = _rows_in_all(world)
 
     def sharded_llama(seed: int = 0):
-        return hf_trainer.shard(hf_llama.build_model(hf_llama.tiny_llama_config(), seed=seed))
+        return hf_trainer.shard(hf_llama.build_model(hf_llama.tiny_llama_config(), seed=seed).to(device_type))
 
     results = {}
     _reset_accelerate()  # a pooled process may hold an earlier run's Accelerate state
     try:
         run_dir = os.path.join(out_dir, "run")
-        trainer = hf_trainer.build_trainer(sharded_llama(), _arguments(run_dir, ROWS), ROWS_IN_ALL, SEQ)
+        trainer = hf_trainer.build_trainer(sharded_llama(), _arguments(run_dir, ROWS), rows_in_all, SEQ)
         trainer.train()
         results["logged"] = _logged(trainer)
         results["weight_decays"] = _weight_decays(trainer)
-        results["params"] = trainer.model.full_parameters()
+        results["params"] = _on_host(trainer.model.full_parameters())
         results["saved_dir"] = os.path.join(out_dir, "saved")
         trainer.save_model(results["saved_dir"])
 
         # Resumed from the step checkpoint into other weights, a fresh optimizer and schedule.
-        resumed = hf_trainer.build_trainer(sharded_llama(seed=7), _arguments(run_dir, ROWS), ROWS_IN_ALL, SEQ)
+        resumed = hf_trainer.build_trainer(sharded_llama(seed=7), _arguments(run_dir, ROWS), rows_in_all, SEQ)
         resumed.train(resume_from_checkpoint=os.path.join(run_dir, f"checkpoint-{STEPS // 2}"))
-        params = resumed.model.full_parameters()
+        params = _on_host(resumed.model.full_parameters())
         results["resumed_exactly"] = {name: torch.equal(value, results["params"][name]) for name, value in params.items()}
 
         model = sharded_llama()
         passed_in = MegatronFSDPTrainer(
-            model=model, args=_arguments(os.path.join(out_dir, "passed_in"), ROWS), train_dataset=hf_trainer.dataset(ROWS_IN_ALL, SEQ),
+            model=model, args=_arguments(os.path.join(out_dir, "passed_in"), ROWS), train_dataset=hf_trainer.dataset(rows_in_all, SEQ),
             optimizers=(_passed_in_optimizer(model), None),
         )
         passed_in.train()
         results["passed_in_logged"] = _logged(passed_in)
-        results["passed_in_params"] = model.full_parameters()
+        results["passed_in_params"] = _on_host(model.full_parameters())
     finally:
         _reset_accelerate()
     return results
 
 
-def _reference(output_dir: str, pass_optimizer: bool) -> dict:
-    """The plain Trainer in one process, each step's whole global batch on it."""
-    torch.use_deterministic_algorithms(True)
+def reference_run(output_dir: str, pass_optimizer: bool, world: int = WORLD) -> dict:
+    """The plain Trainer in one process, each step's whole global batch on it (on the GPU where
+    there is one, as Trainer chooses)."""
+    use_deterministic_kernels()
     try:
         model = hf_llama.build_model(hf_llama.tiny_llama_config())
         optimizers = (_passed_in_optimizer(model), None) if pass_optimizer else (None, None)
         trainer = Trainer(
-            model=model, args=_arguments(output_dir, ROWS * WORLD), train_dataset=hf_trainer.dataset(ROWS_IN_ALL, SEQ), optimizers=optimizers
+            model=model, args=_arguments(output_dir, ROWS * world), train_dataset=hf_trainer.dataset(_rows_in_all(world), SEQ),
+            optimizers=optimizers,
         )
         trainer.train()
         return {
             "logged": _logged(trainer),
             "weight_decays": _weight_decays(trainer),
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "params": _on_host(dict(model.named_parameters())),
         }
     finally:
         _reset_accelerate()
@@ -121,7 +129,11 @@ def _reference(output_dir: str, pass_optimizer: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> dict:
-    return run_distributed(_sharded, WORLD, str(tmp_path_factory.mktemp("hf_trainer")))[0]
+    return sharded_run(WORLD, str(tmp_path_factory.mktemp("hf_trainer")))
+
+
+def sharded_run(world: int, out_dir: str, device_type: str = "cpu", backend: str = "gloo") -> dict:
+    return run_distributed(_sharded, world, out_dir, device_type, backend=backend)[0]
 
 
 # fp32. Trainer logs each step's loss averaged over ranks and micro-batches, and the gradient
@@ -137,9 +149,8 @@ RTOL = 1e-5
 PARAM_ATOL = LR / 10
 
 
-@pytest.mark.parametrize("optimizer", ["trainers", "passed_in"])
-def test_trainer_trains_a_sharded_model_like_the_single_process_trainer(sharded, tmp_path, optimizer: str) -> None:
-    expected = _reference(str(tmp_path), pass_optimizer=optimizer == "passed_in")
+def check_training(sharded: dict, expected: dict, optimizer: str) -> None:
+    """Logged losses and gradient norms, weight decays and final weights against the plain Trainer's."""
     logged = sharded["logged" if optimizer == "trainers" else "passed_in_logged"]
     params = sharded["params" if optimizer == "trainers" else "passed_in_params"]
     if optimizer == "trainers":
@@ -154,16 +165,29 @@ def test_trainer_trains_a_sharded_model_like_the_single_process_trainer(sharded,
         assert err <= PARAM_ATOL, f"{optimizer}: {name}: max error {err:.2e}"
 
 
-def test_save_model_writes_what_from_pretrained_loads(sharded) -> None:
+def check_saved_model_loads(sharded: dict) -> None:
     loaded = dict(LlamaForCausalLM.from_pretrained(sharded["saved_dir"]).named_parameters())
     assert loaded.keys() == sharded["params"].keys()
     for name, value in sharded["params"].items():
         assert torch.equal(loaded[name].detach(), value), f"{name} differs after save_model / from_pretrained"
 
 
-def test_resume_from_a_step_checkpoint_ends_where_the_uninterrupted_run_did(sharded) -> None:
+def check_resumed_exactly(sharded: dict) -> None:
     differing = [name for name, equal in sharded["resumed_exactly"].items() if not equal]
     assert not differing, f"resumed training differs from the uninterrupted run in {differing}"
+
+
+@pytest.mark.parametrize("optimizer", ["trainers", "passed_in"])
+def test_trainer_trains_a_sharded_model_like_the_single_process_trainer(sharded, tmp_path, optimizer: str) -> None:
+    check_training(sharded, reference_run(str(tmp_path), pass_optimizer=optimizer == "passed_in"), optimizer)
+
+
+def test_save_model_writes_what_from_pretrained_loads(sharded) -> None:
+    check_saved_model_loads(sharded)
+
+
+def test_resume_from_a_step_checkpoint_ends_where_the_uninterrupted_run_did(sharded) -> None:
+    check_resumed_exactly(sharded)
 
 
 def _plain_trainer(rank: int, world: int, out_dir: str) -> str:
@@ -174,7 +198,7 @@ def _plain_trainer(rank: int, world: int, out_dir: str) -> str:
     try:
         model = hf_trainer.shard(hf_llama.build_model(hf_llama.tiny_llama_config()))
         before = {name: value.clone() for name, value in model.full_parameters().items()}
-        trainer = Trainer(model=model, args=_arguments(out_dir, ROWS), train_dataset=hf_trainer.dataset(ROWS_IN_ALL, SEQ))
+        trainer = Trainer(model=model, args=_arguments(out_dir, ROWS), train_dataset=hf_trainer.dataset(_rows_in_all(world), SEQ))
         with pytest.raises(RuntimeError) as error:
             trainer.train()
         unchanged = all(torch.equal(value, before[name]) for name, value in model.full_parameters().items())
