@@ -1,0 +1,238 @@
+"""Runs PyTorch's own FSDP2 test files against megatron_fsdp.fsdp2 on the CPU over gloo.
+
+The test files are not part of this project (nor of the torch wheel): fetch
+``test/distributed/_composable/fsdp/`` of pytorch/pytorch into a directory and pass it::
+
+    .venv/bin/python scripts/fsdp2_upstream_tests.py /tmp/fsdp2_upstream \\
+        --files test_fully_shard_training.py --report /tmp/fsdp2_upstream_report.md
+
+The files run unedited and torch is not patched. Each test module is imported, and the names it
+bound to torch's ``fully_shard`` are rebound, in that module's namespace only, to ours. Each
+test method then runs on its own gloo ranks (forked processes; the module is already imported),
+the way torch's ``FSDPTest`` runs it, but launched here: torch's launcher ties the world size to
+the number of accelerators. ``skip_if_lt_x_gpu`` gates without ``allow_cpu`` are stepped over
+(the body underneath runs) because most of those bodies only name the device through
+``get_devtype()``; a body that really needs CUDA then fails, and is reported as such.
+
+Every test is reported passed, failed (with a reason class), skipped or timed out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import inspect
+import multiprocessing
+import os
+import socket
+import sys
+import time
+import traceback
+import unittest
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp
+
+import megatron_fsdp.fsdp2 as ours
+
+# Reason classes, tried in order on a failing rank's traceback (the first that matches wins).
+REASON_PATTERNS: list[tuple[str, tuple[str, ...]]] = [
+    ("needs CUDA", ("Torch not compiled with CUDA", "torch.cuda", "CUDAGraph", "device_sleep", "cuda")),
+    (
+        "tests torch internals",
+        (
+            "_get_fsdp_state",
+            "_fsdp_param_group",
+            "FSDPParamGroup",
+            "RegisterPostBackwardFunction",
+            "_comm_ctx",
+            "share_comm_ctx",
+            "register_fsdp_forward_method",
+            "foreach_all_gather",
+            "foreach_reduce",
+            "_modules_to_run_forward",
+        ),
+    ),
+    ("refused by design (clear error)", ("NotImplementedError",)),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def load_test_module(path: Path):
+    """Imports one upstream test file and rebinds its torch ``fully_shard`` names to ours."""
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    torch_fully_shard = {torch.distributed.fsdp.fully_shard}
+    rebound = []
+    for name, value in list(vars(module).items()):
+        if any(value is candidate for candidate in torch_fully_shard):
+            setattr(module, name, ours.fully_shard)
+            rebound.append(name)
+    return module, rebound
+
+
+def test_cases(module) -> list[tuple[type, str]]:
+    cases = []
+    for _, cls in inspect.getmembers(module, inspect.isclass):
+        if not issubclass(cls, unittest.TestCase) or cls.__module__ != module.__name__:
+            continue
+        cases += [(cls, name) for name in sorted(dir(cls)) if name.startswith("test")]
+    return cases
+
+
+def _body(cls: type, method: str):
+    """The test function, with a GPU-count gate stepped over (see the module docstring)."""
+    fn = getattr(cls, method)
+    gated = False
+    # functools.wraps copies the test's name onto the gate's wrapper; its code keeps the gate's.
+    while "skip_if_lt_x_gpu" in getattr(getattr(fn, "__code__", None), "co_qualname", ""):
+        fn, gated = fn.__wrapped__, True
+    return fn, gated
+
+
+def _harness_class(cls: type, world_size: int) -> type:
+    """``cls`` with the world size this run uses and a plain, settable rank."""
+
+    def get_rank(self):
+        return self.__dict__.get("_harness_rank", -1)
+
+    def set_rank(self, value):
+        self.__dict__["_harness_rank"] = value
+
+    return type(cls.__name__, (cls,), {"world_size": property(lambda self: world_size), "rank": property(get_rank, set_rank)})
+
+
+def _rank_main(cls, method, rank, world_size, port, log_path, conn) -> None:
+    with open(log_path, "a") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    torch.set_num_threads(1)
+    try:
+        from torch.testing._internal.common_utils import set_rng_seed
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        instance = _harness_class(cls, world_size)(method)
+        instance.rank = rank
+        instance.file_name = str(log_path)
+        torch._dynamo.reset()
+        set_rng_seed()
+        fn, _ = _body(cls, method)
+        fn(instance)
+        conn.send(("passed", ""))
+    except unittest.SkipTest as skip:
+        conn.send(("skipped", str(skip)))
+    except SystemExit as exit_:
+        conn.send(("skipped", f"exit code {exit_.code}"))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        conn.send(("failed", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def classify(trace: str) -> str:
+    last_line = trace.strip().splitlines()[-1] if trace.strip() else ""
+    if last_line.startswith("NotImplementedError"):
+        return "refused by design (clear error)"
+    for reason, needles in REASON_PATTERNS:
+        if any(needle in trace for needle in needles):
+            return reason
+    return "assertion or error: possible defect of ours"
+
+
+def run_case(cls, method, world_size, timeout, log_dir: Path) -> tuple[str, str]:
+    context = multiprocessing.get_context("fork")
+    port = _free_port()
+    log_path = log_dir / f"{cls.__name__}.{method}.log"
+    pipes, procs = [], []
+    for rank in range(world_size):
+        parent, child = context.Pipe(duplex=False)
+        proc = context.Process(target=_rank_main, args=(cls, method, rank, world_size, port, log_path, child))
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    deadline = time.monotonic() + timeout
+    results = []
+    for pipe in pipes:
+        if pipe.poll(max(0.0, deadline - time.monotonic())):
+            try:
+                results.append(pipe.recv())
+            except EOFError:
+                results.append(("failed", "rank died without a result"))
+        else:
+            results.append(("timeout", f"no result within {timeout} s"))
+    for proc in procs:
+        proc.join(1)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for status in ("failed", "timeout", "skipped"):
+        for result_status, detail in results:
+            if result_status == status:
+                return status, detail
+    return "passed", ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--files", nargs="*", help="test files to run (default: every test_*.py)")
+    parser.add_argument("-k", dest="pattern", default="", help="run only tests whose Class.method contains this")
+    parser.add_argument("--max-world-size", type=int, default=4, help="cap on ranks per test (2 CPU cores here)")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per test method")
+    parser.add_argument("--report", type=Path, default=Path("fsdp2_upstream_report.md"))
+    args = parser.parse_args()
+    log_dir = args.report.with_suffix(".logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    files = args.files or sorted(p.name for p in args.directory.glob("test_*.py"))
+    lines = [f"# PyTorch FSDP2 tests against megatron_fsdp.fsdp2 (torch {torch.__version__}, gloo, CPU)", ""]
+    totals = collections.Counter()
+    for file_name in files:
+        lines += [f"## {file_name}", ""]
+        try:
+            module, rebound = load_test_module(args.directory / file_name)
+        except Exception:  # noqa: BLE001 - an unimportable file is a result, not a crash
+            trace = traceback.format_exc()
+            lines += [f"not importable: `{trace.strip().splitlines()[-1]}`", ""]
+            totals["not importable"] += 1
+            continue
+        lines += [f"rebound to ours: {', '.join(rebound) or 'nothing'}", ""]
+        counts = collections.Counter()
+        for cls, method in test_cases(module):
+            name = f"{cls.__name__}.{method}"
+            if args.pattern not in name:
+                continue
+            world_size = min(max(cls(method).world_size, 2), args.max_world_size)
+            _, gated = _body(cls, method)
+            start = time.monotonic()
+            status, detail = run_case(cls, method, world_size, args.timeout, log_dir)
+            seconds = time.monotonic() - start
+            reason = classify(detail) if status == "failed" else ""
+            counts[status] += 1
+            last = detail.strip().splitlines()[-1][:200] if detail.strip() else ""
+            gate = ", GPU-gated upstream" if gated else ""
+            lines.append(f"- `{name}` (world {world_size}{gate}, {seconds:.0f} s): **{status}** {reason}")
+            if last:
+                lines.append(f"  - `{last}`")
+            print(f"{name}: {status} {reason} {last}", flush=True)
+        totals.update(counts)
+        summary = ", ".join(f"{key} {value}" for key, value in sorted(counts.items()))
+        lines += ["", f"{file_name}: {summary}", ""]
+    lines += ["## Total", "", ", ".join(f"{key} {value}" for key, value in sorted(totals.items()))]
+    args.report.write_text("\n".join(lines) + "\n")
+    print(f"report: {args.report}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
