@@ -16,6 +16,8 @@ fi
 .venv/bin/pip install -q "transformers==5.23.0"
 # Accelerate for tests/test_failed_steps.py (its find_executable_batch_size around a sharded model).
 .venv/bin/pip install -q "accelerate==1.15.0"
+# torch.testing._internal (scripts/fsdp2_upstream_tests.py) imports expecttest.
+.venv/bin/pip install -q --no-deps "expecttest==0.3.0"
 # --no-build-isolation: build against the torch above instead of a fresh (CUDA) one. Skipped
 # when the installed extension imports and no C++ source or build file is newer than it.
 root=$(pwd)
