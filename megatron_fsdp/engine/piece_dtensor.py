@@ -187,6 +187,14 @@ class PieceDTensor(DTensor):
             # rows, so to that caller alone a flat piece reads as meta; load_state_dict and the
             # optimizer's load hook then take this rank's range of the new one (one all-gather).
             return True
+        if func == torch.Tensor.copy_ and _copies_whole_replica(args):
+            # An init writing a parameter whole (torchtitan's fused QKV builds the full weight as a
+            # replicated DTensor, then copy_): this rank's flat range of it, no communication.
+            target, source = args[0], args[1]
+            start, length = target._flat_layout.mine(target.device_mesh)
+            with torch.no_grad():
+                target._local_tensor.copy_(source.to_local().reshape(-1)[start : start + length])
+            return target
         # Every Python-level op comes here first: torch 2.11's DTensor dispatch sends only some
         # ops of a subclass through __torch_dispatch__ (which ones can differ between ranks with
         # its sharding cache), so results are re-wrapped here, the same way on every rank.
@@ -210,6 +218,22 @@ def _distributes_rows_in_place(frame: FrameType) -> bool:
     return (
         frame.f_code.co_name == "_distribute_tensors"
         and frame.f_globals.get("__name__") == "torch.distributed._state_dict_utils"
+    )
+
+
+def _copies_whole_replica(args: tuple) -> bool:
+    """``target.copy_(source)`` with ``target`` a flat piece of a whole (not tensor-parallel)
+    parameter and ``source`` that parameter replicated on every rank of the same mesh."""
+    if len(args) < 2 or not isinstance(args[0], PieceDTensor) or args[0]._flat_layout is None:
+        return False
+    target, source = args[0], args[1]
+    return (
+        isinstance(source, DTensor)
+        and not isinstance(source, PieceDTensor)
+        and source.device_mesh == target.device_mesh
+        and all(p.is_replicate() for p in source.placements)
+        and source.shape == target.shape
+        and tuple(target._flat_layout.local_shape) == tuple(target.shape)
     )
 
 

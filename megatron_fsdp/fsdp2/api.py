@@ -297,7 +297,7 @@ def _mixed_precision(
     param_dtype = mp_policy.param_dtype
     if param_dtype is not None and dtypes == {param_dtype}:
         param_dtype = None
-    if param_dtype is None:
+    if param_dtype is None or not dtypes:  # no parameters of its own (a root over sharded blocks): nothing to cast
         return MixedPrecisionPolicy(main_params_dtype=None, grad_comm_dtype=mp_policy.reduce_dtype), None
     if len(dtypes) > 1:
         raise NotImplementedError(

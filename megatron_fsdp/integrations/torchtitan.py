@@ -1,0 +1,178 @@
+"""torchtitan's trainer over ``megatron_fsdp.fsdp2``: a torchtitan user selects this module where
+they would select torchtitan's llama3 one, and nothing else changes::
+
+    torchrun --nproc_per_node 8 -m torchtitan.train \\
+        --module megatron_fsdp.integrations.torchtitan --config llama3_debugmodel
+
+Every config function of torchtitan's ``torchtitan.models.llama3.config_registry``
+(``llama3_debugmodel``, ``llama3_debugmodel_float8``, ``llama3_8b``, ...) is reachable here by
+its name: it returns torchtitan's own ``Trainer.Config`` with the model spec's parallelize
+function replaced by :func:`parallelize_llama` below, which applies torchtitan's activation
+checkpointing and per-block compile as torchtitan's does, then shards with megatron_fsdp's
+``fully_shard`` where torchtitan's calls torch's: one unit per transformer block, the embedding,
+the final norm and the head grouped, then the root. Everything else (meta build, ``init_weights``
+after parallelize, chunked loss, float8 Linear, DCP checkpoints, gradient accumulation, HSDP from
+``data_parallel_replicate_degree``) is torchtitan's. See docs/fsdp2.md, "torchtitan".
+
+Tensor, context, pipeline and expert parallelism are refused with a clear error: this module
+covers data parallelism (FSDP and HSDP) only.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron_fsdp.fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+try:
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.distributed.compile import apply_compile
+    from torchtitan.distributed.fsdp import (
+        disable_fsdp_gradient_division,
+        enable_fsdp_symm_mem,
+        get_fsdp_reshard_after_forward_policy,
+    )
+    from torchtitan.models.llama3 import parallelize_llama as torchtitan_parallelize_llama
+except ImportError as error:  # pragma: no cover - the message is the point
+    raise ImportError(
+        "megatron_fsdp.integrations.torchtitan needs torchtitan (0.3.0 is tested): pip install torchtitan"
+    ) from error
+
+logger = logging.getLogger(__name__)
+
+LLAMA3_CONFIG_REGISTRY = "torchtitan.models.llama3.config_registry"
+
+
+def _refuse_unsupported(parallel_dims: Any, model: nn.Module) -> None:
+    """Raises before any collective, on every rank alike (the checks read only the config)."""
+    unsupported = [
+        name
+        for name, enabled in (
+            ("tensor parallelism", parallel_dims.tp_enabled),
+            ("context parallelism", parallel_dims.cp_enabled),
+            ("pipeline parallelism", parallel_dims.pp_enabled),
+            ("expert parallelism", parallel_dims.ep_enabled),
+        )
+        if enabled
+    ]
+    if any(getattr(block, "moe_enabled", False) for block in model.layers.values()):
+        unsupported.append("mixture-of-experts blocks")
+    if unsupported:
+        raise NotImplementedError(
+            f"megatron_fsdp.integrations.torchtitan shards data-parallel only; this job asks for "
+            f"{', '.join(unsupported)}. Use torchtitan's own module for it."
+        )
+
+
+def _data_parallel_mesh(parallel_dims: Any, spmd_backend: str) -> Any:
+    """The mesh torchtitan's FSDP path shards over: (dp_replicate, shard dim) under HSDP."""
+    shard_dim = "fsdp" if spmd_backend == "partial_dtensor" else "dp_shard"
+    names = ["dp_replicate", shard_dim] if parallel_dims.dp_replicate_enabled else [shard_dim]
+    return parallel_dims.get_mesh(names)
+
+
+def shard_decoder(
+    model: nn.Module,
+    mesh: Any,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    cpu_offload: bool = False,
+    reshard_after_forward_policy: str = "default",
+    enable_symm_mem: bool = False,
+) -> None:
+    """Shards a torchtitan decoder in place with megatron_fsdp's ``fully_shard``, in the units
+    torchtitan's ``apply_fsdp_to_decoder`` makes for a dense model: the embedding (with the norm
+    and head when weights are tied), the final norm and head as one group kept gathered after
+    forward unless the policy is ``"always"``, each transformer block, then the root. Gradients
+    are not divided by the group size: torchtitan's loss already divides by the global token
+    count."""
+    fsdp_kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False),
+    }
+    if cpu_offload:
+        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
+    reshard_after_forward = get_fsdp_reshard_after_forward_policy(reshard_after_forward_policy, pp_enabled=False)
+    keep_head_gathered = reshard_after_forward_policy == "always"
+    head = [m for m in (model.norm, model.lm_head) if m is not None]
+    if model.enable_weight_tying:
+        fully_shard([model.tok_embeddings, *head], **fsdp_kwargs, reshard_after_forward=keep_head_gathered)
+    else:
+        if model.tok_embeddings is not None:
+            fully_shard(model.tok_embeddings, **fsdp_kwargs, reshard_after_forward=reshard_after_forward)
+        if len(head) == 2:
+            fully_shard(head, **fsdp_kwargs, reshard_after_forward=keep_head_gathered)
+    for block in model.layers.values():
+        fully_shard(block, **fsdp_kwargs, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, **fsdp_kwargs)
+    if enable_symm_mem:
+        enable_fsdp_symm_mem(model)
+    disable_fsdp_gradient_division(model)
+    logger.info("megatron_fsdp: sharded %d blocks over mesh %s", len(model.layers), mesh)
+
+
+def parallelize_llama(
+    model: nn.Module,
+    *,
+    parallel_dims: Any,
+    training: Any,
+    parallelism: Any,
+    compile_config: Any,
+    ac_config: Any,
+    dump_folder: str,
+) -> nn.Module:
+    """torchtitan's parallelize function for llama3 (same keywords as torchtitan's
+    ``parallelize_llama``), sharding with megatron_fsdp: activation checkpointing, then
+    per-block ``torch.compile`` when ``compile.components`` holds ``"model"``, then
+    :func:`shard_decoder`. The model may be on the meta device, as torchtitan builds it."""
+    _refuse_unsupported(parallel_dims, model)
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(model)
+    if compile_config.enable and "model" in compile_config.components:
+        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+    shard_decoder(
+        model,
+        _data_parallel_mesh(parallel_dims, parallelism.spmd_backend),
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+        cpu_offload=training.enable_cpu_offload,
+        reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
+        enable_symm_mem=parallelism.enable_fsdp_symm_mem,
+    )
+    return model
+
+
+def with_megatron_fsdp(config: Any) -> Any:
+    """Returns torchtitan's ``Trainer.Config`` ``config`` with its llama3 model spec sharded by
+    megatron_fsdp (the spec's ``parallelize_fn`` replaced). Raises ``ValueError`` for a spec
+    whose parallelize function is not torchtitan's llama3 one."""
+    spec = config.model_spec
+    if spec is None or spec.parallelize_fn is not torchtitan_parallelize_llama:
+        raise ValueError(
+            "megatron_fsdp.integrations.torchtitan replaces torchtitan's llama3 parallelize function; "
+            f"this config's model spec uses {getattr(spec, 'parallelize_fn', None)!r}"
+        )
+    spec.parallelize_fn = parallelize_llama
+    return config
+
+
+def __getattr__(name: str) -> Callable[[], Any]:
+    """``--config NAME``: torchtitan's llama3 config function NAME, sharded by megatron_fsdp."""
+    registry = importlib.import_module(LLAMA3_CONFIG_REGISTRY)
+    make_config = getattr(registry, name, None) if not name.startswith("_") else None
+    if not callable(make_config) or not name.startswith("llama3"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r} (nor has {LLAMA3_CONFIG_REGISTRY})")
+
+    @functools.wraps(make_config)
+    def make_megatron_fsdp_config() -> Any:
+        return with_megatron_fsdp(make_config())
+
+    return make_megatron_fsdp_config
