@@ -166,10 +166,19 @@ class FaceSource:
 def face_sources(model: ShardedModel) -> dict[nn.Parameter, FaceSource]:
     """Each trainable parameter's DTensor face -> its :class:`FaceSource`."""
     return {
-        bucket.faces[index].param: FaceSource(piece, start, bucket.extents[index], bucket.faces[index].spec)
-        for bucket, index, _, (piece, start) in _bucket_params(model)
-        if bucket.requires_grad
+        sharded.param: source
+        for unit in model.units
+        for bucket in unit.trainable_buckets
+        for sharded, source in zip(bucket.faces, bucket_face_sources(bucket))
     }
+
+
+def bucket_face_sources(bucket: Bucket) -> list[FaceSource]:
+    """The :class:`FaceSource` of each of ``bucket``'s parameters, in order."""
+    return [
+        FaceSource(piece, start, extent, sharded.spec)
+        for (piece, start), extent, sharded in zip(bucket.checkpoint_pieces(), bucket.extents, bucket.faces)
+    ]
 
 
 def to_face_layout(value: Any, source: FaceSource, what: str) -> Any:

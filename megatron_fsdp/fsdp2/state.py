@@ -23,7 +23,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp import _ops
-from megatron_fsdp.checkpoint.state_dicts import FaceSource, to_face_layout
+from megatron_fsdp.checkpoint.state_dicts import FaceSource, bucket_face_sources, to_face_layout
+from megatron_fsdp.engine.buffer import Bucket
 from megatron_fsdp.engine.config import FSDPSettings
 from megatron_fsdp.engine.mesh import DataParallelGroup
 from megatron_fsdp.engine.offload import OffloadTransfers
@@ -33,6 +34,7 @@ from megatron_fsdp.engine.sharded_params import MeshCache
 from megatron_fsdp.engine.step_hooks import StepHooks, tensors_requiring_grad
 from megatron_fsdp.engine.units import FSDPUnit
 from megatron_fsdp.fsdp2 import optimizer_state
+from megatron_fsdp.optim.piece_steps import end_unfinished_steps
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +118,8 @@ class ModuleShardingState:
             bucket.add_faces(meshes)
         self.faces = {p: f for b in unit.buckets for p, f in zip(b.params, b.faces)}
         self.slots = [ParamSlot(owner, name, param, self.faces[param].param) for owner, name, param in registrations]
-        for param, face in self.faces.items():
-            optimizer_state.track(face.param, self, param)
+        for face in self.faces.values():
+            optimizer_state.track(face.param, self)
         unit.registration = RegisteredParams(self.slots)
         unit.registration.show_sharded()
 
@@ -183,18 +185,25 @@ class ModuleShardingState:
 
     def _before_step(self, step: RootStep) -> None:
         """At the root's forward between steps: what FSDP2 takes from the parameters' ``.grad``
-        (which ``optimizer.zero_grad()`` cleared) and from ``set_post_optim_event``."""
+        (which ``optimizer.zero_grad()`` cleared) and from ``set_post_optim_event``. An optimizer
+        step that raised first gives its optimizer the faces back (optim/piece_steps.py)."""
+        end_unfinished_steps()
         if self.post_optim_event is not None:
             self.post_optim_event.wait()
             self.post_optim_event = None
         for state in step.states:
             state.adopt_cleared_grads()
 
-    def install_stepped_main_params(self) -> None:
+    def piece_buckets(self) -> list[Bucket]:
+        """The buckets whose faces an optimizer steps as the pieces under them (optimizer_state.py)."""
+        return self.unit.buckets
+
+    def after_piece_step(self) -> None:
         """After an optimizer stepped this unit's pieces: offloaded buckets send the stepped main
         parameters (on the host) to the device weights the next gather reads. The whole-model
-        wrapper does this in its optimizer's step; a plain optimizer's step is seen by
-        optimizer_state.py's step hook. Elsewhere the gathers read the main parameters."""
+        wrapper does this in its optimizer's step; a plain optimizer's step is seen by torch's
+        global step post-hook (``optim/piece_steps.py``). Elsewhere the gathers read the main
+        parameters."""
         for bucket in self.unit.trainable_buckets:
             if bucket.host is not None:
                 bucket.install_main_params()
@@ -269,16 +278,11 @@ class ModuleShardingState:
             # otherwise nn.Module reports it as missing or mis-shaped
 
     def _face_sources(self) -> dict[nn.Parameter, FaceSource]:
-        sources = {}
-        for bucket in self.unit.buckets:
-            for index, ((piece, start), param) in enumerate(zip(bucket.checkpoint_pieces(), bucket.params)):
-                sources[param] = FaceSource(piece, start, bucket.extents[index], bucket.faces[index].spec)
-        return sources
-
-    def face_source(self, param: nn.Parameter) -> FaceSource:
-        """Where the piece of the unit's parameter ``param`` lies (what state laid out like its
-        face is cut from)."""
-        return self._face_sources()[param]
+        return {
+            param: source
+            for bucket in self.unit.buckets
+            for param, source in zip(bucket.params, bucket_face_sources(bucket))
+        }
 
     def _load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
         """The loaded main weights reach the compute weights."""

@@ -2,75 +2,56 @@
 steps, its DTensor faces, and steps it itself. torch's optimizers take their per-tensor loop for a
 DTensor subclass (their foreach kernels want an exact tensor type), with Python dispatch on every
 op: on CPU, AdamW over a 2-layer GPT's 28 parameters took 1.4 ms on plain tensors and 27.6 ms on
-the faces. While the hooks here are in place (``install()`` puts them), each optimizer step whose
-parameters are all one model's faces runs on the plain pieces under them, and the faces come back
-after it: what ``fully_shard_optimizer``'s step does (:class:`~megatron_fsdp.optim.optimizer.PieceSwap`).
+the faces. While ``install_piece_steps()`` is in effect (``install()`` puts it), each optimizer
+step over a ``MegatronFSDP``'s faces runs on the plain pieces under them, and the faces come back
+after it: the same swap as ``fully_shard_optimizer``'s step and ``megatron_fsdp.fsdp2``'s plain
+optimizers, through the same global step hooks (``megatron_fsdp/optim/piece_steps.py``).
 
-The hooks are torch's public global optimizer step hooks; they touch no optimizer whose
-parameters are not all faces of one ``MegatronFSDP`` (``fully_shard_optimizer``'s own steps among
-them: they already step the pieces). A step that raised leaves the pieces in its optimizer until
-that optimizer's next step, which puts the faces back first.
+``fully_shard_optimizer``'s own steps are left alone: they already step the pieces. megatron-core
+syncs the gradients and installs the stepped weights itself, so nothing follows the step here.
 """
 
 from __future__ import annotations
 
 import weakref
-from contextlib import ExitStack
-from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from megatron_fsdp.engine.buffer import Bucket
 from megatron_fsdp.megatron_fsdp import MegatronFSDP
-from megatron_fsdp.optim.optimizer import PieceSwap
-
-# optimizer -> (the model its swap was made for, the swap)
-_swaps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# optimizer -> the swap in effect during its step
-_in_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from megatron_fsdp.optim.piece_steps import step_faces_as_pieces
 
 
-def install_piece_steps() -> tuple[RemovableHandle, RemovableHandle]:
-    """Registers the step hooks; returns their handles (``.remove()`` takes them out)."""
-    return (
-        register_optimizer_step_pre_hook(_before_step),
-        register_optimizer_step_post_hook(_after_step),
-    )
+class _WrapperFaces:
+    """A ``MegatronFSDP``'s trainable faces as the step hooks see them."""
+
+    def __init__(self, model: MegatronFSDP) -> None:
+        self._model = weakref.ref(model)
+
+    def piece_buckets(self) -> list[Bucket]:
+        model = self._model()
+        return model.trainable_buckets() if model is not None else []
+
+    def after_piece_step(self) -> None:
+        """megatron-core installs the weights itself (``install_optimized_model_weights``)."""
 
 
-def _faces_model(optimizer: torch.optim.Optimizer) -> MegatronFSDP | None:
-    """The model whose faces are all of ``optimizer``'s parameters, or None."""
-    if getattr(optimizer, "_megatron_fsdp_model", None) is not None:
-        return None  # fully_shard_optimizer's step swaps by itself
-    params = [param for group in optimizer.param_groups for param in group["params"]]
-    model = getattr(params[0], "_megatron_fsdp_model", None) if params else None
+# One per model, living as long as it (the hooks hold owners weakly).
+_owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def install_piece_steps() -> tuple[RemovableHandle]:
+    """Steps over a ``MegatronFSDP``'s faces run on the pieces from now on; ``.remove()`` on the
+    returned handle ends that."""
+    return (step_faces_as_pieces(_wrapper_faces),)
+
+
+def _wrapper_faces(param: torch.Tensor) -> _WrapperFaces | None:
+    model = getattr(param, "_megatron_fsdp_model", None)
     if not isinstance(model, MegatronFSDP):
         return None
-    if any(getattr(param, "_megatron_fsdp_model", None) is not model for param in params):
-        return None
-    return model
-
-
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    _end_swap(optimizer)
-    model = _faces_model(optimizer)
-    if model is None:
-        return
-    made_for, swap = _swaps.get(optimizer, (None, None))
-    if made_for is not model:
-        swap = PieceSwap(model)
-        _swaps[optimizer] = (model, swap)
-    stack = ExitStack()
-    stack.enter_context(swap.pieces(optimizer))
-    _in_step[optimizer] = stack
-
-
-def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    _end_swap(optimizer)
-
-
-def _end_swap(optimizer: torch.optim.Optimizer) -> None:
-    stack = _in_step.pop(optimizer, None)
-    if stack is not None:
-        stack.close()
+    owner = _owners.get(model)
+    if owner is None:
+        owner = _owners[model] = _WrapperFaces(model)
+    return owner

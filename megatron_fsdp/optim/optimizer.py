@@ -1,176 +1,23 @@
 """The distributed optimizer: any elementwise torch optimizer over the model's DTensor faces,
-stepping only this rank's fp32 main-parameter pieces, then installing them into the compute
-weights. With CPU offloading, or main gradients of a lower dtype than the main
-params, the C++ ops step them (kernel_step.py)."""
+stepping only this rank's fp32 main-parameter pieces (swapped in by piece_swap.py), then
+installing them into the compute weights. With CPU offloading, or main gradients of a lower
+dtype than the main params, the C++ ops step them (kernel_step.py)."""
 
 from __future__ import annotations
 
 import functools
 import types
-from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
-from torch.distributed.tensor import DTensor
 
-from megatron_fsdp.checkpoint import state_dicts
 from megatron_fsdp.engine.piece_dtensor import plain_attribute_access
-from megatron_fsdp.engine.sharded_params import sharded_dtensor
-from megatron_fsdp.optim.kernel_step import kernel_step_for, reads_main_grads_as_they_are
 from megatron_fsdp.optim.initial_state import InitialStatePlaceholders
+from megatron_fsdp.optim.kernel_step import kernel_step_for, reads_main_grads_as_they_are
+from megatron_fsdp.optim.piece_swap import PieceSwap
 
 if TYPE_CHECKING:  # the wrapper sits above this module; it is passed in
     from megatron_fsdp.megatron_fsdp import MegatronFSDP
-
-
-class PieceSwap:
-    """Outside ``step`` the optimizer holds what users and torch's tools expect of FSDP: the
-    DTensor faces in its param groups, their ``.grad``, and DTensor state keyed by them, so
-    ``state_dict()`` and torch's ``get/set_optimizer_state_dict`` map them to FQNs. Inside
-    ``step`` it holds the plain 1-D pieces under the faces (the same storage) with plain
-    gradients and state, so no DTensor dispatch lands in the step. Either side's wrappers are
-    reused while the other side still holds the same tensors, so a swap costs a few dict
-    look-ups per parameter."""
-
-    def __init__(self, model: MegatronFSDP) -> None:
-        self.sources = state_dicts.face_sources(model)
-        self.sharded = {sharded.param: sharded for bucket in model.trainable_buckets() for sharded in bucket.faces}
-        pieces = model.optimizer_params()
-        self.piece_of = {model.face_of(param): piece for param, piece in pieces.items()}
-        self.face_of = {piece: face for face, piece in self.piece_of.items()}
-        self.names = {face: name for name, face in model.named_parameters()}
-        # face -> state name -> (the DTensor shown, the plain tensor stepped): what a swap reuses.
-        self._pairs: dict[nn.Parameter, dict[str, tuple[DTensor, torch.Tensor]]] = {}
-
-    @contextmanager
-    def pieces(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        faces_per_group = [group["params"] for group in optimizer.param_groups]
-        # Everything that can raise comes first: the optimizer is left as it was.
-        with plain_attribute_access():
-            pieces_per_group = [[self._piece_with_grad(face) for face in faces] for faces in faces_per_group]
-        shown_state = optimizer.state
-        plain_state = self._plain_state(shown_state)
-        for group, pieces in zip(optimizer.param_groups, pieces_per_group):
-            group["params"] = pieces
-        optimizer.state = plain_state
-        try:
-            yield
-        finally:
-            optimizer.state = self._shown_state(optimizer.state)
-            for group, faces in zip(optimizer.param_groups, faces_per_group):
-                group["params"] = faces
-
-    def _piece_with_grad(self, face: nn.Parameter) -> nn.Parameter:
-        """The face's piece, its ``.grad`` the face's: the reduced gradient shown after the
-        sync (already on the piece), one a user or a tool assigned, or None."""
-        piece = self.piece_of.get(face)
-        if piece is None:
-            raise ValueError(
-                "an optimizer param group holds a tensor that is not a parameter of the sharded model; add "
-                "model.parameters() (after fully_shard) to the optimizer, not other tensors"
-            )
-        grad = face.grad
-        if grad is None:
-            piece.grad = None
-        elif grad is not self.sharded[face].shown_grad:
-            piece.grad = self._assigned_grad(face, grad)
-        return piece
-
-    def _assigned_grad(self, face: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-        source = self.sources[face]
-        if not isinstance(grad, DTensor) or not state_dicts.holds_this_piece(grad, source.spec):
-            raise ValueError(
-                f"the .grad of parameter {self.names[face]!r} is not a DTensor laid out like the parameter; "
-                "assign gradients made from the parameter or its .grad (torch.zeros_like(p), p.grad * 2), "
-                "not full tensors"
-            )
-        return grad._local_tensor.reshape(source.piece.shape)
-
-    def _plain_state(self, shown_state: dict[Any, dict[str, Any]]) -> defaultdict:
-        plain: defaultdict = defaultdict(dict)
-        for face, entries in shown_state.items():
-            pairs = self._pairs.get(face, {})
-            piece = self.piece_of[face]
-            plain_entries = {}
-            for name, value in entries.items():
-                pair = pairs.get(name)
-                if pair is not None and pair[0] is value:
-                    plain_entries[name] = pair[1]
-                elif isinstance(value, DTensor):
-                    plain_entries[name] = value._local_tensor.view(piece.shape)
-                else:
-                    plain_entries[name] = value
-            plain[piece] = plain_entries
-        return plain
-
-    def _shown_state(self, plain_state: dict[Any, dict[str, Any]]) -> defaultdict:
-        shown: defaultdict = defaultdict(dict)
-        pairs_now: dict[nn.Parameter, dict[str, tuple[DTensor, torch.Tensor]]] = {}
-        for piece, entries in plain_state.items():
-            face = self.face_of[piece]
-            pairs = self._pairs.get(face, {})
-            face_pairs = pairs_now[face] = {}
-            shown_entries = {}
-            for name, value in entries.items():
-                per_element = isinstance(value, torch.Tensor) and value.shape == piece.shape
-                if not per_element:
-                    shown_entries[name] = value
-                    continue
-                pair = pairs.get(name)
-                if pair is None or pair[1] is not value:
-                    pair = (sharded_dtensor(value, self.sources[face].spec), value)
-                face_pairs[name] = pair
-                shown_entries[name] = pair[0]
-            shown[face] = shown_entries
-        self._pairs = pairs_now
-        return shown
-
-    def take_zero_step(self, optimizer: torch.optim.Optimizer, unwrapped_step: Any) -> None:
-        """One step of zero gradients at zero learning rate on the pieces, as torch's distributed
-        state-dict helpers take: it creates the optimizer's state and moves no weight."""
-        saved_lrs = []
-        for group in optimizer.param_groups:
-            saved_lrs.append(group.get("lr"))
-            if "lr" in group:
-                group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
-        with self.pieces(optimizer):
-            saved_grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
-            for piece, _ in saved_grads:
-                piece.grad = torch.zeros_like(piece)
-            unwrapped_step()
-            for piece, grad in saved_grads:
-                piece.grad = grad
-        for group, lr in zip(optimizer.param_groups, saved_lrs):
-            if lr is not None:
-                group["lr"] = lr
-
-    def to_face_layouts(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A state dict about to be loaded, its per-element entries laid out like the faces (torch
-        matches saved entries to parameters by position, keyed by index or by FQN)."""
-        faces = [face for group in optimizer.param_groups for face in group["params"]]
-        keys = [key for group in state_dict["param_groups"] for key in group["params"]]
-        if len(keys) != len(faces):
-            raise ValueError(
-                f"the optimizer state dict holds {len(keys)} parameters, this optimizer {len(faces)}: "
-                "load it into an optimizer built over the same parameters"
-            )
-        unexpected = [str(key) for key in state_dict["state"] if key not in set(keys)]
-        if unexpected:
-            raise RuntimeError(
-                f"the optimizer state dict does not fit this model; unexpected: {', '.join(unexpected)} (state for "
-                "parameters its param groups do not list)"
-            )
-        state = dict(state_dict["state"])
-        for key, face in zip(keys, faces):
-            if key in state:
-                state[key] = {
-                    name: state_dicts.to_face_layout(value, self.sources[face], f"{name!r} of {self.names[face]!r}")
-                    for name, value in state[key].items()
-                }
-        return {**state_dict, "state": state}
 
 
 def _return_cached_device_memory(model: MegatronFSDP) -> None:
@@ -201,11 +48,12 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) 
         raise ValueError(
             "the optimizer already holds state (it has stepped): build it fresh and shard it before the first step"
         )
-    swap = PieceSwap(model)
+    swap = PieceSwap(model.trainable_buckets(), names={face: name for name, face in model.named_parameters()})
     # An optimizer built before fully_shard holds the model's parameters; one built after it,
     # their DTensor faces (model.parameters()).
     to_face = {param: model.face_of(param) for param in model.optimizer_params()}
-    to_face.update({face: face for face in swap.piece_of})
+    to_face.update({face: face for face in to_face.values()})
+    to_face.update({old: to_face[new] for old, new in getattr(model, "replaced_params", {}).items() if new in to_face})
     model_param_names = {p: n for n, p in model.module.named_parameters()}
     model_param_names.update({p: n for n, p in model.named_parameters()})
     for group_index, group in enumerate(optimizer.param_groups):

@@ -1,0 +1,152 @@
+"""A plain torch optimizer over DTensor faces steps the plain pieces under them.
+
+torch's optimizers take their per-tensor loop for a DTensor subclass (their foreach kernels want
+an exact tensor type), with Python dispatch on every op: a step over a small model's faces took
+several times the same step on plain tensors. Around each optimizer step, torch's public global
+step hooks (registered once, by the first front door that asks) swap the faces the step holds for
+the pieces under them (:class:`~megatron_fsdp.optim.piece_swap.PieceSwap`) and put the faces back
+after it. What is a face is told by *owner resolvers*: each front door registers one that maps a
+face to its :class:`PieceOwner` (``megatron_fsdp.fsdp2``'s modules sharded in place; the
+whole-model wrapper's faces where ``megatron_fsdp.integrations.megatron_core.install()`` asked).
+An optimizer's parameters that no resolver knows stay in the step as they are; an optimizer
+sharded by ``fully_shard_optimizer`` (``_megatron_fsdp_model``) swaps by itself and is left alone.
+
+A step that raised leaves the pieces in its optimizer (torch runs no post-hook then) until the
+first of: that optimizer's next step, its ``state_dict()`` or ``load_state_dict()``, or a call to
+:func:`end_unfinished_steps` (the next forward of a module sharded in place makes one). Until then
+its ``param_groups`` list the pieces.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from megatron_fsdp.engine.buffer import Bucket
+from megatron_fsdp.optim.piece_swap import PieceSwap
+
+
+class PieceOwner(Protocol):
+    """What owns a set of faces: the buckets of its units, and what follows a step of them."""
+
+    def piece_buckets(self) -> list[Bucket]:
+        """The buckets whose faces it owns."""
+
+    def after_piece_step(self) -> None:
+        """After an optimizer stepped (some of) its pieces (offloaded: send them to the device)."""
+
+
+OwnerResolver = Callable[[torch.Tensor], "PieceOwner | None"]
+
+
+@dataclass
+class _OptimizerSwap:
+    """The swap made for one optimizer, valid while its param groups list ``params`` and the
+    same resolvers are registered."""
+
+    resolvers: tuple[int, ...]
+    params: list[torch.Tensor]
+    owners: list[weakref.ref]
+    swap: PieceSwap | None
+
+
+# handle id -> resolver (an OrderedDict: a RemovableHandle refers to it weakly)
+_resolvers: OrderedDict[int, OwnerResolver] = OrderedDict()
+_hooks: list[RemovableHandle] = []
+# optimizer -> its swap
+_swaps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# optimizer -> (its swap, the faces per group) while the pieces are in it
+_in_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# optimizers whose state_dict()/load_state_dict() end an unfinished step
+_watched: weakref.WeakSet = weakref.WeakSet()
+
+
+def step_faces_as_pieces(resolver: OwnerResolver) -> RemovableHandle:
+    """From now on, optimizer steps over faces ``resolver`` knows run on their pieces. The first
+    call registers torch's global step hooks; ``.remove()`` on the returned handle withdraws the
+    resolver (the hooks stay, passing every optimizer when no resolver is left)."""
+    handle = RemovableHandle(_resolvers)
+    _resolvers[handle.id] = resolver
+    if not _hooks:
+        _hooks.append(register_optimizer_step_pre_hook(_before_step))
+        _hooks.append(register_optimizer_step_post_hook(_after_step))
+    return handle
+
+
+def end_unfinished_steps() -> None:
+    """Puts the faces back in every optimizer whose step raised with the pieces in it."""
+    for optimizer in list(_in_step.keys()):
+        _end_step(optimizer, raised=True)
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _end_step(optimizer, raised=True)  # the last step raised
+    if not _resolvers or getattr(optimizer, "_megatron_fsdp_model", None) is not None:
+        return
+    entry = _swap_for(optimizer)
+    if entry.swap is not None:
+        _in_step[optimizer] = (entry, entry.swap.swap_in(optimizer))
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _end_step(optimizer, raised=False)
+
+
+def _end_step(optimizer: torch.optim.Optimizer, raised: bool) -> None:
+    held = _in_step.pop(optimizer, None)
+    if held is None:
+        return
+    entry, faces_per_group = held
+    entry.swap.swap_out(optimizer, faces_per_group, raised=raised)
+    for owner_ref in entry.owners:
+        owner = owner_ref()
+        if owner is not None:
+            owner.after_piece_step()
+
+
+def _swap_for(optimizer: torch.optim.Optimizer) -> _OptimizerSwap:
+    """The optimizer's swap, made again when its parameters changed (``add_param_group``) or a
+    resolver came or went."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    resolvers = tuple(_resolvers)
+    entry = _swaps.get(optimizer)
+    if (
+        entry is not None
+        and entry.resolvers == resolvers
+        and len(entry.params) == len(params)
+        and all(a is b for a, b in zip(entry.params, params))
+    ):
+        return entry
+    owners: dict[int, PieceOwner] = {}
+    for param in params:
+        for resolver in _resolvers.values():
+            owner = resolver(param)
+            if owner is not None:
+                owners.setdefault(id(owner), owner)
+                break
+    swap = None
+    if owners:
+        swap = PieceSwap([bucket for owner in owners.values() for bucket in owner.piece_buckets()], strict=False)
+        if not any(swap.covers(param) for param in params):
+            swap = None
+    entry = _swaps[optimizer] = _OptimizerSwap(resolvers, params, [weakref.ref(owner) for owner in owners.values()], swap)
+    if swap is not None and optimizer not in _watched:
+        _watched.add(optimizer)
+        optimizer.register_state_dict_pre_hook(_end_raised_step, prepend=True)
+        optimizer.register_load_state_dict_pre_hook(_end_raised_step_before_load, prepend=True)
+    return entry
+
+
+def _end_raised_step(optimizer: torch.optim.Optimizer) -> None:
+    _end_step(optimizer, raised=True)
+
+
+def _end_raised_step_before_load(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    _end_step(optimizer, raised=True)
