@@ -129,7 +129,11 @@ class StepScheduler:
             self._backward_cursor = len(self._forward_calls)
             # Runs once the autograd engine has finished this backward pass.
             Variable._execution_engine.queue_callback(self._end_backward)
-        if unit is not None:
+        if unit is not None and unit.is_root:
+            # A root resharded after forward: gathered again before backward computes in it.
+            unit.unshard()
+            self._prefetch(self._forward_calls, self._backward_cursor - 1)
+        elif unit is not None:
             unit.unshard()
             # Backward meets the units in reverse forward order: gather the one before next.
             self._backward_cursor -= 1
@@ -138,11 +142,13 @@ class StepScheduler:
     def on_grad(self, unit: FSDPUnit, bucket: Bucket, index: int) -> None:
         if not bucket.note_grad(index):
             return
-        if unit.is_root and self.settings.strategy.shards_weights:
+        if unit.is_root and unit.reshard_after_backward and self.settings.strategy.shards_weights:
             # The root unit stays gathered from forward into backward. A bucket of it (one
             # module's parameters) whose gradients are all in is not read again before the next
             # forward: its weights go back first, so the main gradient created next can take
             # their memory (at the end of backward, where memory peaks, for the embedding's).
+            # Not when the unit is to stay gathered after backward (FSDP2's
+            # set_reshard_after_backward(False)): the next forward reads these weights.
             bucket.reshard()
         bucket.take_grads()
         if not (unit.requires_gradient_sync and self._reduces_now()):

@@ -90,10 +90,16 @@ class StepHooks:
             self.arm_pre_backward(unit, output)
 
     @torch.compiler.disable
-    def after_root_forward(self, output: Any) -> None:
-        """The root unit's forward ended: its outputs start backward, or nothing stays gathered."""
-        if not self.arm_pre_backward(None, output):
+    def after_root_forward(self, output: Any, root: FSDPUnit | None = None) -> None:
+        """The root unit's forward ended: its outputs start backward, or nothing stays gathered.
+        ``root``: a root unit told to reshard after forward (FSDP2's explicit
+        ``reshard_after_forward=True`` on the root) gives its weights back now and gathers them
+        again when backward reaches its outputs; otherwise it stays gathered into backward."""
+        regathers = root is not None and root.reshards_after_forward
+        if not self.arm_pre_backward(root if regathers else None, output):
             self.scheduler.end_forward_without_backward()
+        elif regathers:
+            root.reshard()
 
     def arm_pre_backward(self, unit: FSDPUnit | None, output: Any) -> bool:
         tensors = tensors_requiring_grad(output) if torch.is_grad_enabled() else []

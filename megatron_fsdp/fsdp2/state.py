@@ -147,7 +147,7 @@ class ModuleShardingState:
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         if self.is_root:
-            self.step.hooks.after_root_forward(output)
+            self.step.hooks.after_root_forward(output, self.unit)
         else:
             self.step.hooks.post_forward(self.unit, module, args, output)
         if self.backward_prefetch and torch.is_grad_enabled():

@@ -1,0 +1,96 @@
+"""Defects PyTorch's own FSDP2 tests (test_fully_shard_training.py, run by
+scripts/fsdp2_upstream_tests.py) found in megatron_fsdp.fsdp2, each checked here on a small model of
+our own against torch's ``fully_shard`` in the same ranks (gloo world 2).
+
+Values: both run the same forward and backward on the same full fp32 weights and sum the same
+gradients, so losses and gradients agree to 1e-6 relative (tests/test_fsdp2_parity.py's bound).
+Collective counts (``CommDebugMode``): each ``fully_shard`` call here is one bucket per dtype, as
+FSDP2's one all-gather / reduce-scatter per module, so the counts must be equal.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor.debug import CommDebugMode
+
+from _dist import run_distributed
+
+RTOL, DIM = 1e-6, 8
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+
+
+def _stack(blocks: int = 3) -> nn.Sequential:
+    """A root linear, then MLP blocks each to be sharded on its own."""
+    torch.manual_seed(42)
+    mlps = [nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.ReLU(), nn.Linear(2 * DIM, DIM)) for _ in range(blocks)]
+    return nn.Sequential(nn.Linear(DIM, DIM), *mlps)
+
+
+def _collective_counts(mode: CommDebugMode) -> dict[str, int]:
+    return {str(op).rpartition(".")[2]: count for op, count in mode.get_comm_counts().items() if count}
+
+
+# -- defect 4: gradient accumulation with sync off for some modules, root resharding ---------
+
+
+def _accumulate(fully_shard, rank: int, sync_off: str, reshard_after_forward: bool, hold_after_backward: bool) -> dict:
+    """Three micro-batches a step, gradient sync off on all but the last for ``sync_off``
+    ('root': the root's own linear only; 'some': two of the three MLPs; 'all'); with
+    ``hold_after_backward`` the same modules also stay gathered after those backwards."""
+    model = _stack()
+    for mlp in model[1:]:
+        fully_shard(mlp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(rank + 1)
+    losses, counts, grads = [], {}, {}
+    for step in range(3):
+        for micro in range(3):
+            last = micro == 2
+            targets = {"root": [(model, False)], "some": [(m, True) for m in model[1:3]], "all": [(model, True)]}[sync_off]
+            for module, recurse in targets:
+                module.set_requires_gradient_sync(last, recurse=recurse)
+                if hold_after_backward:
+                    module.set_reshard_after_backward(last, recurse=recurse)
+            with CommDebugMode() as comms:
+                loss = model(torch.randn(2, DIM, generator=generator)).sum()
+                loss.backward()
+            for name, count in _collective_counts(comms).items():
+                counts[name] = counts.get(name, 0) + count
+            losses.append(loss.detach())
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=step % 2 == 1)
+    return {"losses": torch.stack(losses), "grads": grads, "counts": counts}
+
+
+def _accumulation_cases(rank: int, world: int) -> list[str]:
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    problems = []
+    cases = [("root", True, False), ("some", True, False), ("all", False, True), ("root", False, True)]
+    for sync_off, reshard_after_forward, hold in cases:
+        what = f"sync off for {sync_off}, reshard_after_forward={reshard_after_forward}, held after backward={hold}"
+        ours = _accumulate(fully_shard, rank, sync_off, reshard_after_forward, hold)
+        theirs = _accumulate(torch_fully_shard, rank, sync_off, reshard_after_forward, hold)
+        if _relative_error(ours["losses"], theirs["losses"]) > RTOL:
+            problems.append(f"{what}: losses {ours['losses'].tolist()} vs {theirs['losses'].tolist()}")
+        for name, want in theirs["grads"].items():
+            if (error := _relative_error(ours["grads"][name], want)) > RTOL:
+                problems.append(f"{what}: {name}.grad differs by {error:.2e}")
+        if ours["counts"] != theirs["counts"]:
+            problems.append(f"{what}: collectives {ours['counts']} vs FSDP2's {theirs['counts']}")
+    return problems
+
+
+def test_accumulation_with_partial_sync_and_root_resharding_matches_torch_fsdp2() -> None:
+    """A root told ``reshard_after_forward=True`` gives its weights back after forward and gathers
+    them again for backward, as FSDP2's; a root held gathered after backward
+    (``set_reshard_after_backward(False)``) keeps every bucket gathered for the next forward."""
+    for rank, problems in enumerate(run_distributed(_accumulation_cases, 2)):
+        assert not problems, f"rank {rank}: {problems}"
