@@ -50,6 +50,15 @@ TORCH_LIBRARY(megatron_fsdp, m) {
       "float momentum, float dampening, float weight_decay, bool nesterov, bool maximize, "
       "bool first_step, Tensor(c!)? weights_out=None) -> ()");
 
+  // One float32 per [start, end) pair of bounds: max(|flat[start:end]|), 0 when empty, NaN when
+  // the segment holds one. The local amax of each float8 weight's piece of a shard.
+  m.def("segment_amax(Tensor flat, int[] bounds) -> Tensor");
+
+  // out[i] = float8(clamp(float32(flat[i]) * scales[s], -max, max)) for i in segment s of bounds
+  // (max: out's float8 format's largest finite value; rounded to nearest even), and 0 outside
+  // every segment: a shard of float8 weights, each with its own (torchao tensorwise) scale.
+  m.def("float8_cast_segments(Tensor flat, int[] bounds, Tensor scales, Tensor(a!) out) -> ()");
+
   m.class_<megatron_fsdp::BucketPool>("BucketPool")
       .def(torch::init<bool>())
       .def("placeholder", &megatron_fsdp::BucketPool::placeholder)

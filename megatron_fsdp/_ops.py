@@ -67,6 +67,16 @@ def _sgd_step_fake(param, grad, momentum_buffer, lr, momentum, dampening, weight
     return None
 
 
+@torch.library.register_fake("megatron_fsdp::segment_amax")
+def _segment_amax_fake(flat, bounds):
+    return torch.empty(len(bounds) // 2, dtype=torch.float32, device=flat.device)
+
+
+@torch.library.register_fake("megatron_fsdp::float8_cast_segments")
+def _float8_cast_segments_fake(flat, bounds, scales, out):
+    return None
+
+
 def param_views(flat: torch.Tensor, offsets: Sequence[int], shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
     """Views of ``flat`` shaped like ``shapes`` starting at ``offsets`` (elements); no copy."""
     flat_shapes = [size for shape in shapes for size in shape]
@@ -198,6 +208,24 @@ def sgd_step_(
         param, grad, momentum_buffer, float(lr), float(momentum), float(dampening), float(weight_decay),
         bool(nesterov), bool(maximize), bool(first_step), weights_out,
     )
+
+
+def segment_amax(flat: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
+    """``max(|flat[start:end]|)`` for each ``(start, end)`` pair of ``bounds`` (a flat list), as a
+    float32 tensor on ``flat``'s device (0 for an empty segment, NaN where one holds a NaN).
+    ``flat``: a contiguous 1-D float32, float64, float16 or bfloat16 tensor."""
+    return _ops.segment_amax(flat, list(bounds))
+
+
+def float8_cast_segments(
+    flat: torch.Tensor, bounds: Sequence[int], scales: torch.Tensor, out: torch.Tensor
+) -> None:
+    """``out[i] = float8(clamp(flat[i] * scales[s], -max, max))`` for ``i`` in segment ``s`` (the
+    ``(start, end)`` pairs of ``bounds``), 0 elsewhere: torchao's tensorwise weight cast, the
+    product taken in float32, rounded to nearest even, ``max`` the largest finite value of
+    ``out``'s format (float8_e4m3fn or float8_e5m2). ``scales``: float32, one per segment;
+    ``out``: contiguous, as many elements as ``flat``, on its device."""
+    _ops.float8_cast_segments(flat, list(bounds), scales, out)
 
 
 def new_bucket_pool(double_buffer: bool = False) -> torch.ScriptObject:

@@ -18,6 +18,7 @@ from megatron_fsdp.distributed_data_parallel_config import ddp_config_from_setti
 from megatron_fsdp.engine.argument_types import check_argument_types
 from megatron_fsdp.engine.buffer import Bucket
 from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.engine.float8_weights import prepare_float8_weights
 from megatron_fsdp.engine.meta_init import materialize_unit_by_unit
 from megatron_fsdp.engine.offload import OffloadTransfers
 from megatron_fsdp.engine.plan import ShardingPlan, check_upstream_options, plan_from_upstream_arguments
@@ -148,6 +149,8 @@ class MegatronFSDP(nn.Module):
         self.dist_index = plan.dist_index
         self.settings = settings
         self._ddp_config = ddp_config
+        # torchao Float8Linear weights that asked for float8 all-gathers, old -> new parameter.
+        self.replaced_params = prepare_float8_weights(module)
         self.pool = _ops.new_bucket_pool(settings.fsdp_double_buffer)
         unit_modules = find_unit_modules(module, plan.unit_classes, units_required=settings.strategy.shards_weights)
         assignment = assign_params_to_units(module, [m for _, m in unit_modules])
@@ -177,7 +180,7 @@ class MegatronFSDP(nn.Module):
         self._faces: dict[nn.Parameter, ShardedParam] = {
             param: face for bucket in self.all_buckets() for param, face in zip(bucket.params, bucket.faces)
         }
-        for param in module.parameters():
+        for param in [*module.parameters(), *self.replaced_params]:
             # Lets fully_shard_optimizer(optimizer) find this wrapper from an optimizer built over
             # the model's parameters (the faces carry upstream's _megatron_fsdp_model).
             param._megatron_fsdp_owner = weakref.ref(self)

@@ -28,6 +28,8 @@ class BucketGeometry:
     outer_size: int = 1
     outer_rank: int = 0
     outer_shards_optimizer: bool = False
+    # Float8 compute weights, cast from the main params at each install (float8_bucket.py).
+    float8_weights: bool = False
 
     @classmethod
     def build(
@@ -44,12 +46,13 @@ class BucketGeometry:
         outer_size: int = 1,
         outer_rank: int = 0,
         outer_shards_optimizer: bool = False,
+        float8_weights: bool = False,
     ) -> BucketGeometry:
         splits_shard = outer_size > 1 and outer_shards_optimizer
         alignment = alignment_in_elements(alignment_bytes, element_size)
         layout = build_bucket_layout(numels, world_size, alignment, outer_size if splits_shard else 1)
         return cls(layout, rank, strategy, dtypes, requires_grad, offloaded and requires_grad,
-                   outer_size, outer_rank, outer_shards_optimizer)
+                   outer_size, outer_rank, outer_shards_optimizer, float8_weights)
 
     @property
     def splits_shard(self) -> bool:
@@ -72,6 +75,7 @@ class BucketGeometry:
             and self.dtypes.main_params != self.dtypes.compute
             and not self.splits_shard
             and not self.offloaded
+            and not self.float8_weights
         )
 
     @property
@@ -103,7 +107,7 @@ class BucketGeometry:
     @property
     def main_params_alias_weights(self) -> bool:
         """Main params in the compute dtype are the compute weights themselves: nothing to copy."""
-        return self.dtypes.main_params == self.dtypes.compute and not self.offloaded
+        return self.dtypes.main_params == self.dtypes.compute and not self.offloaded and not self.float8_weights
 
     def reduces_in_place(self, grad_divisor: int) -> bool:
         """Whether the reduction leaves each gradient as it is, so gradients go straight into

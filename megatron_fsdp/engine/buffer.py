@@ -48,6 +48,9 @@ class PendingReduction:
 
 
 class Bucket(BucketCheckpointing):
+    # Whether the compute weights are float8 made from the main params (float8_bucket.py).
+    float8_weights = False
+
     def __init__(
         self,
         names: list[str],
@@ -97,7 +100,7 @@ class Bucket(BucketCheckpointing):
             self.strategy, self.dtypes, self.requires_grad, self.offloaded,
             outer_size=self.outer.size if self.outer is not None else 1,
             outer_rank=self.outer.rank if self.outer is not None else 0,
-            outer_shards_optimizer=dp.outer_shards_optimizer,
+            outer_shards_optimizer=dp.outer_shards_optimizer, float8_weights=self.float8_weights,
         )
         self.splits_shard = self.geometry.splits_shard
         self.layout: BucketLayout = self.geometry.layout
@@ -109,16 +112,7 @@ class Bucket(BucketCheckpointing):
         self.gathers_from_main = self.geometry.gathers_from_main
         self._gather_input: torch.Tensor | None = None
         self._holds_gathered_weights = False  # pool memory in full_weight (sharded weights only)
-        if self.strategy.shards_weights:
-            if not self.gathers_from_main:
-                self.weight_shard = self._local_pieces(self.shard_start, self.shard_end, self.dtype)
-            self.full_weight = pool.placeholder(self.layout.padded_numel, self.dtype, self.device)
-        else:
-            self.full_weight = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-            _ops.flatten_copy([t.detach() for t in self.locals], self.offsets, self.full_weight)
-            self.views = _ops.param_views(self.full_weight, self.offsets, self.shapes)
-            for local, view in zip(self.locals, self.views):
-                local.data = view
+        self._init_weights()
 
         self.unreduced_grad: torch.Tensor | None = None
         # Parameters whose gradient the un-reduced buffer holds: a parameter's first gradient is
@@ -141,6 +135,25 @@ class Bucket(BucketCheckpointing):
         )
         if self.requires_grad:
             self._init_main_state(transfers)
+        self._release_full_params()
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _init_weights(self) -> None:
+        """The compute weights: this rank's shard and a pooled bucket to gather into
+        (optim_grads_params), else the whole bucket, which the parameters then view."""
+        if self.strategy.shards_weights:
+            if not self.gathers_from_main:
+                self.weight_shard = self._local_pieces(self.shard_start, self.shard_end, self.dtype)
+            self.full_weight = self.pool.placeholder(self.layout.padded_numel, self.dtype, self.device)
+        else:
+            self.full_weight = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            _ops.flatten_copy([t.detach() for t in self.locals], self.offsets, self.full_weight)
+            self.views = _ops.param_views(self.full_weight, self.offsets, self.shapes)
+            for local, view in zip(self.locals, self.views):
+                local.data = view
+
+    def _release_full_params(self) -> None:
         if self.strategy.shards_weights:
             # Everything needed was copied out of the full parameters: let them go. A sharded
             # parameter's .data is an empty tensor, so stray reads fail loudly; one serves every
@@ -149,7 +162,9 @@ class Bucket(BucketCheckpointing):
             for local in self.locals:
                 local.data = self._placeholder
 
-    # -- construction -------------------------------------------------------------------------
+    def _initial_main_params(self) -> torch.Tensor:
+        """Main params of another dtype than the weights, made from the weights."""
+        return self._main_weight_target().to(self.dtypes.main_params)
 
     def _local_pieces(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """Bucket elements ``[start, end)`` built from the parameters' current values."""
@@ -176,7 +191,7 @@ class Bucket(BucketCheckpointing):
         elif self.main_params_alias_weights:
             self.main_params = self._main_weight_target()
         else:
-            self.main_params = self._main_weight_target().to(self.dtypes.main_params)
+            self.main_params = self._initial_main_params()
         # Gradients reduced over the shard group accumulate here; with an outer group, they are
         # averaged over it when synced: in place (HSDP) or reduce-scattered into outer_grad (HFSDP).
         # Both exist only from the first reduction after zero_grad(set_to_none=True) until the

@@ -40,6 +40,13 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: boo
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """``tensor`` = the elementwise maximum of every rank's ``tensor``, in place."""
+    if _one_rank(group):
+        return None
+    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
+
+
 def all_to_all(received: torch.Tensor, sent: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """Chunk r of ``sent`` goes to rank r; ``received`` holds every rank's chunk for this rank."""
     if _one_rank(group):

@@ -15,6 +15,8 @@ from megatron_fsdp.engine.buffer import Bucket
 from megatron_fsdp.engine.collectives import wait_for
 from megatron_fsdp.engine.config import FSDPSettings
 from megatron_fsdp.engine.dtensor_params import is_expert_param
+from megatron_fsdp.engine.float8_bucket import Float8Bucket
+from megatron_fsdp.engine.float8_weights import float8_spec
 from megatron_fsdp.engine.mesh import DataParallelGroup
 from megatron_fsdp.engine.offload import OffloadTransfers
 from megatron_fsdp.engine.registered_params import RegisteredParams
@@ -115,6 +117,7 @@ class BucketKey(NamedTuple):
     dtype: torch.dtype
     requires_grad: bool
     expert: bool
+    float8: torch.dtype | None = None  # torchao Float8Linear weights gathered in this float8 dtype
 
 
 def bucket_groups(
@@ -127,7 +130,8 @@ def bucket_groups(
     groups: dict[BucketKey, list[tuple[str, nn.Parameter]]] = {}
     for param_name, param in named_params:
         owner = param_name.rpartition(".")[0] if unit_name == ROOT_UNIT_NAME else ""
-        key = BucketKey(owner, param.dtype, param.requires_grad, is_expert_param(param))
+        spec = float8_spec(param)
+        key = BucketKey(owner, param.dtype, param.requires_grad, is_expert_param(param), spec and spec.float8_dtype)
         groups.setdefault(key, []).append((param_name, param))
     return groups
 
@@ -137,7 +141,8 @@ def pool_role(key: BucketKey, is_root: bool) -> str:
     on two persistent pool blocks; the root unit's buckets, live all step, get their own."""
     unit = f"root:{key.owner}" if is_root else "unit"
     trainable = "trainable" if key.requires_grad else "frozen"
-    return f"{unit}:{str(key.dtype).removeprefix('torch.')}:{trainable}{':expert' if key.expert else ''}"
+    float8 = f":{str(key.float8).removeprefix('torch.')}" if key.float8 is not None else ""
+    return f"{unit}:{str(key.dtype).removeprefix('torch.')}:{trainable}{':expert' if key.expert else ''}{float8}"
 
 
 class FSDPUnit:
@@ -161,7 +166,7 @@ class FSDPUnit:
         # root unit is one from the start; FSDP2's front door names its root at the first forward.
         self.is_root = name == ROOT_UNIT_NAME
         self.buckets = [
-            self._bucket(members, dp, settings, pool, pool_role(key, self.is_root), key.expert, transfers, compute_dtype)
+            self._bucket(members, dp, settings, pool, pool_role(key, self.is_root), key, transfers, compute_dtype)
             for key, members in bucket_groups(name, named_params).items()
         ]
         self.trainable_buckets = [b for b in self.buckets if b.requires_grad]
@@ -189,12 +194,16 @@ class FSDPUnit:
         settings: FSDPSettings,
         pool: torch.ScriptObject,
         pool_role: str,
-        expert: bool,
+        key: BucketKey,
         transfers: OffloadTransfers | None,
         compute_dtype: torch.dtype | None,
     ) -> Bucket:
         names, params = [n for n, _ in members], [p for _, p in members]
-        if not expert:
+        if key.float8 is not None:
+            dp_group = dp.expert if key.expert else dp
+            return Float8Bucket(names, params, dp_group, settings, pool, pool_role, transfers=transfers,
+                                compute_dtype=compute_dtype, grad_divisor=dp.dense_size if key.expert else None)
+        if not key.expert:
             return Bucket(names, params, dp, settings, pool, pool_role, transfers=transfers, compute_dtype=compute_dtype)
         # Expert gradients hold the contributions of every rank whose tokens reached the expert:
         # summed over the expert-data-parallel group, they average over the dense one.

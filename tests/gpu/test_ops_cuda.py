@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import float8_op_checks
 import op_checks
 from megatron_fsdp import _ops
 
@@ -18,3 +19,11 @@ def test_extension_was_built_with_cuda_kernels() -> None:
 @pytest.mark.parametrize("check", CHECKS)
 def test_op_on_cuda(check: str) -> None:
     getattr(op_checks, check)("cuda")
+
+
+FLOAT8_CHECKS = [name for name in dir(float8_op_checks) if name.startswith("check_")]
+
+
+@pytest.mark.parametrize("check", FLOAT8_CHECKS)
+def test_float8_op_on_cuda(check: str) -> None:
+    getattr(float8_op_checks, check)("cuda")

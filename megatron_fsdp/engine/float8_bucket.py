@@ -1,0 +1,121 @@
+"""A bucket of torchao ``Float8Linear`` weights whose compute copy is float8 (float8_weights.py).
+
+Its compute weights are float8 bytes laid out as the bucket's elements (one byte each), made
+from the main params where the optimizer step installs them: per weight, the amax of this
+rank's piece (``segment_amax``), one MAX all-reduce of the bucket's amaxes over the shard group,
+torchao's tensorwise scale, and one cast of the main shard (``float8_cast_segments``). The
+all-gather then carries one byte per element, and every rank already holds every scale.
+Forward reads each weight as a float8 view of the gathered bucket with its scale; the
+parameters themselves hold a one-element expanded stand-in of their shape and dtype, so
+their gradients arrive as usual and the rest of the bucket (gradients, main params, optimizer,
+checkpoints) is an ordinary bucket's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_fsdp import _ops
+from megatron_fsdp.engine.buffer import Bucket
+from megatron_fsdp.engine.collectives import all_gather_shards, all_reduce_max
+from megatron_fsdp.engine.config import ShardingStrategy
+from megatron_fsdp.engine.float8_weights import float8_scales, float8_spec
+
+
+class Float8Bucket(Bucket):
+    float8_weights = True
+
+    def __init__(self, names, params, dp, settings, pool, pool_role, **kwargs) -> None:
+        specs = [float8_spec(p) for p in params]
+        self.float8_dtype = specs[0].float8_dtype
+        self.round_scales = specs[0].round_scales_to_power_of_2
+        if kwargs.get("transfers") is not None:
+            raise NotImplementedError("float8 all-gathers with CPU offloading are not supported")
+        if dp.outer is not None and dp.outer_shards_optimizer:
+            raise NotImplementedError("float8 all-gathers with outer_dp_sharding_strategy='optim' are not supported")
+        super().__init__(names, params, dp, settings, pool, pool_role, **kwargs)
+        self.float8_scales = torch.ones(len(params), dtype=torch.float32, device=self.device)
+        self.float8_views: list[torch.Tensor] | None = None
+        for index, spec in enumerate(specs):
+            spec.source = self._float8_source(index)
+        self.install_main_params()
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _init_weights(self) -> None:
+        if self.strategy.shards_weights:
+            self.weight_shard = torch.zeros(self.layout.shard_numel, dtype=self.float8_dtype, device=self.device)
+            self.full_weight = self.pool.placeholder(self.layout.padded_numel, self.float8_dtype, self.device)
+        else:
+            self.full_weight = torch.zeros(self.layout.padded_numel, dtype=self.float8_dtype, device=self.device)
+
+    def _initial_main_params(self) -> torch.Tensor:
+        return self._local_pieces(self.main_start, self.main_end, self.dtypes.main_params)
+
+    def _release_full_params(self) -> None:
+        # One element of the parameters' dtype, expanded to each shape: what autograd checks a
+        # gradient against, without memory. Forward reads the float8 copy instead.
+        stand_in = torch.zeros((), dtype=self.dtype, device=self.device)
+        for local in self.locals:
+            local.data = stand_in.expand(local.shape)
+
+    def _float8_source(self, index: int):
+        def source() -> tuple[torch.Tensor, torch.Tensor]:
+            if self.strategy.shards_weights and not self._holds_gathered_weights:
+                raise RuntimeError(f"the float8 weight {self.names[index]} was read while its unit is sharded")
+            if self.float8_views is None:
+                # Made once: under optim_grads_params the pool lends memory to the same storage at
+                # every gather, so these views (and those autograd saved) stay valid.
+                self.float8_views = [
+                    self.full_weight[slot.offset : slot.end].view(shape)
+                    for slot, shape in zip(self.layout.slots, self.shapes)
+                ]
+            return self.float8_views[index], self.float8_scales[index]
+
+        return source
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def start_unshard(self, async_op: bool) -> dist.Work | None:
+        """Launches the all-gather of the float8 shards, as bytes (every backend moves uint8)."""
+        self.pool.fill(self.full_weight, self._pool_key("weights"))
+        self._holds_gathered_weights = True
+        return all_gather_shards(
+            self.full_weight.view(torch.uint8), self.weight_shard.view(torch.uint8), self.dp.group, async_op=async_op
+        )
+
+    def point_params_at_full_weight(self) -> None:
+        """The parameters keep their stand-ins: forward reads the float8 views."""
+
+    def reshard(self) -> None:
+        if self._holds_gathered_weights:
+            self.pool.release(self.full_weight)
+            self._holds_gathered_weights = False
+
+    def _pool_key(self, purpose: str) -> str:
+        return f"{purpose}/{self.pool_role}:float8"
+
+    # -- optimizer ----------------------------------------------------------------------------
+
+    def stage_main_params(self) -> None:
+        return None
+
+    @torch.no_grad()
+    def install_main_params(self, staged: object = None) -> None:
+        """Casts the main params into the float8 compute weights: amax per weight over this
+        rank's pieces, the maximum over the shard group, scales, the cast; strategies 1/2 then
+        gather the full float8 bucket."""
+        bounds = [end for pair in self.optim_ranges for end in pair]
+        amax = _ops.segment_amax(self.main_params, bounds)
+        if self.strategy is not ShardingStrategy.NO_SHARD:
+            all_reduce_max(amax, self.dp.group)
+        self.float8_scales.copy_(float8_scales(amax, self.float8_dtype, self.round_scales))
+        if self.strategy.shards_weights:
+            target = self.weight_shard
+        else:
+            target = self.full_weight[self.main_start : self.main_end]
+        _ops.float8_cast_segments(self.main_params, bounds, self.float8_scales, target)
+        if self.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
+            own_shard = self.full_weight[self.shard_start : self.shard_end].clone().view(torch.uint8)
+            all_gather_shards(self.full_weight.view(torch.uint8), own_shard, self.dp.group)

@@ -1,0 +1,141 @@
+"""torchao's float8 training under megatron_fsdp: which ``Float8Linear`` weights are gathered in
+float8, and how a module's forward receives the gathered float8 weight.
+
+A user asks as under FSDP2: ``convert_to_float8_training(model, config=Float8LinearConfig(
+enable_fsdp_float8_all_gather=True))`` before sharding. Such a weight comes as torchao's
+wrapper tensor; :func:`prepare_float8_weights` puts a plain parameter of the same values in its
+place and marks it with a :class:`Float8WeightSpec`, so that the units group it into a float8
+bucket (``float8_bucket.py``), which casts the main params to float8 after each step and gathers
+float8 bytes. Around each such module's forward, ``module.weight`` reads as torchao's
+``Float8TrainingTensor`` over the gathered bytes and the bucket's scale, which its matmul takes
+as already cast; the gradient reaches the parameter as torchao's own would.
+
+torchao is imported only here, and only when a model holds a ``Float8Linear``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_FLOAT8_LINEAR = "torchao.float8.float8_linear.Float8Linear"
+TORCHAO_MISSING = (
+    "this model holds a torchao Float8Linear, but torchao cannot be imported here; install the "
+    "torchao that converted it (pip install torchao==0.18.0) to shard it"
+)
+
+
+@dataclass
+class Float8WeightSpec:
+    """How one ``Float8Linear``'s weight is cast: torchao's target dtype and matmul config, and
+    where its float8 copy lives once a bucket holds it (``source(index)`` -> (bytes, scale))."""
+
+    float8_dtype: torch.dtype
+    linear_mm_config: object
+    round_scales_to_power_of_2: bool
+    source: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def float8_spec(param: nn.Parameter) -> Float8WeightSpec | None:
+    """The float8 cast a parameter's bucket must make, or None for an ordinary parameter."""
+    return getattr(param, "_megatron_fsdp_float8", None)
+
+
+def _is_float8_linear(module: nn.Module) -> bool:
+    return any(f"{c.__module__}.{c.__qualname__}" == _FLOAT8_LINEAR for c in type(module).__mro__)
+
+
+def prepare_float8_weights(module: nn.Module) -> dict[nn.Parameter, nn.Parameter]:
+    """Marks the weights of ``module``'s ``Float8Linear`` modules that asked for float8
+    all-gathers, replacing torchao's wrapper parameters by plain ones (returned as old -> new, so
+    an optimizer built over the old ones still finds them), and installs the hooks that hand
+    each forward its float8 weight. A recipe that cannot gather in float8 keeps ordinary
+    gathers, said in one log line. Raises ImportError, before any collective, where a
+    ``Float8Linear`` is found and torchao does not import."""
+    float8_modules = [(name, m) for name, m in module.named_modules() if _is_float8_linear(m)]
+    if not float8_modules:
+        return {}
+    try:
+        from torchao.float8.config import ScalingGranularity, ScalingType
+    except ImportError as error:
+        raise ImportError(TORCHAO_MISSING) from error
+    replaced: dict[nn.Parameter, nn.Parameter] = {}
+    kept: dict[str, list[str]] = {}
+    for name, linear in float8_modules:
+        config = linear.config
+        weight_cast = config.cast_config_weight
+        reason = None
+        if weight_cast.scaling_granularity is not ScalingGranularity.TENSORWISE:
+            reason = f"rowwise ({weight_cast.scaling_granularity.value}) scales are made per row at each forward"
+        elif weight_cast.scaling_type is not ScalingType.DYNAMIC:
+            reason = f"{weight_cast.scaling_type.value} scaling"
+        elif not config.enable_fsdp_float8_all_gather:
+            reason = "not asked for (Float8LinearConfig(enable_fsdp_float8_all_gather=False))"
+        elif not linear.weight.requires_grad:
+            reason = "the weight is frozen (no main params to cast from)"
+        if reason is not None:
+            kept.setdefault((reason, bool(config.enable_fsdp_float8_all_gather)), []).append(name)
+            continue
+        old = linear.weight
+        # torchao's wrapper holds the weight as ._tensor; a plain parameter of it takes its place.
+        values = old._tensor if hasattr(old, "_tensor") else old.detach()
+        new = nn.Parameter(values.detach(), requires_grad=old.requires_grad)
+        new._megatron_fsdp_float8 = Float8WeightSpec(
+            weight_cast.target_dtype, linear.linear_mm_config, bool(config.round_scales_to_power_of_2)
+        )
+        linear.weight = new
+        if new is not old:
+            replaced[old] = new
+        linear.register_forward_pre_hook(_show_float8_weight)
+        linear.register_forward_hook(_hide_float8_weight, always_call=True)
+    for (reason, asked), names in kept.items():
+        logged = logger.warning if asked else logger.info
+        logged("megatron_fsdp: %d Float8Linear weights (%s, ...) are gathered in their own dtype, not float8: %s",
+               len(names), names[0], reason)
+    return replaced
+
+
+class _Float8WeightFromGathered(torch.autograd.Function):
+    """The gathered float8 weight as torchao's ``Float8TrainingTensor``; its gradient goes to
+    the parameter unchanged (the parameter's values are not read: its float8 copy is)."""
+
+    @staticmethod
+    def forward(ctx, weight, data, scale, spec):  # noqa: ARG004 (weight: the autograd input)
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+        return Float8TrainingTensor(data, scale, weight.dtype, spec.linear_mm_config, GemmInputRole.WEIGHT)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+def _show_float8_weight(linear: nn.Module, args: tuple) -> None:
+    """Forward pre-hook: ``linear.weight`` reads as the float8 weight for this forward. An
+    instance attribute shadows the registered parameter, which stays as it is."""
+    weight = linear._parameters["weight"]
+    spec = float8_spec(weight)
+    if spec is None or spec.source is None:
+        return
+    data, scale = spec.source()
+    linear.__dict__["weight"] = _Float8WeightFromGathered.apply(weight, data, scale, spec)
+
+
+def _hide_float8_weight(linear: nn.Module, args: tuple, output: object) -> None:
+    linear.__dict__.pop("weight", None)
+
+
+def float8_scales(amax: torch.Tensor, float8_dtype: torch.dtype, round_to_power_of_2: bool) -> torch.Tensor:
+    """torchao's tensorwise scale of each weight from its amax: the format's largest value over
+    the amax (at least 1e-12), computed in float64, then float32; rounded down to a power of two
+    when the recipe says so."""
+    scales = (torch.finfo(float8_dtype).max / amax.to(torch.float64).clamp(min=1e-12)).to(torch.float32)
+    if round_to_power_of_2:
+        scales = torch.exp2(torch.floor(torch.log2(scales)))
+    return scales
