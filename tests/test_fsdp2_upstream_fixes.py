@@ -94,3 +94,49 @@ def test_accumulation_with_partial_sync_and_root_resharding_matches_torch_fsdp2(
     (``set_reshard_after_backward(False)``) keeps every bucket gathered for the next forward."""
     for rank, problems in enumerate(run_distributed(_accumulation_cases, 2)):
         assert not problems, f"rank {rank}: {problems}"
+
+
+# -- defect 1: a non-root's own forward and backward after the root's step ------------------
+
+
+def _root_then_non_root(fully_shard, rank: int) -> dict:
+    """A step through the root, ``zero_grad``, then a step through the first block alone: its
+    gradients must start from zero (not from the root step's), the other blocks get none."""
+    model = _stack()
+    for mlp in model[1:]:
+        fully_shard(mlp)
+    fully_shard(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batch = torch.randn(4, DIM, generator=torch.Generator().manual_seed(rank))
+    losses = [model(batch).sum()]
+    losses[-1].backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(model[1](batch).sum())
+    losses[-1].backward()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.grad is not None}
+    optimizer.step()
+    losses.append(model(batch).sum())
+    return {"losses": torch.stack(losses).detach(), "grads": grads}
+
+
+def _non_root_case(rank: int, world: int) -> list[str]:
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    ours, theirs = _root_then_non_root(fully_shard, rank), _root_then_non_root(torch_fully_shard, rank)
+    problems = []
+    if _relative_error(ours["losses"], theirs["losses"]) > RTOL:
+        problems.append(f"losses {ours['losses'].tolist()} vs {theirs['losses'].tolist()}")
+    if ours["grads"].keys() != theirs["grads"].keys():
+        problems.append(f"parameters with a gradient {sorted(ours['grads'])} vs {sorted(theirs['grads'])}")
+    for name in ours["grads"].keys() & theirs["grads"].keys():
+        if (error := _relative_error(ours["grads"][name], theirs["grads"][name])) > RTOL:
+            problems.append(f"{name}.grad differs by {error:.2e}")
+    return problems
+
+
+def test_non_root_forward_backward_after_root_step_matches_torch_fsdp2() -> None:
+    """``optimizer.zero_grad()`` is honoured by the next step whichever module's forward starts
+    it (it used to be read only at the root's forward: the block accumulated onto stale grads)."""
+    for rank, problems in enumerate(run_distributed(_non_root_case, 2)):
+        assert not problems, f"rank {rank}: {problems}"

@@ -133,8 +133,9 @@ class ModuleShardingState:
         if self.step is None:
             self._become_root(module)
         step = self.step
-        if self.is_root and step.scheduler.state is StepState.IDLE:
-            self._before_step(step)
+        if step.scheduler.state is StepState.IDLE:
+            # Any module's forward may start a step: a non-root's alone, after the root's step.
+            _before_step(step)
         step.hooks.pre_forward(self.unit, module, args)
         if step.scheduler.state is StepState.FORWARD:
             for other in self.forward_prefetch:
@@ -182,17 +183,6 @@ class ModuleShardingState:
         for state in states:
             state.step = step
         logger.info("megatron_fsdp.fsdp2: %s is the root of %d modules sharded in place", type(module).__name__, len(states))
-
-    def _before_step(self, step: RootStep) -> None:
-        """At the root's forward between steps: what FSDP2 takes from the parameters' ``.grad``
-        (which ``optimizer.zero_grad()`` cleared) and from ``set_post_optim_event``. An optimizer
-        step that raised first gives its optimizer the faces back (optim/piece_steps.py)."""
-        end_unfinished_steps()
-        if self.post_optim_event is not None:
-            self.post_optim_event.wait()
-            self.post_optim_event = None
-        for state in step.states:
-            state.adopt_cleared_grads()
 
     def piece_buckets(self) -> list[Bucket]:
         """The buckets whose faces an optimizer steps as the pieces under them (optimizer_state.py)."""
@@ -311,6 +301,20 @@ class ModuleShardingState:
             slot.module._parameters[slot.name] = slot.face
         self._shown_as_rows = []
 
+
+
+def _before_step(step: RootStep) -> None:
+    """At the first forward of a step (the root's, or a non-root's run on its own): what FSDP2
+    takes from the parameters' ``.grad`` (which ``optimizer.zero_grad()`` cleared) and from
+    ``set_post_optim_event``. An optimizer step that raised first gives its optimizer the faces
+    back (optim/piece_steps.py)."""
+    end_unfinished_steps()
+    for state in step.states:
+        if state.post_optim_event is not None:
+            state.post_optim_event.wait()
+            state.post_optim_event = None
+    for state in step.states:
+        state.adopt_cleared_grads()
 
 
 def _has_state_dict_hooks_of_its_own(root: nn.Module) -> bool:
