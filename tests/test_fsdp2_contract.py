@@ -184,6 +184,9 @@ def _bad_input_on_one_rank(rank: int, world: int) -> list[str]:
 
     block_class = type(make_model().blocks[0])
     wrapped = fully_shard_model(make_model(), fsdp_unit_modules=[block_class])  # on every rank: a collective
+    # Sharded by torch's own fully_shard on every rank (whatever collectives it runs, every rank runs).
+    torch_blocks = _blocks_sharded(torch_fully_shard)
+    torch_root = torch_fully_shard(make_model())
     messages = []
     if rank == 0:
         calls = [
@@ -193,6 +196,9 @@ def _bad_input_on_one_rank(rank: int, world: int) -> list[str]:
             lambda: fully_shard(make_model(), shard_placement_fn=lambda param: Shard(1)),
             lambda: fully_shard(make_model(), reshard_after_forward=2),
             lambda: _blocks_sharded(fully_shard).blocks[0].set_custom_all_gather(None),
+            lambda: fully_shard(torch_blocks),  # ours over torch's
+            lambda: fully_shard(torch_root),
+            lambda: fully_shard(torch_root.blocks[0]),  # ours under torch's
         ]
         for call in calls:
             try:
@@ -219,7 +225,11 @@ def test_bad_input_raises_before_any_collective() -> None:
         "Shard(dim=1)",
         "reshard_after_forward=2",
         "set_custom_all_gather() is not supported",
+        "fully_shard(TinyGPT): its submodule 'blocks.0' is sharded by torch's own fully_shard",
+        "fully_shard(FSDPTinyGPT): it is sharded by torch's own fully_shard",
+        "sharded by torch's fully_shard",
     ]
+    assert len(messages) == len(expected), messages
     for message, fragment in zip(messages, expected):
         assert fragment in message, f"expected {fragment!r} in {message!r}"
 

@@ -176,6 +176,15 @@ def check_module(module: Any) -> None:
     API (the whole-model wrapper included)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    # Checked on the modules alone, so every rank raises alike before any collective.
+    by_torch = [name for name, sub in module.named_modules() if isinstance(sub, FSDPModule) and not isinstance(sub, MegatronFSDPModule)]
+    if by_torch:
+        what = f"its submodule {by_torch[0]!r} is" if by_torch[0] else "it is"
+        raise ValueError(
+            f"megatron_fsdp.fsdp2.fully_shard({type(module).__name__}): {what} sharded by torch's own fully_shard "
+            "(torch.distributed.fsdp); the two implementations cannot be mixed in one model: shard every module "
+            "with megatron_fsdp.fsdp2.fully_shard, or every one with torch's"
+        )
     if isinstance(module, FSDPModule):
         raise ValueError(f"{type(module).__name__} is already sharded by fully_shard: call it once per module")
     if type(module).__name__ == "MegatronFSDP" or any(hasattr(p, "_megatron_fsdp_owner") for p in module.parameters()):
