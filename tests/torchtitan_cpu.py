@@ -137,7 +137,16 @@ def train(run_dir: str, args: list[str]) -> list[tuple[int, float]]:
 
     trainer.metrics_processor.log = record
     try:
-        trainer.train()
+        if config.checkpoint.create_seed_checkpoint:  # the entry point's seed branch
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+        else:
+            trainer.train()
     finally:
         trainer.close()
     return losses
+
+
+def train_runs(rank: int, world_size: int, run_dir: str, runs: list[list[str]]) -> list[list[tuple[int, float]]]:
+    """:func:`train` for each argument list in turn, in one process group (torchtitan keeps an
+    initialised one); for tests/_dist.py's ``run_distributed``."""
+    return [train(run_dir, args) for args in runs]

@@ -187,13 +187,15 @@ class PieceDTensor(DTensor):
             # rows, so to that caller alone a flat piece reads as meta; load_state_dict and the
             # optimizer's load hook then take this rank's range of the new one (one all-gather).
             return True
-        if func == torch.Tensor.copy_ and _copies_whole_replica(args):
-            # An init writing a parameter whole (torchtitan's fused QKV builds the full weight as a
-            # replicated DTensor, then copy_): this rank's flat range of it, no communication.
+        if func == torch.Tensor.copy_ and _copies_whole_parameter(args):
+            # A whole parameter written into a piece: an init building it replicated (torchtitan's
+            # fused QKV), a state-dict cache refreshed from row-sharded values (torchtitan's
+            # checkpointer). This rank's flat range of it; a row-sharded source is gathered first.
             target, source = args[0], args[1]
+            whole = source.to_local() if all(p.is_replicate() for p in source.placements) else source.full_tensor()
             start, length = target._flat_layout.mine(target.device_mesh)
             with torch.no_grad():
-                target._local_tensor.copy_(source.to_local().reshape(-1)[start : start + length])
+                target._local_tensor.copy_(whole.reshape(-1)[start : start + length])
             return target
         # Every Python-level op comes here first: torch 2.11's DTensor dispatch sends only some
         # ops of a subclass through __torch_dispatch__ (which ones can differ between ranks with
@@ -221,9 +223,10 @@ def _distributes_rows_in_place(frame: FrameType) -> bool:
     )
 
 
-def _copies_whole_replica(args: tuple) -> bool:
+def _copies_whole_parameter(args: tuple) -> bool:
     """``target.copy_(source)`` with ``target`` a flat piece of a whole (not tensor-parallel)
-    parameter and ``source`` that parameter replicated on every rank of the same mesh."""
+    parameter and ``source`` a plain DTensor of its shape on the same mesh (replicated or
+    row-sharded)."""
     if len(args) < 2 or not isinstance(args[0], PieceDTensor) or args[0]._flat_layout is None:
         return False
     target, source = args[0], args[1]
@@ -231,7 +234,7 @@ def _copies_whole_replica(args: tuple) -> bool:
         isinstance(source, DTensor)
         and not isinstance(source, PieceDTensor)
         and source.device_mesh == target.device_mesh
-        and all(p.is_replicate() for p in source.placements)
+        and all(p.is_replicate() or p.is_shard() for p in source.placements)
         and source.shape == target.shape
         and tuple(target._flat_layout.local_shape) == tuple(target.shape)
     )
