@@ -140,3 +140,120 @@ def test_non_root_forward_backward_after_root_step_matches_torch_fsdp2() -> None
     it (it used to be read only at the root's forward: the block accumulated onto stale grads)."""
     for rank, problems in enumerate(run_distributed(_non_root_case, 2)):
         assert not problems, f"rank {rank}: {problems}"
+
+
+# -- defect 7: a parameter that got no gradient keeps .grad None -----------------------------
+
+
+class _SkippableHead(nn.Module):
+    """The root's own parameters: ``gain``, used every step, and the head, skipped at times (one
+    bucket, partly used)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = nn.Linear(DIM, DIM)
+        self.gain = nn.Parameter(torch.ones(DIM))
+        self.head = nn.Linear(DIM, 4)
+
+    def forward(self, x: torch.Tensor, skip_head: bool) -> torch.Tensor:
+        hidden = torch.relu(self.body(x)) * self.gain
+        return hidden if skip_head else self.head(hidden)
+
+
+def _skipping_head(fully_shard, rank: int, show_zeros: bool) -> dict:
+    """Steps with the head used, skipped, then used in the first of two accumulated
+    micro-batches only; AdamW with weight decay moves a parameter with a zero gradient, not one
+    with None."""
+    model = _SkippableHead()
+    fully_shard(model.body)
+    fully_shard(model)
+    if show_zeros:
+        model.set_reduce_scatter_unused_params(True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    with_grad, params = [], {}
+    for skips in ([False], [True], [True], [False, True]):
+        for micro, skip in enumerate(skips):
+            model.set_requires_gradient_sync(micro == len(skips) - 1)
+            model(torch.randn(4, DIM, generator=generator), skip).sum().backward()
+        with_grad.append(sorted(name for name, p in model.named_parameters() if p.grad is not None))
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {name: p.full_tensor() for name, p in model.named_parameters()}
+    return {"with_grad": with_grad, "params": params}
+
+
+def _unused_cases(rank: int, world: int) -> list[str]:
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    problems = []
+    for show_zeros in (False, True):
+        ours, theirs = _skipping_head(fully_shard, rank, show_zeros), _skipping_head(torch_fully_shard, rank, show_zeros)
+        if ours["with_grad"] != theirs["with_grad"]:
+            problems.append(f"show_zeros={show_zeros}: with .grad {ours['with_grad']} vs FSDP2's {theirs['with_grad']}")
+        for name, want in theirs["params"].items():
+            if (error := _relative_error(ours["params"][name], want)) > RTOL:
+                problems.append(f"show_zeros={show_zeros}: {name} differs by {error:.2e}")
+    return problems
+
+
+def test_unused_parameter_grad_is_none_as_torch_fsdp2() -> None:
+    """FSDP2 reduce-scatters only parameters with a gradient (unless
+    ``set_reduce_scatter_unused_params(True)``): an unused one keeps ``.grad`` None, which the
+    optimizer skips. Ours showed zeros, so AdamW decayed the skipped head's weights."""
+    for rank, problems in enumerate(run_distributed(_unused_cases, 2)):
+        assert not problems, f"rank {rank}: {problems}"
+
+
+# -- defect 2: unshard(async_op=True) on every module, then held gathered micro-batches --------
+
+
+def _explicitly_unsharded(fully_shard, rank: int, reshard_after_backward: bool) -> dict:
+    """A pipeline schedule's pattern: every module gathered ahead (``unshard(async_op=True)``),
+    kept gathered (``reshard_after_forward=False``), gradients reduced on the last micro-batch
+    only, optionally held gathered after the other backwards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    torch.manual_seed(42)
+    model = nn.Sequential(nn.Embedding(32, DIM), *_stack(2)[1:], nn.Linear(DIM, 32))
+    for block in model[1:3]:
+        fully_shard(block, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(rank)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard(async_op=True)
+    losses = []
+    for micro in range(3):
+        last = micro == 2
+        model.set_requires_gradient_sync(last)
+        if not reshard_after_backward:
+            model.set_reshard_after_backward(last)
+        losses.append(model(torch.randint(0, 32, (2, 5), generator=generator)).sum())
+        losses[-1].backward()
+    optimizer.step()
+    return {"losses": torch.stack(losses).detach(), "params": {n: p.full_tensor() for n, p in model.named_parameters()}}
+
+
+def _explicit_unshard_cases(rank: int, world: int) -> list[str]:
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    problems = []
+    for reshard_after_backward in (False, True):
+        ours = _explicitly_unsharded(fully_shard, rank, reshard_after_backward)
+        theirs = _explicitly_unsharded(torch_fully_shard, rank, reshard_after_backward)
+        if _relative_error(ours["losses"], theirs["losses"]) > RTOL:
+            problems.append(f"reshard_after_backward={reshard_after_backward}: losses differ")
+        for name, want in theirs["params"].items():
+            if (error := _relative_error(ours["params"][name], want)) > RTOL:
+                problems.append(f"reshard_after_backward={reshard_after_backward}: {name} differs by {error:.2e}")
+    return problems
+
+
+def test_explicit_async_unshard_of_every_module_matches_torch_fsdp2() -> None:
+    """The root held gathered after backward used to give its buckets back as their gradients
+    arrived while still marked gathered: the next forward read freed weights."""
+    for rank, problems in enumerate(run_distributed(_explicit_unshard_cases, 2)):
+        assert not problems, f"rank {rank}: {problems}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,8 @@ class StepScheduler:
         self._forward_calls: list[FSDPUnit] = []
         self._last_forward_calls: list[FSDPUnit] = []
         self._backward_cursor = 0
+        # Front doors' own work once a backward has shown its gradients (fsdp2: unused ones).
+        self.after_backward: list[Callable[[], None]] = []
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -198,6 +201,8 @@ class StepScheduler:
         self.state = StepState.IDLE
         if self._syncs_now():
             self.finish_grad_sync()
+        for callback in self.after_backward:
+            callback()
         if self.settings.report_nan_in_param_grad:
             self._report_nonfinite_param_grads()
 

@@ -18,15 +18,15 @@ What each method does here (torch's names and signatures, torch 2.11 and 2.13):
 - Accepted with no change to what is computed: ``set_is_last_backward`` (every backward here
   finishes its reductions), ``set_force_sum_reduction_for_comms`` (reductions here always sum,
   then scale), ``set_requires_all_reduce`` (True; False over a 1-D mesh, which has no all-reduce),
-  ``set_reduce_scatter_unused_params(True)`` (unused parameters always reduce zeros),
   ``set_unshard_in_backward(True)``, and the performance knobs
   ``set_reduce_scatter_max_input_buffers``, ``set_separate_reduce_scatter_group``,
   ``set_allocate_memory_from_process_group_for_comm``, ``set_symm_mem_for_comm``,
   ``_set_unshard_async_op`` (logged).
+- ``set_reduce_scatter_unused_params``: False (default, as FSDP2), an unused parameter's
+  ``.grad`` stays None; True, it shows zeros.
 - Raise ``NotImplementedError`` naming the call: ``set_custom_all_gather``,
   ``set_custom_reduce_scatter``, ``set_all_reduce_hook`` (the engine's collectives are its own),
-  ``set_requires_all_reduce(False)`` under HSDP,
-  ``set_unshard_in_backward(False)``, ``set_reduce_scatter_unused_params(False)``, and
+  ``set_requires_all_reduce(False)`` under HSDP, ``set_unshard_in_backward(False)``, and
   ``module.to(...)``/``to_empty``/``half()`` that would move or cast the sharded parameters (on
   their own device and dtype, these apply to the rest of the module).
 """
@@ -174,11 +174,10 @@ class MegatronFSDPModule(FSDPModule):
         """Accepted: reductions here are always sums, scaled afterwards."""
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        if not reduce_scatter_unused_params:
-            _not_supported(
-                "set_reduce_scatter_unused_params(False)",
-                "a bucket always reduces as a whole, zeros standing for parameters without a gradient",
-            )
+        """False (FSDP2's default): a parameter that got no gradient since its ``.grad`` was
+        cleared keeps ``.grad`` None; True: it shows zeros (the bucket reduces them either way)."""
+        for module in self._fsdp_modules(recurse):
+            module._get_fsdp_state().unused_grads.show_zeros = bool(reduce_scatter_unused_params)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         if not unshard_in_backward:

@@ -34,6 +34,7 @@ from megatron_fsdp.engine.sharded_params import MeshCache
 from megatron_fsdp.engine.step_hooks import StepHooks, tensors_requiring_grad
 from megatron_fsdp.engine.units import FSDPUnit
 from megatron_fsdp.fsdp2 import optimizer_state
+from megatron_fsdp.fsdp2.unused_grads import UnusedGrads
 from megatron_fsdp.optim.piece_steps import end_unfinished_steps
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class ModuleShardingState:
             optimizer_state.track(face.param, self)
         unit.registration = RegisteredParams(self.slots)
         unit.registration.show_sharded()
+        self.unused_grads = UnusedGrads(unit)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -179,6 +181,7 @@ class ModuleShardingState:
         scheduler = StepScheduler([s.unit for s in states], self.settings, self.dp)
         hooks = StepHooks(scheduler, self.reset_step)
         hooks.register_grad_hooks()
+        scheduler.after_backward.extend(s.unused_grads.hide for s in states)
         step = RootStep(scheduler, hooks, states)
         for state in states:
             state.step = step
@@ -314,6 +317,7 @@ def _before_step(step: RootStep) -> None:
             state.post_optim_event.wait()
             state.post_optim_event = None
     for state in step.states:
+        state.unused_grads.note_cleared()
         state.adopt_cleared_grads()
 
 
