@@ -257,3 +257,46 @@ def test_explicit_async_unshard_of_every_module_matches_torch_fsdp2() -> None:
     arrived while still marked gathered: the next forward read freed weights."""
     for rank, problems in enumerate(run_distributed(_explicit_unshard_cases, 2)):
         assert not problems, f"rank {rank}: {problems}"
+
+
+# -- defect 8: a parameter shared across separate fully_shard calls is refused ---------------
+
+
+class _TiedAcross(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(17, DIM)
+        self.out = nn.Linear(DIM, 17, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(ids))
+
+
+def _shared_across_calls(rank: int, world: int) -> list[str]:
+    """Both ranks make the same calls; the error must come at the first forward (FSDP2's lazy
+    init) on each, before that step's first all-gather (CommDebugMode counts none)."""
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    outcomes = []
+    for shard in (fully_shard, torch_fully_shard):
+        model = _TiedAcross()
+        shard(model.embed)
+        shard(model.out)
+        shard(model)
+        with CommDebugMode() as comms:
+            try:
+                model(torch.randint(0, 17, (2, 4)))
+                outcomes.append("no error")
+            except ValueError as error:
+                outcomes.append(str(error))
+        outcomes.append(_collective_counts(comms))
+    return outcomes
+
+
+def test_parameter_shared_across_separate_calls_raises_as_torch_fsdp2() -> None:
+    for rank, (ours, our_comms, theirs, _) in enumerate(run_distributed(_shared_across_calls, 2)):
+        assert "already managed by another" in theirs, f"rank {rank}: FSDP2 said {theirs!r}"
+        assert "fully_shard(Linear)" in ours and "'weight' is already managed by another fully_shard call" in ours, ours
+        assert "fully_shard([a, b])" in ours, f"rank {rank}: the error names no fix: {ours!r}"
+        assert not our_comms, f"rank {rank}: collectives before the error: {our_comms}"

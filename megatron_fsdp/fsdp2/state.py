@@ -177,6 +177,7 @@ class ModuleShardingState:
                 "another root's step: run the outermost module sharded with fully_shard first, or shard "
                 "the outer module only after the inner ones stopped running on their own"
             )
+        _refuse_params_in_two_units(states)
         self.unit.is_root = True
         scheduler = StepScheduler([s.unit for s in states], self.settings, self.dp)
         hooks = StepHooks(scheduler, self.reset_step)
@@ -304,6 +305,23 @@ class ModuleShardingState:
             slot.module._parameters[slot.name] = slot.face
         self._shown_as_rows = []
 
+
+
+def _refuse_params_in_two_units(states: list[ModuleShardingState]) -> None:
+    """FSDP2's check at lazy init (every rank, before any collective of the step): a parameter
+    shared by modules sharded in separate calls would be gathered and reduced twice."""
+    owners: dict[nn.Parameter, ModuleShardingState] = {}
+    for state in states:
+        for bucket in state.unit.buckets:
+            for name, param in zip(bucket.names, bucket.params):
+                other = owners.setdefault(param, state)
+                if other is not state:
+                    raise ValueError(
+                        f"fully_shard({state.unit.name}): its parameter {name!r} is already managed by another "
+                        f"fully_shard call, fully_shard({other.unit.name}): a parameter shared by modules sharded in "
+                        "separate calls is not supported (nor by torch's FSDP2); shard the modules that share it in one "
+                        "call, fully_shard([a, b]), or leave them to their common parent's fully_shard"
+                    )
 
 
 def _before_step(step: RootStep) -> None:
