@@ -300,3 +300,42 @@ def test_parameter_shared_across_separate_calls_raises_as_torch_fsdp2() -> None:
         assert "fully_shard(Linear)" in ours and "'weight' is already managed by another fully_shard call" in ours, ours
         assert "fully_shard([a, b])" in ours, f"rank {rank}: the error names no fix: {ours!r}"
         assert not our_comms, f"rank {rank}: collectives before the error: {our_comms}"
+
+
+# -- defect 6: which parameters are registered after forward ----------------------------------
+
+
+def _registered_kinds(fully_shard, reshard_after_forward: bool | None, grouped: bool) -> list[list[bool]]:
+    """Whether each parameter is a DTensor (sharded) after a forward, then after ``reshard()``."""
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(3, 6), nn.Linear(6, 3)), nn.Linear(3, 3))
+    if grouped:
+        fully_shard(model[0][0], reshard_after_forward=reshard_after_forward)
+        fully_shard(model[0][1], reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    model(torch.randn(2, 3))
+    kinds = [[isinstance(p, DTensor) for p in model.parameters()]]
+    model.reshard()
+    return kinds + [[isinstance(p, DTensor) for p in model.parameters()]]
+
+
+def _registration_cases(rank: int, world: int) -> list[str]:
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    problems = []
+    for reshard_after_forward in (True, False, None):
+        for grouped in (False, True):
+            ours = _registered_kinds(fully_shard, reshard_after_forward, grouped)
+            theirs = _registered_kinds(torch_fully_shard, reshard_after_forward, grouped)
+            if ours != theirs:
+                problems.append(f"reshard_after_forward={reshard_after_forward}, grouped={grouped}: {ours} vs {theirs}")
+    return problems
+
+
+def test_parameters_registered_after_forward_as_torch_fsdp2() -> None:
+    """A root given ``reshard_after_forward=True`` shows its sharded DTensors after forward (it
+    kept the gathered plain tensors registered); False/None keep them, as FSDP2's."""
+    for rank, problems in enumerate(run_distributed(_registration_cases, 2)):
+        assert not problems, f"rank {rank}: {problems}"
