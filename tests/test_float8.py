@@ -14,6 +14,7 @@ compared within 1e-4 relative (measured: see LOSS_RTOL), not bit for bit.
 from __future__ import annotations
 
 import functools
+import logging
 import subprocess
 import sys
 import textwrap
@@ -26,101 +27,55 @@ from torch import nn
 pytest.importorskip("torchao.float8")
 
 from _dist import run_distributed  # noqa: E402
+from _float8_models import (  # noqa: E402
+    BLOCK_WEIGHTS,
+    OPTIMIZERS,
+    STEPS,
+    Block,
+    CountedCollectives,
+    batch,
+    float8_model,
+    reference_losses,
+    worst_relative_error,
+)
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import megatron_fsdp  # noqa: E402
 
 WORLD = 2
-STEPS = 20
-ROWS_PER_RANK = 4
 # Measured on this model: bit-equal losses over 20 and 100 steps for every strategy (sums of
 # two gradients halved round alike); the bound leaves room for another summation order (more
 # ranks, other kernels) moving a weight across a float8 rounding boundary.
 LOSS_RTOL = 1e-4
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
-class Model(nn.Module):
-    """Float8Linear in the blocks (units); the input and output layers stay nn.Linear."""
-
-    def __init__(self, width: int = 64) -> None:
-        super().__init__()
-        self.embed = nn.Linear(16, width)
-        self.blocks = nn.Sequential(Block(width), Block(width))
-        self.head = nn.Linear(width, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.embed(x)))
-
-
-def _float8_model(recipe: str, all_gather: bool = True) -> nn.Module:
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    torch.manual_seed(0)
-    model = Model()
-    if recipe == "tensorwise":
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather, emulate=True)
-    else:
-        config = Float8LinearConfig.from_recipe_name(recipe)
-        config = Float8LinearConfig(**{**config.__dict__, "emulate": True})
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, name: name.startswith("blocks"))
-    return model
-
-
-def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs of this step and rank; targets from a fixed random teacher, so the loss can fall."""
-    teacher = torch.randn(16, 8, generator=torch.Generator().manual_seed(7))
-    x = torch.randn(ROWS_PER_RANK, 16, generator=torch.Generator().manual_seed(1000 * step + rank))
-    return x, torch.tanh(x @ teacher)
-
-
-@functools.cache
-def _reference_losses(recipe: str, world: int) -> list[float]:
-    """torchao on one process, each rank's micro-batch on its own, the loss their mean."""
-    model = _float8_model(recipe)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
+def _train(
+    rank: int, world: int, model: nn.Module, optimizer_name: str = "adamw", **arguments
+) -> tuple[list[float], CountedCollectives]:
+    """20 steps of the whole-model API over ``model``; the mean loss of each step, and the
+    collectives of every forward."""
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+    model, optimizer = megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[Block], **arguments)
+    losses, forwards = [], CountedCollectives()
     for step in range(STEPS):
-        loss = sum(nn.functional.mse_loss(model(x), y) for x, y in (_batch(step, r) for r in range(world))) / world
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _sharded_losses(rank: int, world: int, recipe: str, strategy: str) -> list[float]:
-    model = _float8_model(recipe)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer = megatron_fsdp.fully_shard(
-        model, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=strategy
-    )
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(step, rank)
-        loss = nn.functional.mse_loss(model(x), y)
+        x, y = batch(step, rank)
+        with forwards:
+            output = model(x)
+        loss = nn.functional.mse_loss(output, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    return losses
+    return losses, forwards
 
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
 
 def _losses_of_every_strategy(rank: int, world: int, recipe: str) -> dict[str, list[float]]:
-    return {strategy: _sharded_losses(rank, world, recipe, strategy) for strategy in STRATEGIES}
+    return {s: _train(rank, world, float8_model(recipe), zero_dp_strategy=s)[0] for s in STRATEGIES}
 
 
 @functools.cache
@@ -132,68 +87,97 @@ def _sharded_results(recipe: str) -> dict[str, list[float]]:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_float8_all_gather_trains_like_torchao_on_one_process(strategy: str) -> None:
     got = _sharded_results("tensorwise")[strategy]
-    expected = _reference_losses("tensorwise", WORLD)
-    errors = [abs(g - e) / abs(e) for g, e in zip(got, expected)]
-    assert max(errors) <= LOSS_RTOL, f"{strategy}: worst relative loss error {max(errors):.2e}\n{got}\n{expected}"
+    expected = reference_losses("tensorwise", WORLD)
+    error = worst_relative_error(got, expected)
+    assert error <= LOSS_RTOL, f"{strategy}: worst relative loss error {error:.2e}\n{got}\n{expected}"
     assert expected[-1] < 0.7 * expected[0], f"the reference did not train: {expected}"
 
 
 def _gathered_bytes(rank: int, world: int, all_gather: bool) -> dict[str, int]:
-    """Bytes and dtypes of every all-gather output during one forward under optim_grads_params,
-    seen where torch.distributed's functions are called."""
+    """Bytes and dtypes of every all-gather output during one forward under optim_grads_params."""
     model = megatron_fsdp.fully_shard_model(
-        _float8_model("tensorwise", all_gather), fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params"
+        float8_model("tensorwise", all_gather), fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params"
     )
-    seen: dict[str, int] = {}
-    c10d_file = dist.distributed_c10d.__file__
-
-    def profile(frame, event, arg) -> None:
-        code = frame.f_code
-        if event == "call" and code.co_filename == c10d_file and code.co_name in ("all_gather_single", "all_gather_into_tensor"):
-            output = frame.f_locals[code.co_varnames[0]]
-            key = str(output.dtype)
-            seen[key] = seen.get(key, 0) + output.numel() * output.element_size()
-
-    x, _ = _batch(0, rank)
-    sys.setprofile(profile)
-    try:
+    x, _ = batch(0, rank)
+    with CountedCollectives() as counted:
         model(x)
-    finally:
-        sys.setprofile(None)
-    return seen
+    return counted.gathered
 
 
 def test_float8_all_gather_carries_one_byte_per_weight_element() -> None:
     float8 = run_distributed(_gathered_bytes, WORLD, True)[0]
     plain = run_distributed(_gathered_bytes, WORLD, False)[0]
-    block_weights = 2 * (64 * 128 + 128 * 64)  # the Float8Linear weights of both blocks
     # The blocks' biases stay in fp32 buckets; the float8 buckets gather as uint8, one byte each
     # (bucket padding: up to one alignment per bucket and rank).
-    assert block_weights <= float8.get("torch.uint8", 0) <= block_weights + 2 * 2 * 128, float8
+    assert BLOCK_WEIGHTS <= float8.get("torch.uint8", 0) <= BLOCK_WEIGHTS + 2 * 2 * 128, float8
     assert plain.get("torch.uint8", 0) == 0, plain
     fp32_weights_saved = plain["torch.float32"] - float8["torch.float32"]
-    assert fp32_weights_saved >= 4 * block_weights, (float8, plain)
+    assert fp32_weights_saved >= 4 * BLOCK_WEIGHTS, (float8, plain)
 
 
-def test_rowwise_recipe_trains_with_ordinary_gathers_and_says_why() -> None:
-    import logging
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _fallbacks(rank: int, world: int) -> dict[str, tuple[list[float], dict[str, int], list[str]]]:
+    """Where float8 gathers cannot apply: each case's losses, the bytes its forwards gathered by
+    dtype, and the float8 log lines its fully_shard wrote."""
+    cases = {
+        "rowwise": ("rowwise", {}),
+        "cpu_offload": ("tensorwise", {"cpu_offload": True, "optimizer_name": "rmsprop"}),
+        "outer_optim": ("tensorwise", {
+            "device_mesh": init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_outer", "dp_shard")),
+            "dp_shard_dim": "dp_shard", "dp_outer_dim": "dp_outer", "outer_dp_sharding_strategy": "optim",
+        }),
+    }
     logger = logging.getLogger("megatron_fsdp.engine.float8_weights")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        from megatron_fsdp.engine.float8_weights import prepare_float8_weights
+    results = {}
+    for case, (recipe, arguments) in cases.items():
+        records, level = _Records(), logger.level
+        logger.addHandler(records)
+        logger.setLevel(logging.INFO)
+        try:
+            losses, forwards = _train(rank, world, float8_model(recipe), zero_dp_strategy="optim_grads_params", **arguments)
+        finally:
+            logger.removeHandler(records)
+            logger.setLevel(level)
+        results[case] = (losses, forwards.gathered, records.messages)
+    return results
 
-        replaced = prepare_float8_weights(_float8_model("rowwise"))
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    assert replaced == {}
-    assert len(records) == 1 and "rowwise" in records[0].getMessage(), [r.getMessage() for r in records]
+
+@pytest.mark.parametrize(("case", "recipe", "optimizer_name", "why"), [
+    ("rowwise", "rowwise", "adamw", "rowwise"),
+    ("cpu_offload", "tensorwise", "rmsprop", "CPU offloading"),
+    ("outer_optim", "tensorwise", "adamw", "outer_dp_sharding_strategy='optim'"),
+])
+def test_where_float8_gathers_cannot_apply_it_trains_with_ordinary_gathers_and_says_why(
+    case: str, recipe: str, optimizer_name: str, why: str
+) -> None:
+    """The rowwise recipe, CPU offloading and an optimizer sharded over the outer group: the
+    weights are gathered in their own dtype (fp32 here) and torchao casts them in forward, as on
+    one process; one log line names the reason. Offloaded, torch's RMSprop steps the host
+    pieces: with AdamW the host ops step them, whose last-bit rounding differences float8's
+    rounding boundaries grew to 9e-3 relative by step 20 (measured), which says nothing about
+    the gathers."""
+    losses, gathered, messages = _fallback_results()[case]
+    expected = reference_losses(recipe, WORLD, optimizer_name)
+    error = worst_relative_error(losses, expected)
+    assert error <= LOSS_RTOL, f"{case}: worst relative loss error {error:.2e}\n{losses}\n{expected}"
+    assert expected[-1] < 0.8 * expected[0], f"the reference did not train: {expected}"
+    assert gathered.get("torch.uint8", 0) == 0, gathered
+    if case != "outer_optim":  # there each shard group is one rank (world 2 = 2 replicas x 1): nothing to gather
+        assert gathered["torch.float32"] >= STEPS * 4 * BLOCK_WEIGHTS, gathered
+    assert len(messages) == 1 and why in messages[0] and "gathered in their own dtype" in messages[0], messages
+
+
+@functools.cache
+def _fallback_results() -> dict[str, tuple[list[float], dict[str, int], list[str]]]:
+    return run_distributed(_fallbacks, WORLD)[0]
 
 
 def test_without_torchao_float8_is_a_clear_error_and_nothing_else_needs_it() -> None:

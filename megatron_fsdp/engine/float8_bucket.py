@@ -30,10 +30,6 @@ class Float8Bucket(Bucket):
         specs = [float8_spec(p) for p in params]
         self.float8_dtype = specs[0].float8_dtype
         self.round_scales = specs[0].round_scales_to_power_of_2
-        if kwargs.get("transfers") is not None:
-            raise NotImplementedError("float8 all-gathers with CPU offloading are not supported")
-        if dp.outer is not None and dp.outer_shards_optimizer:
-            raise NotImplementedError("float8 all-gathers with outer_dp_sharding_strategy='optim' are not supported")
         super().__init__(names, params, dp, settings, pool, pool_role, **kwargs)
         self.float8_scales = torch.ones(len(params), dtype=torch.float32, device=self.device)
         self.float8_views: list[torch.Tensor] | None = None

@@ -16,7 +16,7 @@ torchao is imported only here, and only when a model holds a ``Float8Linear``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -51,14 +51,35 @@ def _is_float8_linear(module: nn.Module) -> bool:
     return any(f"{c.__module__}.{c.__qualname__}" == _FLOAT8_LINEAR for c in type(module).__mro__)
 
 
-def prepare_float8_weights(module: nn.Module) -> dict[nn.Parameter, nn.Parameter]:
-    """Marks the weights of ``module``'s ``Float8Linear`` modules that asked for float8
-    all-gathers, replacing torchao's wrapper parameters by plain ones (returned as old -> new, so
-    an optimizer built over the old ones still finds them), and installs the hooks that hand
-    each forward its float8 weight. A recipe that cannot gather in float8 keeps ordinary
-    gathers, said in one log line. Raises ImportError, before any collective, where a
-    ``Float8Linear`` is found and torchao does not import."""
-    float8_modules = [(name, m) for name, m in module.named_modules() if _is_float8_linear(m)]
+def float8_gathers_blocked_by(cpu_offload: bool, outer_shards_optimizer: bool) -> str | None:
+    """Why no weight of a model sharded with these settings can be gathered in float8, or None.
+    The float8 copy is cast where the step installs the main params, on the device: offloaded,
+    the step runs on the host; with the optimizer sharded over the outer group, each rank holds
+    only part of its shard's main params."""
+    if cpu_offload:
+        return "CPU offloading (the main params are stepped on the host)"
+    if outer_shards_optimizer:
+        return "outer_dp_sharding_strategy='optim' (each rank holds part of its shard's main params)"
+    return None
+
+
+def prepare_float8_weights(module: nn.Module, blocked_by: str | None = None) -> dict[nn.Parameter, nn.Parameter]:
+    """:func:`prepare_float8_linears` over every module under ``module`` (the whole-model
+    wrapper's call)."""
+    return prepare_float8_linears(module.named_modules(), blocked_by)
+
+
+def prepare_float8_linears(
+    named_modules: Iterable[tuple[str, nn.Module]], blocked_by: str | None = None
+) -> dict[nn.Parameter, nn.Parameter]:
+    """Marks the weights of the ``Float8Linear`` modules among ``named_modules`` that asked for
+    float8 all-gathers, replacing torchao's wrapper parameters by plain ones (returned as old ->
+    new, so an optimizer built over the old ones still finds them), and installs the hooks that
+    hand each forward its float8 weight. A weight that cannot be gathered in float8 (its recipe,
+    or ``blocked_by``: see :func:`float8_gathers_blocked_by`) is gathered in its own dtype and
+    cast by torchao in each forward, said in one log line per reason. Raises ImportError, before
+    any collective, where a ``Float8Linear`` is found and torchao does not import."""
+    float8_modules = [(name, m) for name, m in named_modules if _is_float8_linear(m)]
     if not float8_modules:
         return {}
     try:
@@ -79,19 +100,24 @@ def prepare_float8_weights(module: nn.Module) -> dict[nn.Parameter, nn.Parameter
             reason = "not asked for (Float8LinearConfig(enable_fsdp_float8_all_gather=False))"
         elif not linear.weight.requires_grad:
             reason = "the weight is frozen (no main params to cast from)"
+        elif blocked_by is not None:
+            reason = blocked_by
+        old = linear.weight
+        # torchao's wrapper holds the weight as ._tensor; a plain parameter of it takes its place,
+        # also where the weight is gathered in its own dtype: buckets hold plain tensors, and
+        # torchao's forward casts a plain weight as it casts its wrapper's.
+        wrapped = hasattr(old, "_tensor")
         if reason is not None:
+            if wrapped:
+                replaced[old] = linear.weight = nn.Parameter(old._tensor.detach(), requires_grad=old.requires_grad)
             kept.setdefault((reason, bool(config.enable_fsdp_float8_all_gather)), []).append(name)
             continue
-        old = linear.weight
-        # torchao's wrapper holds the weight as ._tensor; a plain parameter of it takes its place.
-        values = old._tensor if hasattr(old, "_tensor") else old.detach()
+        values = old._tensor if wrapped else old
         new = nn.Parameter(values.detach(), requires_grad=old.requires_grad)
+        linear.weight = replaced[old] = new
         new._megatron_fsdp_float8 = Float8WeightSpec(
             weight_cast.target_dtype, linear.linear_mm_config, bool(config.round_scales_to_power_of_2)
         )
-        linear.weight = new
-        if new is not old:
-            replaced[old] = new
         linear.register_forward_pre_hook(_show_float8_weight)
         linear.register_forward_hook(_hide_float8_weight, always_call=True)
     for (reason, asked), names in kept.items():
