@@ -105,3 +105,48 @@ def test_compiled_blocks_and_whole_model_train_like_eager_without_recompiles() -
         for name, value in eager["params"].items():
             err = max_relative_error(compiled["params"][name], value)
             assert err <= RTOL, f"{label}: parameter {name}: relative error {err:.2e}"
+
+
+def _train_in_place(compile_blocks: bool) -> tuple[list[float], dict]:
+    """TinyGPT sharded in place per block and at the root (megatron_fsdp.fsdp2, torchtitan's
+    recipe), each block compiled afterwards or not; losses of a few steps and dynamo's counters."""
+    import torch._dynamo
+
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = make_model(seed=0)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    if compile_blocks:
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses, graphs = [], []
+    for step in range(STEPS):
+        tokens, targets = make_batch(step, MICRO_ROWS)
+        loss = model(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    counters = {kind: dict(torch._dynamo.utils.counters[kind]) for kind in ("graph_break", "resumes", "frames")}
+    return losses, {**counters, "graphs": graphs}
+
+
+def test_in_place_units_compile_each_block_as_one_frame_without_graph_breaks(single_rank_group) -> None:
+    """The in-place front door's forward hooks run eagerly around a compiled block: dynamo
+    compiles the block's forward alone (one frame, one graph for all blocks, no recompiles),
+    not the hooks' frames up to a graph break and a resume frame each, whose guards would run on
+    every call."""
+    eager, _ = _train_in_place(compile_blocks=False)
+    compiled, counters = _train_in_place(compile_blocks=True)
+    assert not counters["graph_break"], f"graph breaks: {list(counters['graph_break'])}"
+    assert not counters["resumes"], f"resume frames: {counters['resumes']}"
+    assert counters["frames"].get("total") == 1, f"compiled frames: {counters['frames']}"
+    assert counters["graphs"] == [1] * STEPS, f"graphs after each step: {counters['graphs']}"
+    for step, (a, b) in enumerate(zip(compiled, eager)):
+        assert abs(a - b) <= RTOL * abs(b), f"loss at step {step}: compiled {a} vs eager {b}"

@@ -129,10 +129,15 @@ def shard_in_place(
         bucket.grad_divisor *= grad_divisor
     registrations = [(owner, name, param) for _, owner, name, param in keyed]
     state = ModuleShardingState(modules, unit, dp, settings, mp_policy, registrations, resources)
+    # Eager under torch.compile, as FSDP2's own hooks are: a compiled block's call would otherwise
+    # compile these hooks' frames up to the engine's (eager) step hooks, a graph break and a
+    # resume frame for each, whose guards run on every call.
+    pre_forward = torch.compiler.disable(state.pre_forward)
+    post_forward = torch.compiler.disable(state.post_forward)
     for module in modules:
         module.__dict__[STATE_ATTRIBUTE] = state
-        module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(state.post_forward)
+        module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(post_forward)
         module.__class__ = _sharded_class(type(module))
     state.register_state_dict_hooks(modules)
     logger.info(
