@@ -339,3 +339,49 @@ def test_parameters_registered_after_forward_as_torch_fsdp2() -> None:
     kept the gathered plain tensors registered); False/None keep them, as FSDP2's."""
     for rank, problems in enumerate(run_distributed(_registration_cases, 2)):
         assert not problems, f"rank {rank}: {problems}"
+
+
+# -- defect 5: HSDP (shard groups of one rank) with CPU offload, sync on the last micro-batch --
+
+
+def _hsdp_offload(fully_shard, rank: int) -> dict:
+    """Shard groups of one rank reduce in place: the main gradient is the un-reduced buffer while
+    micro-batches accumulate without sync. It was sent to the host, and released at the next
+    forward as if ``zero_grad`` had cleared it, before the replicas' average."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    model = _stack(2)
+    for block in model[1:]:
+        fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(rank)
+    losses = []
+    for step in range(2):
+        for micro in range(3):
+            model.set_requires_gradient_sync(micro == 2)
+            losses.append(model(torch.randn(4, DIM, generator=generator)).sum())
+            losses[-1].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=step % 2 == 0)
+    return {"losses": torch.stack(losses).detach(), "params": {n: p.full_tensor() for n, p in model.named_parameters()}}
+
+
+def _hsdp_offload_case(rank: int, world: int) -> list[str]:
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    ours, theirs = _hsdp_offload(fully_shard, rank), _hsdp_offload(torch_fully_shard, rank)
+    problems = []
+    if _relative_error(ours["losses"], theirs["losses"]) > RTOL:
+        problems.append(f"losses {ours['losses'].tolist()} vs {theirs['losses'].tolist()}")
+    for name, want in theirs["params"].items():
+        if (error := _relative_error(ours["params"][name], want)) > RTOL:
+            problems.append(f"{name} differs by {error:.2e}")
+    return problems
+
+
+def test_hsdp_cpu_offload_accumulation_matches_torch_fsdp2() -> None:
+    for rank, problems in enumerate(run_distributed(_hsdp_offload_case, 2)):
+        assert not problems, f"rank {rank}: {problems}"

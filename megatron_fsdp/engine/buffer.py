@@ -509,7 +509,9 @@ class Bucket(BucketCheckpointing):
         releases them (the host adds later ones to what it holds); the gradient sync waits for
         the copy. Not while an outer (HSDP) average is due."""
         source = self.optimizer_grad_source()
-        if self.host is None or self.outer_sync_due or source is None:
+        # Reduced in place (a shard group of one), the main gradient is also the un-reduced
+        # buffer while micro-batches accumulate without sync: not reduced yet, it stays.
+        if self.host is None or self.outer_sync_due or source is None or source is self.unreduced_grad:
             return
         self.host.send_grads(source)
         self.main_grad = self.outer_grad = None

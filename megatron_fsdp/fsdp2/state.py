@@ -211,7 +211,10 @@ class ModuleShardingState:
             # The reduced gradients and what the faces show of them (a cast copy, or offloaded,
             # the host's, the device ones being released once sent).
             held = {id(t): t for t in (bucket.optimizer_grad_source(), bucket.optimizer_grads) if t is not None}
-            if not held:
+            if not held or (bucket.main_grad is not None and bucket.main_grad is bucket.unreduced_grad):
+                # Reduced in place (a shard group of one), a main gradient that is also the
+                # un-reduced buffer holds micro-batches accumulating without sync: not shown yet,
+                # so its faces' None is no zero_grad.
                 continue
             cleared = [index for index, face in enumerate(bucket.faces) if face.param.grad is None]
             if len(cleared) == len(bucket.faces):
