@@ -23,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
+from megatron_fsdp.engine.float8_weights import float8_gathers_blocked_by, prepare_float8_linears
 from megatron_fsdp.engine.mesh import DataParallelGroup, resolve_dp_shard_group, resolve_outer_group
 from megatron_fsdp.engine.units import FSDPUnit
 from megatron_fsdp.fsdp2.module import MegatronFSDPModule
@@ -98,11 +99,14 @@ def shard_in_place(
     from FSDP2's ``mp_policy`` (which then only casts inputs and outputs); ``grad_divisor``:
     reduced gradients are divided by it on top of the group size (upstream's v2);
     ``offload_pin_memory``: offload (FSDP2's ``CPUOffloadPolicy(pin_memory)``), None: do not."""
-    keyed = [entry for module in modules for entry in _managed_registrations(module, ignored)]
+    keyed = _managed_registrations_of(modules, ignored)
     params = list(dict.fromkeys(param for _, _, _, param in keyed))
     name = ", ".join(type(module).__name__ for module in modules)
     _check_params(name, keyed, shard_placement_fn)
     dp = _data_parallel_group(mesh)
+    if prepare_float8_linears(_weight_owners(keyed), float8_gathers_blocked_by(offload_pin_memory is not None, False)):
+        keyed = _managed_registrations_of(modules, ignored)
+        params = list(dict.fromkeys(param for _, _, _, param in keyed))
     if params and params[0].is_meta:
         keyed = _materialise(keyed, _mesh_device(mesh))
         params = list(dict.fromkeys(param for _, _, _, param in keyed))
@@ -200,6 +204,17 @@ def check_module(module: Any) -> None:
         )
 
 
+def _managed_registrations_of(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+    return [entry for module in modules for entry in _managed_registrations(module, ignored)]
+
+
+def _weight_owners(keyed: list[tuple[str, nn.Module, str, nn.Parameter]]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each module whose ``weight`` this call shards: where torchao's
+    ``Float8Linear`` weights are found (engine/float8_weights.py), not under modules sharded earlier."""
+    owners = {owner: key.rpartition(".")[0] for key, owner, attribute, _ in keyed if attribute == "weight"}
+    return [(name, owner) for owner, name in owners.items()]
+
+
 def _managed_registrations(module: nn.Module, ignored: set[nn.Parameter]) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
     """(key relative to ``module``, owning module, attribute name, parameter) for every
     registration of a parameter this call shards: those under ``module`` outside submodules
@@ -284,6 +299,7 @@ def _materialise(
     for _, _, _, param in keyed:
         if param not in replacements:
             replacements[param] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+            replacements[param].__dict__.update(param.__dict__)  # what marks it (a float8 weight's spec)
     for _, owner, name, param in keyed:
         owner._parameters[name] = replacements[param]
     return [(key, owner, name, replacements[param]) for key, owner, name, param in keyed]

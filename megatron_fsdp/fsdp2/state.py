@@ -186,6 +186,11 @@ class ModuleShardingState:
         step = RootStep(scheduler, hooks, states)
         for state in states:
             state.step = step
+            # Float8 weights are cast from the main params at each step; what was written into
+            # them since fully_shard (an init after sharding on the meta device) is cast now.
+            for bucket in state.unit.trainable_buckets:
+                if bucket.float8_weights:
+                    bucket.install_main_params()
         logger.info("megatron_fsdp.fsdp2: %s is the root of %d modules sharded in place", type(module).__name__, len(states))
 
     def piece_buckets(self) -> list[Bucket]:
@@ -196,10 +201,10 @@ class ModuleShardingState:
         """After an optimizer stepped this unit's pieces: offloaded buckets send the stepped main
         parameters (on the host) to the device weights the next gather reads. The whole-model
         wrapper does this in its optimizer's step; a plain optimizer's step is seen by torch's
-        global step post-hook (``optim/piece_steps.py``). Elsewhere the gathers read the main
-        parameters."""
+        global step post-hook (``optim/piece_steps.py``). Float8 buckets cast them to their
+        float8 weights (engine/float8_bucket.py). Elsewhere the gathers read the main parameters."""
         for bucket in self.unit.trainable_buckets:
-            if bucket.host is not None:
+            if bucket.host is not None or bucket.float8_weights:
                 bucket.install_main_params()
 
     def adopt_cleared_grads(self) -> None:
