@@ -43,9 +43,12 @@ def _train(rank: int, world: int, shard_in_place: bool, device_type: str = "cpu"
     PartialState._reset_state()
     try:
         model = hf_llama.build_model(hf_llama.tiny_llama_config()).to(device_type)
-        plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"]
-        )
+        # A model already sharded in place (by torch's fully_shard too) asks for no wrapping: its
+        # layers are FSDP<Cls> now, and Accelerate's FSDP2 path (on GPU) looks the class up by name.
+        wrapping = {"auto_wrap_policy": "NO_WRAP"} if shard_in_place else {
+            "auto_wrap_policy": "transformer_based_wrap", "transformer_cls_names_to_wrap": ["LlamaDecoderLayer"]
+        }
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **wrapping)
         accelerator = Accelerator(fsdp_plugin=plugin, cpu=device_type == "cpu")
         if shard_in_place:
             for module in model.modules():
