@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -46,6 +47,12 @@ def _cases(world: int) -> list[tuple[str, torch.dtype, dict]]:
         # Not stepped by the C++ ops: torch's RMSprop reads a copy of the bf16 gradients in fp32.
         ("rmsprop bf16 default", torch.bfloat16, dict(optimizer="rmsprop")),
     ]
+    if importlib.util.find_spec("torchao") is not None:
+        # torchao Float8Linear blocks: their weights' compute copies are float8, one byte each.
+        # Not strategies 1/2, whose step ends in an all-gather from a copy of the shard that gloo
+        # may still hold when the test counts (measured: once, the copy's 1888 bytes).
+        cases += [(f"{s} fp32 float8", torch.float32, dict(zero_dp_strategy=s, float8=True)) for s in ("no_shard", "optim_grads_params")]
+        cases.append(("optim_grads_params bf16 default float8", torch.bfloat16, dict(float8=True)))
     if world > 1:
         # Three micro-batches a step, synced each time or held back until the last (each way a
         # user asks for it): 0/1 then hold every bucket's un-reduced gradients in between.
@@ -65,6 +72,16 @@ def _cases(world: int) -> list[tuple[str, torch.dtype, dict]]:
             ("hfsdp bf16", torch.bfloat16, dict(dp_outer_size=2, outer_dp_sharding_strategy="optim")),
         ]
     return cases
+
+
+def _make_model(dtype: torch.dtype, float8: bool) -> nn.Module:
+    model = make_model(layers=3, dtype=dtype)
+    if float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, name: name.startswith("blocks"))
+    return model
 
 
 def _live_storages() -> dict[int, int]:
@@ -101,6 +118,7 @@ def _held_and_planned(rank: int, world: int) -> list[tuple[str, int, int, int, i
         optimizer_kind = options.pop("optimizer", "adamw")
         dp_outer_size = options.pop("dp_outer_size", 1)
         accumulation = options.pop("accumulation", None)
+        float8 = options.pop("float8", False)
         micro_batches = 1 if accumulation is None else 3
         if accumulation == "auto_sync_off":
             options["sync_model_each_microbatch"] = False
@@ -110,7 +128,7 @@ def _held_and_planned(rank: int, world: int) -> list[tuple[str, int, int, int, i
                 "cpu", (dp_outer_size, world // dp_outer_size), mesh_dim_names=("dp_outer", "dp_shard"))
             options.update(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
         with torch.device("meta"):
-            meta_model = make_model(layers=3, dtype=dtype)
+            meta_model = _make_model(dtype, float8)
         plan_options = {k: v for k, v in options.items()
                         if k not in ("device_mesh", "dp_shard_dim", "dp_outer_dim", "sync_model_each_microbatch")}
         plan = megatron_fsdp.plan_memory(
@@ -119,7 +137,7 @@ def _held_and_planned(rank: int, world: int) -> list[tuple[str, int, int, int, i
             deferred_reduction=accumulation in ("no_sync", "auto_sync_off"), **plan_options)
         gc.collect()
         before = _live_storages()
-        model = make_model(layers=3, dtype=dtype)
+        model = _make_model(dtype, float8)
         model, optimizer = megatron_fsdp.fully_shard(
             model, _optimizer(optimizer_kind, model.parameters()), fsdp_unit_modules=[Block], **options)
         for micro in range(micro_batches):

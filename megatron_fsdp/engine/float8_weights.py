@@ -79,15 +79,66 @@ def prepare_float8_linears(
     or ``blocked_by``: see :func:`float8_gathers_blocked_by`) is gathered in its own dtype and
     cast by torchao in each forward, said in one log line per reason. Raises ImportError, before
     any collective, where a ``Float8Linear`` is found and torchao does not import."""
+    replaced: dict[nn.Parameter, nn.Parameter] = {}
+    kept: dict[tuple[str, bool], list[str]] = {}
+    for name, linear, reason in _float8_linears(named_modules, blocked_by):
+        config = linear.config
+        weight_cast = config.cast_config_weight
+        old = linear.weight
+        # torchao's wrapper holds the weight as ._tensor; a plain parameter of it takes its place,
+        # also where the weight is gathered in its own dtype: buckets hold plain tensors, and
+        # torchao's forward casts a plain weight as it casts its wrapper's.
+        if reason is not None:
+            if hasattr(old, "_tensor"):
+                replaced[old] = linear.weight = _plain_parameter(old)
+            kept.setdefault((reason, bool(config.enable_fsdp_float8_all_gather)), []).append(name)
+            continue
+        new = linear.weight = replaced[old] = _plain_parameter(old)
+        new._megatron_fsdp_float8 = Float8WeightSpec(
+            weight_cast.target_dtype, linear.linear_mm_config, bool(config.round_scales_to_power_of_2)
+        )
+        linear.register_forward_pre_hook(_show_float8_weight)
+        linear.register_forward_hook(_hide_float8_weight, always_call=True)
+    for (reason, asked), names in kept.items():
+        logged = logger.warning if asked else logger.info
+        logged("megatron_fsdp: %d Float8Linear weights (%s, ...) are gathered in their own dtype, not float8: %s",
+               len(names), names[0], reason)
+    return replaced
+
+
+def _plain_parameter(old: nn.Parameter) -> nn.Parameter:
+    """A new plain parameter over ``old``'s values, which ``old`` gives up: it lives on only as a
+    key (an optimizer built over it finds the new one), and must not hold the full weight once
+    the buckets have sharded it."""
+    values = old._tensor if hasattr(old, "_tensor") else old
+    new = nn.Parameter(values.detach(), requires_grad=old.requires_grad)
+    values.data = torch.empty(0, dtype=values.dtype, device=values.device)
+    return new
+
+
+def float8_gathered_weights(module: nn.Module, blocked_by: str | None = None) -> dict[nn.Parameter, torch.dtype]:
+    """The weights under ``module`` (as they are now: torchao's) that :func:`prepare_float8_weights`
+    would gather in float8, with their float8 dtype; changes nothing (memory_plan.py's view)."""
+    return {
+        linear.weight: linear.config.cast_config_weight.target_dtype
+        for _, linear, reason in _float8_linears(module.named_modules(), blocked_by)
+        if reason is None
+    }
+
+
+def _float8_linears(
+    named_modules: Iterable[tuple[str, nn.Module]], blocked_by: str | None
+) -> list[tuple[str, nn.Module, str | None]]:
+    """(name, module, why its weight is gathered in its own dtype, or None) of each
+    ``Float8Linear``; ImportError where one is found and torchao does not import."""
     float8_modules = [(name, m) for name, m in named_modules if _is_float8_linear(m)]
     if not float8_modules:
-        return {}
+        return []
     try:
         from torchao.float8.config import ScalingGranularity, ScalingType
     except ImportError as error:
         raise ImportError(TORCHAO_MISSING) from error
-    replaced: dict[nn.Parameter, nn.Parameter] = {}
-    kept: dict[str, list[str]] = {}
+    found = []
     for name, linear in float8_modules:
         config = linear.config
         weight_cast = config.cast_config_weight
@@ -102,29 +153,8 @@ def prepare_float8_linears(
             reason = "the weight is frozen (no main params to cast from)"
         elif blocked_by is not None:
             reason = blocked_by
-        old = linear.weight
-        # torchao's wrapper holds the weight as ._tensor; a plain parameter of it takes its place,
-        # also where the weight is gathered in its own dtype: buckets hold plain tensors, and
-        # torchao's forward casts a plain weight as it casts its wrapper's.
-        wrapped = hasattr(old, "_tensor")
-        if reason is not None:
-            if wrapped:
-                replaced[old] = linear.weight = nn.Parameter(old._tensor.detach(), requires_grad=old.requires_grad)
-            kept.setdefault((reason, bool(config.enable_fsdp_float8_all_gather)), []).append(name)
-            continue
-        values = old._tensor if wrapped else old
-        new = nn.Parameter(values.detach(), requires_grad=old.requires_grad)
-        linear.weight = replaced[old] = new
-        new._megatron_fsdp_float8 = Float8WeightSpec(
-            weight_cast.target_dtype, linear.linear_mm_config, bool(config.round_scales_to_power_of_2)
-        )
-        linear.register_forward_pre_hook(_show_float8_weight)
-        linear.register_forward_hook(_hide_float8_weight, always_call=True)
-    for (reason, asked), names in kept.items():
-        logged = logger.warning if asked else logger.info
-        logged("megatron_fsdp: %d Float8Linear weights (%s, ...) are gathered in their own dtype, not float8: %s",
-               len(names), names[0], reason)
-    return replaced
+        found.append((name, linear, reason))
+    return found
 
 
 class _Float8WeightFromGathered(torch.autograd.Function):

@@ -11,7 +11,7 @@ on the step's timing and is planned as an upper bound.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +19,7 @@ from torch import nn
 
 from megatron_fsdp.engine.bucket_geometry import BucketGeometry
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
+from megatron_fsdp.engine.float8_weights import float8_gathered_weights, float8_gathers_blocked_by
 from megatron_fsdp.engine.units import ROOT_UNIT_NAME, assign_params_to_units, bucket_groups, find_unit_modules
 
 # The CUDA caching allocator and the bucket pool hand out multiples of this many bytes.
@@ -185,14 +186,16 @@ class _BucketPlan:
     numels: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    # torchao Float8Linear weights gathered in float8 (engine/float8_bucket.py).
+    float8: bool = False
 
     @property
     def shape(self) -> _BucketShape:
         """What its geometry depends on: alike buckets (the same bucket of every layer) share it."""
-        return self.numels, self.dtype, self.requires_grad
+        return self.numels, self.dtype, self.requires_grad, self.float8
 
 
-_BucketShape = tuple[tuple[int, ...], torch.dtype, bool]
+_BucketShape = tuple[tuple[int, ...], torch.dtype, bool, bool]
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -226,8 +229,14 @@ def check_options(options: PlanOptions) -> None:
         )
 
 
-def plan_buckets(module: nn.Module, unit_classes: tuple[type, ...], strategy: ShardingStrategy) -> list[_BucketPlan]:
-    """The buckets fully_shard would build, unit by unit (the root unit first)."""
+def plan_buckets(
+    module: nn.Module,
+    unit_classes: tuple[type, ...],
+    strategy: ShardingStrategy,
+    float8_dtypes: Mapping[nn.Parameter, torch.dtype] | None = None,
+) -> list[_BucketPlan]:
+    """The buckets fully_shard would build, unit by unit (the root unit first); ``float8_dtypes``:
+    the weights it would gather in float8 (float8_weights.float8_gathered_weights)."""
     unit_modules = find_unit_modules(module, unit_classes, units_required=strategy.shards_weights, log_absent=False)
     assignment = assign_params_to_units(module, [m for _, m in unit_modules])
     names = {m: name for name, m in unit_modules}
@@ -235,20 +244,26 @@ def plan_buckets(module: nn.Module, unit_classes: tuple[type, ...], strategy: Sh
     buckets = []
     for owner, param_names in assignment.items():
         unit = ROOT_UNIT_NAME if owner is None else names[owner]
-        for key, members in bucket_groups(unit, [(n, named[n]) for n in param_names]).items():
-            buckets.append(_BucketPlan(unit, tuple(p.numel() for _, p in members), key.dtype, key.requires_grad))
+        for key, members in bucket_groups(unit, [(n, named[n]) for n in param_names], float8_dtypes or {}).items():
+            numels = tuple(p.numel() for _, p in members)
+            buckets.append(_BucketPlan(unit, numels, key.dtype, key.requires_grad, key.float8 is not None))
     return buckets
 
 
 def _geometry(shape: _BucketShape, options: PlanOptions, shard_rank: int, outer_rank: int) -> BucketGeometry:
-    numels, dtype, requires_grad = shape
+    numels, dtype, requires_grad, float8 = shape
     settings = options.settings
     return BucketGeometry.build(
         numels, dtype.itemsize, settings.alignment_bytes, shard_rank, options.shard_size, settings.strategy,
         settings.mixed_precision.resolve(dtype), requires_grad, settings.cpu_offload,
         outer_size=options.outer_size, outer_rank=outer_rank,
-        outer_shards_optimizer=options.outer_strategy is ShardingStrategy.OPTIM,
+        outer_shards_optimizer=options.outer_strategy is ShardingStrategy.OPTIM, float8_weights=float8,
     )
+
+
+def _compute_itemsize(geometry: BucketGeometry) -> int:
+    """Bytes per compute-weight element: one for float8 weights."""
+    return 1 if geometry.float8_weights else geometry.dtypes.compute.itemsize
 
 
 def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptions, kernel_step: bool) -> None:
@@ -256,6 +271,10 @@ def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptio
     the C++ ops step the optimizer, reading low-precision main gradients as they are."""
     dtypes = geometry.dtypes
     compute, main, grads = (d.itemsize for d in (dtypes.compute, dtypes.main_params, dtypes.main_grads))
+    if geometry.float8_weights:
+        compute = _compute_itemsize(geometry)
+        # A float32 scale per weight, and the one element the parameters expand as their stand-in.
+        memory.add("device", "bookkeeping", 4 * len(geometry.layout.slots) + dtypes.compute.itemsize)
     weights = geometry.weight_range
     if weights is not None:
         memory.add("device", "compute weights", (weights[1] - weights[0]) * compute)
@@ -302,7 +321,7 @@ def _working_set(memory: RankMemory, plans: list[tuple[_BucketPlan, BucketGeomet
     if options.settings.strategy.shards_weights:
         per_unit: dict[str, int] = defaultdict(int)
         for bucket, geometry in plans:
-            compute = geometry.dtypes.compute.itemsize
+            compute = _compute_itemsize(geometry)
             gathered = _round_up(geometry.layout.padded_numel * compute, ALLOCATION_GRANULE)
             if geometry.gathers_from_main and geometry.layout.world_size > 1:
                 gathered += _round_up(geometry.layout.shard_numel * compute, ALLOCATION_GRANULE)
@@ -431,7 +450,9 @@ def planned_ranks(options: PlanOptions) -> list[int]:
 def plan_model(module: nn.Module, unit_classes: tuple[type, ...], options: PlanOptions) -> tuple[RankMemory, list[RankMemory]]:
     """The largest rank's plan and every planned rank's (see :func:`planned_ranks`)."""
     check_options(options)
-    buckets = plan_buckets(module, unit_classes, options.settings.strategy)
+    outer_shards_optimizer = options.outer_strategy is ShardingStrategy.OPTIM and options.outer_size > 1
+    float8 = float8_gathered_weights(module, float8_gathers_blocked_by(options.settings.cpu_offload, outer_shards_optimizer))
+    buckets = plan_buckets(module, unit_classes, options.settings.strategy, float8)
     ranks = [plan_rank(buckets, module, options, rank) for rank in planned_ranks(options)]
     largest = max(ranks, key=lambda m: (m.device_total, m.host_model_states))
     return largest, ranks
