@@ -23,6 +23,7 @@ from megatron_fsdp.engine.plan import (
     resolve_offload,
     resolve_policy,
 )
+from megatron_fsdp.engine.transformer_engine_refusal import refuse_transformer_engine
 from megatron_fsdp.megatron_fsdp import MegatronFSDP
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.optim.optimizer import distribute_optimizer
@@ -171,7 +172,9 @@ def fully_shard_model(
 
 
 def _check_not_wrapped(module: nn.Module) -> None:
-    """Refuses, before any collective, a model that something already distributes."""
+    """Refuses, before any collective, a model that something already distributes, or that
+    holds Transformer Engine modules."""
+    refuse_transformer_engine(module)
     if isinstance(module, MegatronFSDP):
         raise ValueError(
             "this model is already sharded by megatron_fsdp: shard a model once, and train the model fully_shard returned"

@@ -25,6 +25,7 @@ from megatron_fsdp.engine.plan import ShardingPlan, check_upstream_options, plan
 from megatron_fsdp.engine.schedule import FAILED_BACKWARD_ADVICE, StepScheduler, StepState
 from megatron_fsdp.engine.sharded_params import MeshCache, ShardedParam
 from megatron_fsdp.engine.step_hooks import StepHooks
+from megatron_fsdp.engine.transformer_engine_refusal import refuse_transformer_engine
 from megatron_fsdp.engine.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_to_units, find_unit_modules
 from megatron_fsdp.engine.upstream_param_attributes import mark_distributed_params
 from megatron_fsdp.engine.user_buffers import NCCLUserBuffers
@@ -119,6 +120,7 @@ class MegatronFSDP(nn.Module):
             raise TypeError(f"dist_index must be a megatron_fsdp.FSDPDistributedIndex or None, got {dist_index!r}")
         if isinstance(module, MegatronFSDP):
             raise ValueError("this model is already sharded by megatron_fsdp")
+        refuse_transformer_engine(module)
         # Tuning of upstream's own pipelines: nothing to change here (logged when set).
         check_upstream_options(
             disable_bucketing=disable_bucketing, keep_fp8_transpose_cache=keep_fp8_transpose_cache,

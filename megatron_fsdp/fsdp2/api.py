@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.float8_weights import float8_gathers_blocked_by, prepare_float8_linears
 from megatron_fsdp.engine.mesh import DataParallelGroup, resolve_dp_shard_group, resolve_outer_group
+from megatron_fsdp.engine.transformer_engine_refusal import refuse_transformer_engine
 from megatron_fsdp.engine.units import FSDPUnit
 from megatron_fsdp.fsdp2.module import MegatronFSDPModule
 from megatron_fsdp.fsdp2.state import STATE_ATTRIBUTE, ModuleShardingState, shared_resources, state_of
@@ -196,6 +197,7 @@ def check_module(module: Any) -> None:
         )
     if isinstance(module, FSDPModule):
         raise ValueError(f"{type(module).__name__} is already sharded by fully_shard: call it once per module")
+    refuse_transformer_engine(module)
     if type(module).__name__ == "MegatronFSDP" or any(hasattr(p, "_megatron_fsdp_owner") for p in module.parameters()):
         raise ValueError(
             f"{type(module).__name__} is (part of) a model sharded by megatron_fsdp's whole-model fully_shard "
