@@ -39,28 +39,31 @@ WORLD = 2
 LOSS_RTOL = 1e-4
 
 
-def _train_per_block(rank: int, world: int, implementation: str, precompute: bool = True) -> dict:
+def _train_per_block(rank: int, world: int, implementation: str, precompute: bool = True, bf16: bool = False) -> dict:
     """20 AdamW steps of a float8-converted model sharded per block, then at the root, by
     ``implementation``'s fully_shard ("ours" or "torch"), calling torchao's precompute after
-    each step or not: the mean losses, what the forwards gathered, and how many weights hold a
-    scale torchao's precompute made."""
+    each step or not, computing in bf16 over fp32 parameters (torchtitan's mp_policy) or not:
+    the mean losses, what the forwards gathered, and how many weights hold a scale torchao's
+    precompute made."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     if implementation == "ours":
         from megatron_fsdp.fsdp2 import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     model = float8_model("tensorwise")
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, forwards = [], CountedCollectives()
     for step in range(STEPS):
         x, y = batch(step, rank)
         with forwards:
             output = model(x)
-        loss = nn.functional.mse_loss(output, y)
+        loss = nn.functional.mse_loss(output.float(), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -100,6 +103,8 @@ def _both(rank: int, world: int) -> dict[str, dict]:
         "ours": _train_per_block(rank, world, "ours"),
         "ours without precompute": _train_per_block(rank, world, "ours", precompute=False),
         "torch": _train_per_block(rank, world, "torch"),
+        "ours bf16": _train_per_block(rank, world, "ours", bf16=True),
+        "torch bf16": _train_per_block(rank, world, "torch", bf16=True),
         "halved after fully_shard": _loss_after_writing_the_sharded_weights(rank, world),
     }
 
@@ -119,6 +124,18 @@ def test_per_block_fully_shard_trains_like_torch_fsdp2_and_torchao_on_one_proces
     error = worst_relative_error(ours, torchs)
     assert error <= LOSS_RTOL, f"megatron_fsdp.fsdp2 vs torch's fully_shard: {error:.2e}\n{ours}\n{torchs}"
     assert expected[-1] < 0.7 * expected[0], f"the reference did not train: {expected}"
+
+
+def test_bf16_compute_over_fp32_parameters_trains_like_torch_fsdp2() -> None:
+    """torchtitan's mp_policy (param_dtype bf16, reduce_dtype fp32): both cast the fp32 sharded
+    weights to float8 the same way, and compute the rest in bf16 alike (measured: bit-equal;
+    the bound as above). Each forward still gathers the blocks' weights as one byte each."""
+    ours, torchs = _results()["ours bf16"]["losses"], _results()["torch bf16"]["losses"]
+    error = worst_relative_error(ours, torchs)
+    assert error <= LOSS_RTOL, f"megatron_fsdp.fsdp2 vs torch's fully_shard, bf16: {error:.2e}\n{ours}\n{torchs}"
+    assert ours[-1] < 0.7 * ours[0], ours
+    gathered = _results()["ours bf16"]["gathered"]
+    assert STEPS * BLOCK_WEIGHTS <= gathered.get("torch.uint8", 0) <= STEPS * (BLOCK_WEIGHTS + 2 * 2 * 128), gathered
 
 
 def test_per_block_fully_shard_gathers_float8_weights_as_one_byte_each() -> None:
