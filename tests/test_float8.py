@@ -115,6 +115,32 @@ def test_float8_all_gather_carries_one_byte_per_weight_element() -> None:
     assert fp32_weights_saved >= 4 * BLOCK_WEIGHTS, (float8, plain)
 
 
+def _meta_init_first_loss(rank: int, world: int) -> tuple[float, dict[str, int], dict[str, torch.Tensor]]:
+    """A float8 model built on the meta device and initialised by fully_shard_model unit by unit:
+    the first forward's mean loss, what it gathered, and the full parameters it computed with."""
+    with torch.device("meta"):
+        model = float8_model("tensorwise")
+    model = megatron_fsdp.fully_shard_model(
+        model, fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params", init_model_with_meta_device=True
+    )
+    x, y = batch(0, rank)
+    with CountedCollectives() as counted:
+        loss = nn.functional.mse_loss(model(x), y).detach()
+    dist.all_reduce(loss)
+    return loss.item() / world, counted.gathered, model.full_parameters()
+
+
+def test_meta_device_init_gathers_float8_weights_cast_from_the_initialised_values() -> None:
+    loss, gathered, full = run_distributed(_meta_init_first_loss, WORLD)[0]
+    assert BLOCK_WEIGHTS <= gathered.get("torch.uint8", 0) <= BLOCK_WEIGHTS + 2 * 2 * 128, gathered
+    reference = float8_model("tensorwise")
+    reference.load_state_dict(full)
+    with torch.no_grad():
+        expected = sum(nn.functional.mse_loss(reference(x), y).item() for x, y in (batch(0, r) for r in range(WORLD))) / WORLD
+    # The same fp32 values cast alike: only the order of the loss's sums differs.
+    assert abs(loss - expected) <= 1e-6 * expected, (loss, expected)
+
+
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)

@@ -54,6 +54,7 @@ def materialize_unit_by_unit(
         for key, param in meta_params.items():
             if param not in replacements:
                 replacements[param] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                replacements[param].__dict__.update(param.__dict__)  # what marks it (a float8 weight's spec)
                 live += param.numel() * param.element_size()
                 waiting[owner_of[param]].discard(param)
             submodule._parameters[key] = replacements[param]
