@@ -6,8 +6,9 @@ parallelism. Only torchtitan is adapted here, before its first import: its devic
 a device module answering what torchtitan asks of one (no memory statistics), its triton kernel
 module (never run by a dense model) is replaced by one that raises if called, FlexAttention
 runs eagerly (torch has no compiled CPU backward for it), FSDP reductions sum (gloo has no
-PREMUL_SUM), and the timeout change after the first step is a plain barrier. megatron_fsdp
-is used as shipped.
+PREMUL_SUM), the timeout change after the first step is a plain barrier, and float8 Linear
+layers emulate their matmuls (as torchtitan's own error advises without float8 hardware).
+megatron_fsdp is used as shipped.
 """
 
 from __future__ import annotations
@@ -76,6 +77,23 @@ def adapt_torchtitan_for_cpu() -> None:
     _run_flex_attention_eagerly()
     _sum_reductions_for_gloo()
     _plain_barrier_for_timeouts()
+    _emulate_float8_matmuls()
+
+
+def _emulate_float8_matmuls() -> None:
+    """torchtitan's float8 converter refuses a machine without float8 matmuls unless its config
+    says ``emulate``, which the ``llama3_debugmodel_float8`` config does not (and cannot be given
+    on the command line: the converter runs inside the config function). Set it: torchtitan then
+    builds torchao's ``Float8LinearConfig(emulate=True)``, the tensorwise recipe computed in fp32."""
+    from torchtitan.components.quantization.float8 import Float8LinearConverter
+
+    build_converter = Float8LinearConverter.__init__
+
+    def build_emulating(self: Any, config: Any) -> None:
+        config.emulate = True
+        build_converter(self, config)
+
+    Float8LinearConverter.__init__ = build_emulating
 
 
 def _plain_barrier_for_timeouts() -> None:
@@ -106,13 +124,18 @@ def _sum_reductions_for_gloo() -> None:
 
 def _run_flex_attention_eagerly() -> None:
     """torchtitan's attention is FlexAttention, compiled. torch has no compiled CPU backward for
-    it, but its eager (math) path has one, behind a device check: run that, uncompiled."""
+    it, but its eager (math) path has one, behind a device check: run that, uncompiled. Under
+    ``--compile.backend aot_eager`` torchtitan hands the attention region of each block to
+    inductor (its only compiled flex path), which fails on the CPU: leave it to aot_eager,
+    which runs the same math path."""
     import torch.nn.attention.flex_attention as flex
+    from torchtitan.distributed import compile as titan_compile
     from torchtitan.models.common import attention
 
     flex._validate_device = lambda query, key, value: None
     attention.FlexAttention._compiled_flex_attn = flex.flex_attention
     attention._compiled_create_block_mask = flex.create_block_mask
+    titan_compile._maybe_regional_inductor_backend = lambda model, backend: backend
 
 
 def train(run_dir: str, args: list[str]) -> list[tuple[int, float]]:
