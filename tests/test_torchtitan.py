@@ -15,8 +15,9 @@ parameters at world 2 ("When dp_mesh_dims is provided, all parameters must be DT
 
 A second pair of runs in the same processes turns several features on at once, through
 torchtitan's config and flags only: ``llama3_debugmodel_float8`` (torchao's Float8Linear,
-tensorwise, emulated on the CPU), full activation checkpointing and two accumulated
-micro-batches per step (global batch twice the data-parallel one).
+tensorwise, emulated on the CPU), per-block ``torch.compile`` (``aot_eager``), full activation
+checkpointing and two accumulated micro-batches per step (global batch twice the data-parallel
+one).
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ LOSS_TOLERANCE = 1e-5
 FEATURES_STEPS = 3
 FEATURES = (
     "--training.global_batch_size", "8",  # local batch 2 x 2 ranks x 2 micro-batches
+    "--compile.enable", "--compile.backend", "aot_eager",  # per block; inductor fails on CPU flex
     "activation-checkpoint:full",  # a tyro subcommand: after every flag
 )  # fmt: skip
 # float8 rounds every matmul input to 3 mantissa bits with a scale from the tensor's amax, so
 # the fp32 rounding differences above can flip a float8 rounding and grow over the steps:
-# by hand, 0 over these 3 steps (one seed), 3.0e-5 over 4 steps and 1.6e-4 over 6 of the float8
+# by hand, 0 over these 3 steps, compiled or not (one seed), 3.0e-5 over 4 steps and 1.6e-4 over 6 of the float8
 # model without accumulation (another seed; docs/fsdp2.md). Bound: 1e-4 of the first loss.
 FLOAT8_RELATIVE_TOLERANCE = 1e-4
 
