@@ -50,7 +50,8 @@ FEATURES = (
     "activation-checkpoint:full",  # a tyro subcommand: after every flag
 )  # fmt: skip
 # float8 rounds every matmul input to 3 mantissa bits with a scale from the tensor's amax, so
-# the fp32 rounding differences above can flip a float8 rounding and grow over the steps:
+# the fp32 rounding differences above (the clip's total norm over differently cut shards, the
+# order of HSDP's 4-rank sums) can flip a float8 rounding and grow over the steps:
 # by hand, 2.0e-4 over these 3 steps (2.5e-5 of the first loss), 3.0e-5 over 4 steps and 1.6e-4
 # over 6 of the float8 model alone at world 2 (docs/fsdp2.md). Bound: 1e-4 of the first loss.
 FLOAT8_RELATIVE_TOLERANCE = 1e-4
