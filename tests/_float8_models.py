@@ -9,12 +9,12 @@ would quantise the activations differently from two half batches.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import sys
+from types import FrameType
 
 import torch
-import torch.distributed as dist
-from parity import TORCH_COLLECTIVES
+from parity import watching_collectives
 from torch import nn
 
 STEPS = 20
@@ -44,7 +44,6 @@ class Model(nn.Module):
         return self.head(self.blocks(self.embed(x)))
 
 
-_C10D_FILE = dist.distributed_c10d.__file__
 # The Float8Linear weights of both blocks, in elements.
 BLOCK_WEIGHTS = 2 * (64 * 128 + 128 * 64)
 
@@ -98,34 +97,25 @@ def worst_relative_error(got: list[float], expected: list[float]) -> float:
 
 
 class CountedCollectives:
-    """While open: torch.distributed's collective calls on this thread (the outermost public
-    call counts once; a Python profile hook, as tests/parity.py counts) and the bytes of every
-    all-gather output by dtype."""
+    """While open: torch.distributed's collective calls on this thread (counted as tests/parity.py
+    counts them) and the bytes of every all-gather output by dtype."""
 
     def __init__(self) -> None:
         self.calls = 0
         self.gathered: dict[str, int] = {}
+        self._watching: contextlib.AbstractContextManager | None = None
+
+    def _count(self, name: str, frame: FrameType) -> None:
+        self.calls += 1
+        if name in ("all_gather_single", "all_gather_into_tensor"):
+            output = frame.f_locals[frame.f_code.co_varnames[0]]
+            key = str(output.dtype)
+            self.gathered[key] = self.gathered.get(key, 0) + output.numel() * output.element_size()
 
     def __enter__(self) -> CountedCollectives:
-        inside: list = []
-
-        def profile(frame, event, arg) -> None:
-            code = frame.f_code
-            if code.co_name not in TORCH_COLLECTIVES or code.co_filename != _C10D_FILE:
-                return
-            if event == "call":
-                if not inside:
-                    self.calls += 1
-                    if code.co_name in ("all_gather_single", "all_gather_into_tensor"):
-                        output = frame.f_locals[code.co_varnames[0]]
-                        key = str(output.dtype)
-                        self.gathered[key] = self.gathered.get(key, 0) + output.numel() * output.element_size()
-                inside.append(frame)
-            elif event == "return" and inside and inside[-1] is frame:
-                inside.pop()
-
-        sys.setprofile(profile)
+        self._watching = watching_collectives(self._count)
+        self._watching.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        sys.setprofile(None)
+        self._watching.__exit__(*exc)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -170,16 +171,12 @@ def sharded_run(rank: int, world: int, setup: Setup, device: str = "cpu") -> Res
 
 
 @contextlib.contextmanager
-def _collectives(setup: Setup, windows: list[Counter]) -> Iterator[None]:
-    """With ``setup.count_collectives``, appends to ``windows`` the torch.distributed collective
-    calls made inside (the outermost call of torch's public functions: a deprecated alias that
-    calls its successor counts once), by a Python profile hook on this thread, which launches
-    every collective. torch's profiler was the first choice; stopping it while gloo's threads
-    still recorded events crashed it in CI."""
-    if not setup.count_collectives:
-        yield
-        return
-    counted: Counter = Counter()
+def watching_collectives(on_call: Callable[[str, FrameType], None]) -> Iterator[None]:
+    """Calls ``on_call(name, frame)`` for each torch.distributed collective called on this thread
+    while open (the outermost call of torch's public functions: a deprecated alias that calls its
+    successor counts once), by a Python profile hook on this thread, which launches every
+    collective. torch's profiler was the first choice; stopping it while gloo's threads still
+    recorded events crashed it in CI."""
     inside: list = []
 
     def profile(frame, event, arg) -> None:
@@ -188,7 +185,7 @@ def _collectives(setup: Setup, windows: list[Counter]) -> Iterator[None]:
             return
         if event == "call":
             if not inside:
-                counted[code.co_name] += 1
+                on_call(code.co_name, frame)
             inside.append(frame)
         elif event == "return" and inside and inside[-1] is frame:
             inside.pop()
@@ -199,6 +196,17 @@ def _collectives(setup: Setup, windows: list[Counter]) -> Iterator[None]:
         yield
     finally:
         sys.setprofile(previous)
+
+
+@contextlib.contextmanager
+def _collectives(setup: Setup, windows: list[Counter]) -> Iterator[None]:
+    """With ``setup.count_collectives``, appends to ``windows`` the collective calls made inside."""
+    if not setup.count_collectives:
+        yield
+        return
+    counted: Counter = Counter()
+    with watching_collectives(lambda name, frame: counted.update((name,))):
+        yield
     windows.append(counted)
 
 
