@@ -20,7 +20,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def all_gather_shards(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
-    """``full`` = the concatenation of every rank's ``shard``."""
+    """``full`` = the concatenation of every rank's ``shard``. 8-bit floats go as their bytes."""
+    full, shard = _as_bytes(full), _as_bytes(shard)
     if _one_rank(group):
         return _copy_unless_same(full, shard)
     return _all_gather_single(full, shard, group=group, async_op=async_op)
@@ -52,6 +53,14 @@ def all_to_all(received: torch.Tensor, sent: torch.Tensor, group: dist.ProcessGr
     if _one_rank(group):
         return _copy_unless_same(received, sent)
     return dist.all_to_all_single(received, sent, group=group, async_op=async_op)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of an 8-bit float tensor (float8 weights, a frozen float8 parameter): gloo
+    has no float8 type, and a gather only moves bytes. Other tensors as they are."""
+    if tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1:
+        return tensor.view(torch.uint8)
+    return tensor
 
 
 def _one_rank(group: dist.ProcessGroup | None) -> bool:

@@ -74,12 +74,10 @@ class Float8Bucket(Bucket):
     # -- weights ------------------------------------------------------------------------------
 
     def start_unshard(self, async_op: bool) -> dist.Work | None:
-        """Launches the all-gather of the float8 shards, as bytes (every backend moves uint8)."""
+        """Launches the all-gather of the float8 shards (as bytes: collectives.py)."""
         self.pool.fill(self.full_weight, self._pool_key("weights"))
         self._holds_gathered_weights = True
-        return all_gather_shards(
-            self.full_weight.view(torch.uint8), self.weight_shard.view(torch.uint8), self.dp.group, async_op=async_op
-        )
+        return all_gather_shards(self.full_weight, self.weight_shard, self.dp.group, async_op=async_op)
 
     def point_params_at_full_weight(self) -> None:
         """The parameters keep their stand-ins: forward reads the float8 views."""
@@ -113,5 +111,5 @@ class Float8Bucket(Bucket):
             target = self.full_weight[self.main_start : self.main_end]
         _ops.float8_cast_segments(self.main_params, bounds, self.float8_scales, target)
         if self.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
-            own_shard = self.full_weight[self.shard_start : self.shard_end].clone().view(torch.uint8)
-            all_gather_shards(self.full_weight.view(torch.uint8), own_shard, self.dp.group)
+            own_shard = self.full_weight[self.shard_start : self.shard_end].clone()
+            all_gather_shards(self.full_weight, own_shard, self.dp.group)

@@ -178,6 +178,7 @@ class ModuleShardingState:
                 "the outer module only after the inner ones stopped running on their own"
             )
         _refuse_params_in_two_units(states)
+        _refuse_meta_tensors(module)
         self.unit.is_root = True
         scheduler = StepScheduler([s.unit for s in states], self.settings, self.dp)
         hooks = StepHooks(scheduler, self.reset_step)
@@ -330,6 +331,19 @@ def _refuse_params_in_two_units(states: list[ModuleShardingState]) -> None:
                         "separate calls is not supported (nor by torch's FSDP2); shard the modules that share it in one "
                         "call, fully_shard([a, b]), or leave them to their common parent's fully_shard"
                     )
+
+
+def _refuse_meta_tensors(root: nn.Module) -> None:
+    """FSDP2's check at lazy init (once per root, before any collective): a model sharded on the
+    meta device and never materialised would fail deep inside its forward. fully_shard gives meta
+    parameters memory, so what is left on meta here is buffers (or parameters it does not manage)."""
+    on_meta = [name for name, tensor in (*root.named_parameters(), *root.named_buffers()) if tensor.is_meta]
+    if on_meta:
+        raise RuntimeError(
+            "FSDP parameters should be materialized from meta device before training, but the following were "
+            f"still on meta device: {on_meta}. Call module.to_empty(device=...) on the model, then initialise "
+            "them (reset_parameters() on each module, or load a state dict)"
+        )
 
 
 def _before_step(step: RootStep) -> None:
