@@ -234,6 +234,51 @@ def test_bad_input_raises_before_any_collective() -> None:
         assert fragment in message, f"expected {fragment!r} in {message!r}"
 
 
+def _reductions(rank: int, world: int) -> dict:
+    """Whole-tensor reductions of sharded parameters (ours and torch's), what each reduction over a
+    dim of our 2-D weight raised on this rank, then both weights gathered (the ranks still in step)."""
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    values, layers = {}, {}
+    for name, shard in (("ours", fully_shard), ("torch", torch_fully_shard)):
+        torch.manual_seed(0)
+        layer = layers[name] = torch.nn.Linear(8, 4)
+        shard(layer, shard_placement_fn=lambda param: Shard(-1) if param.ndim == 1 else None)
+        weight, bias = layer.weight, layer.bias
+        whole = {
+            "sum": weight.sum(), "norm": weight.norm(), "linalg.norm": torch.linalg.norm(weight),
+            "vector_norm": torch.linalg.vector_norm(weight, 3), "bias.sum(0)": bias.sum(0),
+            "bias vector_norm(dim=0)": torch.linalg.vector_norm(bias, dim=0),
+        }
+        values[name] = {key: value.full_tensor() for key, value in whole.items()}
+    weight, bias = layers["ours"].weight, layers["ours"].bias
+    over_dims = [
+        lambda: weight.sum(dim=1), lambda: weight.sum(0), lambda: weight.mean(1), lambda: torch.amax(weight, 1),
+        lambda: weight.norm(2, 1), lambda: torch.linalg.norm(weight, dim=1), lambda: torch.linalg.norm(weight, 2),
+        lambda: torch.linalg.vector_norm(weight, dim=(0, 1)), lambda: torch.linalg.matrix_norm(weight),
+        lambda: weight.max(dim=1), lambda: bias.mean(0),
+    ]
+    raised = []
+    for call in over_dims:
+        try:
+            call()
+            raised.append("no error")
+        except Exception as error:  # every rank must raise the same clear error, and no other
+            raised.append(f"{type(error).__name__}: {error}")
+    weights = {name: layer.weight.full_tensor() for name, layer in layers.items()}
+    return {"values": values, "raised": raised, "weights": weights}
+
+
+def test_reductions_over_dims_raise_on_every_rank_and_whole_ones_match_torch() -> None:
+    for rank, found in enumerate(run_distributed(_reductions, 2, timeout=120)):
+        for key, want in found["values"]["torch"].items():
+            torch.testing.assert_close(found["values"]["ours"][key], want, msg=f"rank {rank}: {key}")
+        torch.testing.assert_close(found["weights"]["ours"], found["weights"]["torch"])
+        assert len(found["raised"]) == 11
+        for message in found["raised"]:
+            assert message.startswith("NotImplementedError") and ".full_tensor()" in message, f"rank {rank}: {message}"
+
+
 def test_every_public_fsdp_module_method_is_megatron_fsdps() -> None:
     """torch's FSDPModule methods reach into FSDP2's own state: each must be overridden."""
     from megatron_fsdp.fsdp2 import MegatronFSDPModule

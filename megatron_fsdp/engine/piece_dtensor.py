@@ -197,6 +197,8 @@ class PieceDTensor(DTensor):
             with torch.no_grad():
                 target._local_tensor.copy_(whole.reshape(-1)[start : start + length])
             return target
+        if func in _DIM_REDUCTIONS or func is torch.linalg.matrix_norm:
+            _refuse_reduction_over_dims(func, args, kwargs or {})
         # Every Python-level op comes here first: torch 2.11's DTensor dispatch sends only some
         # ops of a subclass through __torch_dispatch__ (which ones can differ between ranks with
         # its sharding cache), so results are re-wrapped here, the same way on every rank.
@@ -209,6 +211,59 @@ class PieceDTensor(DTensor):
         if func._schema.is_mutable and args and isinstance(args[0], PieceDTensor):
             return args[0]  # in place: the piece was changed where it is
         return _keep_layout(func, args, kwargs, out)
+
+
+# Reductions that take ``dim`` (by keyword, or at this position): over a dim of a flat piece
+# they would index the piece's one dim as the parameter's dims.
+_DIM_REDUCTIONS: dict[Any, int] = {
+    **dict.fromkeys(
+        (
+            torch.sum, torch.Tensor.sum, torch.nansum, torch.Tensor.nansum, torch.mean, torch.Tensor.mean,
+            torch.prod, torch.Tensor.prod, torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin,
+            torch.max, torch.Tensor.max, torch.min, torch.Tensor.min, torch.argmax, torch.Tensor.argmax,
+            torch.argmin, torch.Tensor.argmin, torch.std, torch.Tensor.std, torch.var, torch.Tensor.var,
+            torch.logsumexp, torch.Tensor.logsumexp,
+        ),
+        1,
+    ),
+    **dict.fromkeys((torch.norm, torch.Tensor.norm, torch.linalg.norm, torch.linalg.vector_norm), 2),
+}
+# Those of them exact on a 1-D parameter's flat pieces over its one dim (a sum, max or norm of
+# the pieces' partial results, as without ``dim``).
+_WHOLE_1D_REDUCTIONS = frozenset(
+    (
+        torch.sum, torch.Tensor.sum, torch.nansum, torch.Tensor.nansum, torch.amax, torch.Tensor.amax,
+        torch.amin, torch.Tensor.amin, torch.norm, torch.Tensor.norm, torch.linalg.norm, torch.linalg.vector_norm,
+    )
+)
+
+
+def _refuse_reduction_over_dims(func: Any, args: tuple, kwargs: dict) -> None:
+    """Raises (from metadata alone, so on every rank, before any collective) where ``func``
+    reduces a flat-sharded piece over given dims, or is a matrix norm of one."""
+    piece = args[0] if args else kwargs.get("input")
+    if not isinstance(piece, PieceDTensor) or piece._flat_layout is None:
+        return
+    if not any(p.is_shard() for p in piece.placements[: piece._flat_layout.dp_dims]):
+        return
+    if func is torch.linalg.matrix_norm:
+        over_dims = True
+    else:
+        position = _DIM_REDUCTIONS[func]
+        dim = kwargs["dim"] if "dim" in kwargs else args[position] if len(args) > position else None
+        # Not a dim: std/var's positional ``unbiased`` flag, max/min's second tensor, amax's ``()`` (all dims).
+        over_dims = not isinstance(dim, bool) and isinstance(dim, (int, tuple, list)) and dim not in ((), [])
+        if over_dims and piece.ndim == 1 and func in _WHOLE_1D_REDUCTIONS:
+            over_dims = False
+        if func is torch.linalg.norm and dim is None and piece.ndim > 1:
+            # linalg.norm with ``ord`` of a matrix (no dim) is a matrix norm of the last two dims.
+            ord_ = kwargs["ord"] if "ord" in kwargs else args[1] if len(args) > 1 else None
+            over_dims = ord_ is not None
+    if over_dims:
+        raise NotImplementedError(
+            f"{func.__name__} over a dim of a megatron_fsdp flat-sharded DTensor (a rank holds a flat range "
+            "of the parameter, not torch.chunk rows): call .full_tensor() or .redistribute() first"
+        )
 
 
 def _distributes_rows_in_place(frame: FrameType) -> bool:

@@ -57,7 +57,7 @@ def fully_shard(
     - ``reshard_after_forward``: True gives the gathered weights back after forward and gathers
       again in backward; False keeps them from forward through backward; None (default): True,
       except for the root (the module whose forward runs first), as FSDP2.
-    - ``shard_placement_fn``: may return None or ``Shard(0)`` for a parameter.
+    - ``shard_placement_fn``: may return None or ``Shard(0)`` (``Shard(-1)`` of a 1-D one) for a parameter.
     - ``mp_policy``: torch's ``MixedPrecisionPolicy``. ``param_dtype`` is the dtype forward
       computes in (the sharded parameters keep theirs, and the optimizer steps them);
       ``reduce_dtype`` (default ``param_dtype``) the dtype gradients travel in, summed in the
@@ -235,6 +235,11 @@ def _managed_registrations(module: nn.Module, ignored: set[nn.Parameter]) -> lis
     return found
 
 
+def _is_shard_0(placement: Any, ndim: int) -> bool:
+    """``Shard(0)``, or a ``Shard`` of the same dim counted from the end (``Shard(-1)`` of a 1-D parameter)."""
+    return isinstance(placement, Shard) and -ndim <= placement.dim < ndim and placement.dim % ndim == 0
+
+
 def _check_params(
     name: str,
     keyed: list[tuple[str, nn.Module, str, nn.Parameter]],
@@ -250,7 +255,7 @@ def _check_params(
             raise ValueError(f"{key} belongs to a module sharded by torch's own fully_shard: use one fully_shard for the model")
         if shard_placement_fn is not None:
             placement = shard_placement_fn(param)
-            if placement is not None and placement != Shard(0):
+            if placement is not None and not _is_shard_0(placement, param.ndim):
                 raise ValueError(
                     f"shard_placement_fn returned {placement!r} for {key}: megatron_fsdp.fsdp2 shards every parameter "
                     "into contiguous pieces of its flattened value over the mesh's one dim; return None or Shard(0)"
