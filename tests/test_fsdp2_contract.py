@@ -249,6 +249,8 @@ def _reductions(rank: int, world: int) -> dict:
             "sum": weight.sum(), "norm": weight.norm(), "linalg.norm": torch.linalg.norm(weight),
             "vector_norm": torch.linalg.vector_norm(weight, 3), "bias.sum(0)": bias.sum(0),
             "bias vector_norm(dim=0)": torch.linalg.vector_norm(bias, dim=0),
+            # Ours: rank 1's flat range of the bucket holds none of the weight.
+            "amax": weight.amax(), "max": weight.max(), "amin": torch.amin(weight), "bias.min": bias.min(),
         }
         values[name] = {key: value.full_tensor() for key, value in whole.items()}
     weight, bias = layers["ours"].weight, layers["ours"].bias

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Partial, Placement
 
 from megatron_fsdp.engine.collectives import all_gather_shards
 from megatron_fsdp.engine.dtensor_params import contiguous_strides
@@ -199,6 +199,8 @@ class PieceDTensor(DTensor):
             return target
         if func in _DIM_REDUCTIONS or func is torch.linalg.matrix_norm:
             _refuse_reduction_over_dims(func, args, kwargs or {})
+        if func in _WHOLE_EXTREMA and len(args) == 1 and not kwargs and _is_flat_sharded(args[0]):
+            return _whole_extremum(args[0], _WHOLE_EXTREMA[func])
         # Every Python-level op comes here first: torch 2.11's DTensor dispatch sends only some
         # ops of a subclass through __torch_dispatch__ (which ones can differ between ranks with
         # its sharding cache), so results are re-wrapped here, the same way on every rank.
@@ -238,13 +240,40 @@ _WHOLE_1D_REDUCTIONS = frozenset(
 )
 
 
+# Whole-tensor maxima and minima: a rank whose flat range holds none of the parameter has no
+# value to give (torch raises on an empty tensor), so it gives the reduction's identity.
+_WHOLE_EXTREMA: dict[Any, str] = {
+    **dict.fromkeys((torch.amax, torch.Tensor.amax, torch.max, torch.Tensor.max), "max"),
+    **dict.fromkeys((torch.amin, torch.Tensor.amin, torch.min, torch.Tensor.min), "min"),
+}
+
+
+def _is_flat_sharded(value: Any) -> bool:
+    return (
+        isinstance(value, PieceDTensor)
+        and value._flat_layout is not None
+        and any(p.is_shard() for p in value.placements[: value._flat_layout.dp_dims])
+    )
+
+
+def _whole_extremum(piece: PieceDTensor, reduce_op: str) -> DTensor:
+    """``piece.amax()`` (or amin) as DTensor gives it: partial over the sharded dims, reduced
+    when read. Every rank takes this path alike, empty pieces included."""
+    local = piece._local_tensor
+    if local.numel():
+        value = local.amax() if reduce_op == "max" else local.amin()
+    else:
+        info = torch.finfo(local.dtype) if local.dtype.is_floating_point else torch.iinfo(local.dtype)
+        value = torch.tensor(info.min if reduce_op == "max" else info.max, dtype=local.dtype, device=local.device)
+    placements = [Partial(reduce_op) if p.is_shard() else p for p in piece.placements]
+    return DTensor.from_local(value, piece.device_mesh, placements, run_check=False)
+
+
 def _refuse_reduction_over_dims(func: Any, args: tuple, kwargs: dict) -> None:
     """Raises (from metadata alone, so on every rank, before any collective) where ``func``
     reduces a flat-sharded piece over given dims, or is a matrix norm of one."""
     piece = args[0] if args else kwargs.get("input")
-    if not isinstance(piece, PieceDTensor) or piece._flat_layout is None:
-        return
-    if not any(p.is_shard() for p in piece.placements[: piece._flat_layout.dp_dims]):
+    if not _is_flat_sharded(piece):
         return
     if func is torch.linalg.matrix_norm:
         over_dims = True
