@@ -18,7 +18,7 @@ from megatron_fsdp.distributed_data_parallel_config import ddp_config_from_setti
 from megatron_fsdp.engine.argument_types import check_argument_types
 from megatron_fsdp.engine.buffer import Bucket
 from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
-from megatron_fsdp.engine.float8_weights import float8_gathers_blocked_by, prepare_float8_weights
+from megatron_fsdp.engine.float8_weights import float8_gathers_blocked_by, prepare_float8_linears
 from megatron_fsdp.engine.meta_init import materialize_unit_by_unit
 from megatron_fsdp.engine.offload import OffloadTransfers
 from megatron_fsdp.engine.plan import ShardingPlan, check_upstream_options, plan_from_upstream_arguments
@@ -153,7 +153,7 @@ class MegatronFSDP(nn.Module):
         self._ddp_config = ddp_config
         # torchao Float8Linear weights made plain parameters (float8-gathered, or wrapped by torchao), old -> new.
         blocked_by = float8_gathers_blocked_by(settings.cpu_offload, dp.outer is not None and dp.outer_shards_optimizer)
-        self.replaced_params = prepare_float8_weights(module, blocked_by)
+        self.replaced_params = prepare_float8_linears(module.named_modules(), blocked_by)
         self.pool = _ops.new_bucket_pool(settings.fsdp_double_buffer)
         unit_modules = find_unit_modules(module, plan.unit_classes, units_required=settings.strategy.shards_weights)
         assignment = assign_params_to_units(module, [m for _, m in unit_modules])

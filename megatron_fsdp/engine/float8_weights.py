@@ -3,7 +3,7 @@ float8, and how a module's forward receives the gathered float8 weight.
 
 A user asks as under FSDP2: ``convert_to_float8_training(model, config=Float8LinearConfig(
 enable_fsdp_float8_all_gather=True))`` before sharding. Such a weight comes as torchao's
-wrapper tensor; :func:`prepare_float8_weights` puts a plain parameter of the same values in its
+wrapper tensor; :func:`prepare_float8_linears` puts a plain parameter of the same values in its
 place and marks it with a :class:`Float8WeightSpec`, so that the units group it into a float8
 bucket (``float8_bucket.py``), which casts the main params to float8 after each step and gathers
 float8 bytes. Around each such module's forward, ``module.weight`` reads as torchao's
@@ -63,12 +63,6 @@ def float8_gathers_blocked_by(cpu_offload: bool, outer_shards_optimizer: bool) -
     return None
 
 
-def prepare_float8_weights(module: nn.Module, blocked_by: str | None = None) -> dict[nn.Parameter, nn.Parameter]:
-    """:func:`prepare_float8_linears` over every module under ``module`` (the whole-model
-    wrapper's call)."""
-    return prepare_float8_linears(module.named_modules(), blocked_by)
-
-
 def prepare_float8_linears(
     named_modules: Iterable[tuple[str, nn.Module]], blocked_by: str | None = None
 ) -> dict[nn.Parameter, nn.Parameter]:
@@ -117,7 +111,7 @@ def _plain_parameter(old: nn.Parameter) -> nn.Parameter:
 
 
 def float8_gathered_weights(module: nn.Module, blocked_by: str | None = None) -> dict[nn.Parameter, torch.dtype]:
-    """The weights under ``module`` (as they are now: torchao's) that :func:`prepare_float8_weights`
+    """The weights under ``module`` (as they are now: torchao's) that :func:`prepare_float8_linears`
     would gather in float8, with their float8 dtype; changes nothing (memory_plan.py's view)."""
     return {
         linear.weight: linear.config.cast_config_weight.target_dtype

@@ -270,9 +270,9 @@ def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptio
     """The bucket's persistent tensors on this rank, as buffer.py allocates them; ``kernel_step``:
     the C++ ops step the optimizer, reading low-precision main gradients as they are."""
     dtypes = geometry.dtypes
-    compute, main, grads = (d.itemsize for d in (dtypes.compute, dtypes.main_params, dtypes.main_grads))
+    compute = _compute_itemsize(geometry)
+    main, grads = dtypes.main_params.itemsize, dtypes.main_grads.itemsize
     if geometry.float8_weights:
-        compute = _compute_itemsize(geometry)
         # A float32 scale per weight, and the one element the parameters expand as their stand-in.
         memory.add("device", "bookkeeping", 4 * len(geometry.layout.slots) + dtypes.compute.itemsize)
     weights = geometry.weight_range

@@ -204,15 +204,12 @@ class FSDPUnit:
         compute_dtype: torch.dtype | None,
     ) -> Bucket:
         names, params = [n for n, _ in members], [p for _, p in members]
-        if key.float8 is not None:
-            dp_group = dp.expert if key.expert else dp
-            return Float8Bucket(names, params, dp_group, settings, pool, pool_role, transfers=transfers,
-                                compute_dtype=compute_dtype, grad_divisor=dp.dense_size if key.expert else None)
+        bucket_class = Float8Bucket if key.float8 is not None else Bucket
         if not key.expert:
-            return Bucket(names, params, dp, settings, pool, pool_role, transfers=transfers, compute_dtype=compute_dtype)
+            return bucket_class(names, params, dp, settings, pool, pool_role, transfers=transfers, compute_dtype=compute_dtype)
         # Expert gradients hold the contributions of every rank whose tokens reached the expert:
         # summed over the expert-data-parallel group, they average over the dense one.
-        return Bucket(
+        return bucket_class(
             names, params, dp.expert, settings, pool, pool_role, grad_divisor=dp.dense_size, transfers=transfers,
             compute_dtype=compute_dtype,
         )
