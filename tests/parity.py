@@ -456,6 +456,21 @@ def max_relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.double() - expected.double()).abs().max() / scale).item()
 
 
+def run_differences(ours: dict, theirs: dict, what: str, rtol: float, keys: tuple[str, ...] = ("losses", "params")) -> list[str]:
+    """What differs between two runs' results beyond ``rtol`` (:func:`max_relative_error`): under
+    each of ``keys`` one tensor (the losses), or a dict of named tensors (parameters, gradients)."""
+    problems = []
+    for key in keys:
+        expected = theirs[key]
+        named = expected.items() if isinstance(expected, dict) else [(None, expected)]
+        for name, want in named:
+            got = ours[key][name] if name is not None else ours[key]
+            if (error := max_relative_error(got, want)) > rtol:
+                label = f"{key} {name}" if name is not None else key
+                problems.append(f"{what}: {label} differs by {error:.2e} relative ({got.flatten()[:4].tolist()} vs {want.flatten()[:4].tolist()})")
+    return problems
+
+
 def compare(got: Result, expected: Result, loss_rtol: float, grad_rtol: float, param_rtol: float, label: str) -> None:
     for step, (a, b) in enumerate(zip(got.losses, expected.losses)):
         assert abs(a - b) <= loss_rtol * abs(b), f"{label}: loss at step {step}: {a} vs reference {b}"

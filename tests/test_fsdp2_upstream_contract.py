@@ -17,13 +17,10 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from _dist import run_distributed
+from parity import max_relative_error, run_differences
 from models import make_batch, make_model
 
 STEPS, ROWS, LR, RTOL = 3, 2, 1e-2, 1e-6
-
-
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
 
 
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -80,28 +77,17 @@ def _train_twice_called(fully_shard, rank: int, reshard_after_forward: bool) -> 
     return {"losses": torch.stack(losses), "params": _full_params(model)}
 
 
-def _compare(ours: dict, theirs: dict, what: str) -> list[str]:
-    problems = []
-    if _relative_error(ours["losses"], theirs["losses"]) > RTOL:
-        problems.append(f"{what}: losses {ours['losses'].tolist()} vs {theirs['losses'].tolist()}")
-    for name, want in theirs["params"].items():
-        error = _relative_error(ours["params"][name], want)
-        if error > RTOL:
-            problems.append(f"{what}: {name} differs by {error:.2e} relative")
-    return problems
-
-
 def _contract(rank: int, world: int) -> list[str]:
     from megatron_fsdp.fsdp2 import fully_shard
 
-    problems = _compare(
+    problems = run_differences(
         _train_with_prefetch(fully_shard, rank, world), _train_with_prefetch(torch_fully_shard, rank, world),
-        "explicit prefetch",
+        "explicit prefetch", RTOL,
     )
     for reshard in (True, False):
-        problems += _compare(
+        problems += run_differences(
             _train_twice_called(fully_shard, rank, reshard), _train_twice_called(torch_fully_shard, rank, reshard),
-            f"module called twice, reshard_after_forward={reshard}",
+            f"module called twice, reshard_after_forward={reshard}", RTOL,
         )
     return problems
 
@@ -182,9 +168,9 @@ def _frozen_float8_contract(rank: int, world: int) -> list[str]:
 
     ours, theirs = _frozen_float8(fully_shard, rank), _frozen_float8(torch_fully_shard, rank)
     return [
-        f"frozen float8: {key} differs by {_relative_error(ours[key], theirs[key]):.2e}"
+        f"frozen float8: {key} differs by {max_relative_error(ours[key], theirs[key]):.2e}"
         for key in ("out", "grad")
-        if _relative_error(ours[key], theirs[key]) > RTOL
+        if max_relative_error(ours[key], theirs[key]) > RTOL
     ]
 
 
@@ -199,7 +185,7 @@ def _meta_contract(rank: int, world: int) -> list[str]:
     if "materialized from meta device" not in theirs["error"]:
         problems.append(f"meta forward, torch's: error {theirs['error']!r}")
     for key in ("out", "retried"):
-        if _relative_error(ours[key], theirs["out"]) > RTOL:
+        if max_relative_error(ours[key], theirs["out"]) > RTOL:
             problems.append(f"meta forward after to_empty ({key}): {ours[key]} vs {theirs['out']}")
     return problems
 

@@ -16,12 +16,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from _dist import run_distributed
+from parity import max_relative_error, run_differences
 
 RTOL, DIM = 1e-6, 8
-
-
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
 
 
 def _stack(blocks: int = 3) -> nn.Sequential:
@@ -78,11 +75,7 @@ def _accumulation_cases(rank: int, world: int) -> list[str]:
         what = f"sync off for {sync_off}, reshard_after_forward={reshard_after_forward}, held after backward={hold}"
         ours = _accumulate(fully_shard, rank, sync_off, reshard_after_forward, hold)
         theirs = _accumulate(torch_fully_shard, rank, sync_off, reshard_after_forward, hold)
-        if _relative_error(ours["losses"], theirs["losses"]) > RTOL:
-            problems.append(f"{what}: losses {ours['losses'].tolist()} vs {theirs['losses'].tolist()}")
-        for name, want in theirs["grads"].items():
-            if (error := _relative_error(ours["grads"][name], want)) > RTOL:
-                problems.append(f"{what}: {name}.grad differs by {error:.2e}")
+        problems += run_differences(ours, theirs, what, RTOL, keys=("losses", "grads"))
         if ours["counts"] != theirs["counts"]:
             problems.append(f"{what}: collectives {ours['counts']} vs FSDP2's {theirs['counts']}")
     return problems
@@ -125,12 +118,12 @@ def _non_root_case(rank: int, world: int) -> list[str]:
 
     ours, theirs = _root_then_non_root(fully_shard, rank), _root_then_non_root(torch_fully_shard, rank)
     problems = []
-    if _relative_error(ours["losses"], theirs["losses"]) > RTOL:
+    if max_relative_error(ours["losses"], theirs["losses"]) > RTOL:
         problems.append(f"losses {ours['losses'].tolist()} vs {theirs['losses'].tolist()}")
     if ours["grads"].keys() != theirs["grads"].keys():
         problems.append(f"parameters with a gradient {sorted(ours['grads'])} vs {sorted(theirs['grads'])}")
     for name in ours["grads"].keys() & theirs["grads"].keys():
-        if (error := _relative_error(ours["grads"][name], theirs["grads"][name])) > RTOL:
+        if (error := max_relative_error(ours["grads"][name], theirs["grads"][name])) > RTOL:
             problems.append(f"{name}.grad differs by {error:.2e}")
     return problems
 
@@ -192,9 +185,7 @@ def _unused_cases(rank: int, world: int) -> list[str]:
         ours, theirs = _skipping_head(fully_shard, rank, show_zeros), _skipping_head(torch_fully_shard, rank, show_zeros)
         if ours["with_grad"] != theirs["with_grad"]:
             problems.append(f"show_zeros={show_zeros}: with .grad {ours['with_grad']} vs FSDP2's {theirs['with_grad']}")
-        for name, want in theirs["params"].items():
-            if (error := _relative_error(ours["params"][name], want)) > RTOL:
-                problems.append(f"show_zeros={show_zeros}: {name} differs by {error:.2e}")
+        problems += run_differences(ours, theirs, f"show_zeros={show_zeros}", RTOL, keys=("params",))
     return problems
 
 
@@ -244,11 +235,7 @@ def _explicit_unshard_cases(rank: int, world: int) -> list[str]:
     for reshard_after_backward in (False, True):
         ours = _explicitly_unsharded(fully_shard, rank, reshard_after_backward)
         theirs = _explicitly_unsharded(torch_fully_shard, rank, reshard_after_backward)
-        if _relative_error(ours["losses"], theirs["losses"]) > RTOL:
-            problems.append(f"reshard_after_backward={reshard_after_backward}: losses differ")
-        for name, want in theirs["params"].items():
-            if (error := _relative_error(ours["params"][name], want)) > RTOL:
-                problems.append(f"reshard_after_backward={reshard_after_backward}: {name} differs by {error:.2e}")
+        problems += run_differences(ours, theirs, f"reshard_after_backward={reshard_after_backward}", RTOL)
     return problems
 
 
@@ -373,13 +360,7 @@ def _hsdp_offload_case(rank: int, world: int) -> list[str]:
     from megatron_fsdp.fsdp2 import fully_shard
 
     ours, theirs = _hsdp_offload(fully_shard, rank), _hsdp_offload(torch_fully_shard, rank)
-    problems = []
-    if _relative_error(ours["losses"], theirs["losses"]) > RTOL:
-        problems.append(f"losses {ours['losses'].tolist()} vs {theirs['losses'].tolist()}")
-    for name, want in theirs["params"].items():
-        if (error := _relative_error(ours["params"][name], want)) > RTOL:
-            problems.append(f"{name} differs by {error:.2e}")
-    return problems
+    return run_differences(ours, theirs, "HSDP with CPU offload", RTOL)
 
 
 def test_hsdp_cpu_offload_accumulation_matches_torch_fsdp2() -> None:
