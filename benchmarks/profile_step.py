@@ -24,8 +24,10 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
@@ -73,6 +75,19 @@ def _host_phases(model, optimizer, autocast: bool, config: GPTConfig, tokens: to
     return {phase: statistics.median(values) for phase, values in times.items()}
 
 
+def _host_syncs_in_one_step(model, optimizer, autocast: bool, config: GPTConfig, tokens: torch.Tensor) -> list[str]:
+    """Where one step makes the host wait for the GPU, as torch's sync debug mode reports it."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_step(model, optimizer, autocast, config, tokens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+
+
 def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
@@ -81,6 +96,8 @@ def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
     for step in range(args.warmup):
         train_step(model, optimizer, autocast, config, batch(config, args, step, rank, device))
     host_ms = _host_phases(model, optimizer, autocast, config, batch(config, args, args.warmup, rank, device), 15)
+    syncs = _host_syncs_in_one_step(model, optimizer, autocast, config, batch(config, args, args.warmup, rank, device))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
@@ -88,6 +105,13 @@ def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
             train_step(model, optimizer, autocast, config, batch(config, args, step, rank, device))
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - started) * 1e6
+    counters = torch._dynamo.utils.counters
+    compiled = {
+        "graphs": counters["stats"]["unique_graphs"],
+        "graphs_made_while_profiled": counters["stats"]["unique_graphs"] - graphs,
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
+    counters.clear()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         prof.export_chrome_trace(path)
@@ -119,6 +143,8 @@ def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
         "kernel_ms": {kind: value / steps / 1e3 for kind, value in sorted(per_kind.items())},
         "kernels_per_step": kernels / steps,
         "host_ms": host_ms,
+        "host_syncs_per_step": syncs,
+        "torch_compile": compiled,
         # Per runtime call: (calls, host ms) per step, the most expensive first.
         "runtime_calls_per_step": {
             call: (count / steps, total / steps / 1e3)
@@ -159,6 +185,10 @@ def main() -> None:
             calls = ", ".join(f"{call} ({count:g}, {ms:.1f})" for call, (count, ms) in top) or "none"
             print(f"| {row['implementation']} | {row['step_ms']:.1f} | {row['gpu_busy_ms']:.1f} | {row['gpu_idle_ms']:.1f} | "
                   f"{cells} | {row['kernels_per_step']:.0f} | {calls} |")
+        print("\nHost waits for the GPU in one step (sync debug mode), torch.compile's graphs and graph breaks")
+        for row in rows:
+            print(f"- {row['implementation']}: {len(row['host_syncs_per_step'])} syncs {row['host_syncs_per_step'][:3]}; "
+                  f"{row['torch_compile']}")
         print("\nHost ms per phase, median of 15 unprofiled steps (until the call returns; then the wait for the GPU)")
         phases = list(rows[0]["host_ms"]) if rows else []
         print("| implementation | " + " | ".join(phases) + " |")

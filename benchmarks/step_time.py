@@ -116,13 +116,26 @@ def imports_here(name: str) -> bool:
     return _is_nvidia(megatron_fsdp) == (name == NVIDIA)
 
 
+def _convert_to_float8(model: GPT, device: torch.device) -> None:
+    """torchtitan's float8 recipe: torchao's tensorwise ``Float8Linear`` in the transformer
+    blocks (not the head) with float8 weight all-gathers; matmuls emulated in fp32 on the CPU."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=device.type != "cuda")
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: name.startswith("blocks."))
+
+
 def _megatron(
     strategy: int, comm: torch.dtype, double_buffer: bool = False, nccl_ub: bool = False, offload: bool = False,
-    main_grads: torch.dtype = torch.float32,
+    main_grads: torch.dtype = torch.float32, float8: bool = False,
 ) -> Callable:
     def make(config, device):
         megatron_fsdp = _megatron_fsdp(nvidia=False)
         model = _build(config, device, torch.bfloat16)
+        if float8:
+            # Ours casts the float8 weights where the step installs the main params: no
+            # precompute call after the step (torchao's is a no-op over our weights).
+            _convert_to_float8(model, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=main_grads, grad_comm_dtype=comm)
         return megatron_fsdp.fully_shard(
@@ -151,18 +164,26 @@ def _nvidia(config, device):
     return model, optimizer, False
 
 
-def _fsdp2_with(offload: bool) -> Callable:
+def _fsdp2_with(offload: bool, float8: bool = False) -> Callable:
     def make(config, device):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         model = _build(config, device, torch.float32)
+        if float8:
+            _convert_to_float8(model, device)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         offload_policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
         for block in model.blocks:
             fully_shard(block, mp_policy=policy, offload_policy=offload_policy)
         fully_shard(model, mp_policy=policy, offload_policy=offload_policy)
         # Offloaded, the parameters are on the host: torch's fused AdamW has a CPU kernel too.
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), False
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        if float8:
+            # torchtitan's step: every float8 weight's scale in one op after the optimizer step.
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+        return model, optimizer, False
 
     return make
 
@@ -226,6 +247,8 @@ def _floor(config, device):
 IMPLEMENTATIONS: dict[str, Callable] = {
     "megatron_fsdp optim_grads_params fp32-comm": _megatron(3, torch.float32),
     "megatron_fsdp optim_grads_params fp32-comm compiled": _compiled(_megatron(3, torch.float32)),
+    "megatron_fsdp optim_grads_params fp32-comm float8": _megatron(3, torch.float32, float8=True),
+    "megatron_fsdp optim_grads_params fp32-comm compiled float8": _compiled(_megatron(3, torch.float32, float8=True)),
     "megatron_fsdp optim_grads_params bf16-comm": _megatron(3, torch.bfloat16),
     # bf16 main gradients: the C++ ops step AdamW reading them as they are (no fp32 copy).
     "megatron_fsdp optim_grads_params bf16-grads": _megatron(3, torch.bfloat16, main_grads=torch.bfloat16),
@@ -237,6 +260,8 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     NVIDIA: _nvidia,
     "torch FSDP2": _fsdp2_with(offload=False),
     "torch FSDP2 compiled": _compiled(_fsdp2_with(offload=False)),
+    "torch FSDP2 float8": _fsdp2_with(offload=False, float8=True),
+    "torch FSDP2 compiled float8": _compiled(_fsdp2_with(offload=False, float8=True)),
     "torch FSDP2 cpu-offload": _fsdp2_with(offload=True),
     "torch DDP": _ddp,
     FLOOR: _floor,
@@ -297,10 +322,13 @@ def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.devic
     median = statistics.median(times)
     tokens_per_s = args.micro_batch * args.seq_len / median
     flops = training_flops_per_token(config, args.seq_len)
+    peak = peak_bf16_tflops(torch.cuda.get_device_name(device)) if cuda else None
+    tflops = flops * tokens_per_s / 1e12
     return {
         "median_step_s": median,
         "tokens_per_s_per_gpu": tokens_per_s,
-        "tflops_per_gpu": flops * tokens_per_s / 1e12,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops / peak if peak else None,
         "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
         "cpu_ms_per_step": statistics.median(cpu_times) * 1e3,
@@ -309,6 +337,15 @@ def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.devic
         **_host_memory(model, optimizer),
         **_environment(name, device),
     }
+
+
+# Dense bf16 tensor-core peak (TFLOP/s) by device name, from NVIDIA's data sheets (SXM parts).
+# MFU is model FLOPs over this peak for every row, float8 rows included, as torchtitan reports it.
+_PEAK_BF16_TFLOPS = {"H100 80GB HBM3": 989.4, "H200": 989.4}
+
+
+def peak_bf16_tflops(device_name: str) -> float | None:
+    return next((peak for part, peak in _PEAK_BF16_TFLOPS.items() if part in device_name), None)
 
 
 def _kernels_in_one_step(model, optimizer, autocast: bool, config: GPTConfig, tokens: torch.Tensor) -> int:
@@ -562,8 +599,23 @@ def main() -> None:
         _launch(args)
 
 
+# Configurations a row name ends with; a row is compared with FSDP2's row of the same ones.
+CONFIGURATION_TAGS = ("compiled", "float8", "cpu-offload")
+
+
+def fsdp2_counterpart(name: str) -> str:
+    """The torch FSDP2 row in ``name``'s configuration (compiled, float8, offloaded)."""
+    tags = [tag for tag in CONFIGURATION_TAGS if tag in name.split()]
+    order = {"cpu-offload": 0, "compiled": 1, "float8": 2}  # as the FSDP2 rows are named
+    return " ".join(["torch FSDP2", *sorted(tags, key=order.get)])
+
+
 def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
 
 
 def _ratio(value: float | None, reference: float | None) -> str:
@@ -589,21 +641,22 @@ def _report(rows: list[dict], args, config: GPTConfig, nproc: int) -> None:
     done = {(r["implementation"], r.get("layers")): r for r in rows if "error" not in r}
     print(f"\n{setting['device']} x{setting['gpus']}, torch {setting['torch']}, NCCL {setting['nccl']}, {setting['date']}; "
           f"{args.config}, micro-batch {args.micro_batch}, seq {args.seq_len}, median of {args.steps} steps")
-    print("| implementation | layers | params (B) | step ms | vs FSDP2 | vs floor | tokens/s/GPU | TFLOP/s/GPU | "
+    print("| implementation | layers | params (B) | step ms | vs FSDP2 | vs floor | tokens/s/GPU | TFLOP/s/GPU | MFU | "
           "peak alloc GiB | peak reserved GiB | vs FSDP2 reserved | CPU ms/step | kernels/step | host RSS GiB | "
           "host pinned GiB | final loss |")
-    print("| --- |" + " ---: |" * 15)
+    print("| --- |" + " ---: |" * 16)
     for r in rows:
         layers, params = r.get("layers", config.layers), r.get("parameters_b", _parameters(config) / 1e9)
         if "error" in r:
-            print(f"| {r['implementation']} | {layers} | {params:.2f} | {r['error']} |" + " |" * 12)
+            print(f"| {r['implementation']} | {layers} | {params:.2f} | {r['error']} |" + " |" * 13)
             continue
         # Each row against FSDP2 on the same model: the offloaded FSDP2 for offloaded rows.
-        fsdp2 = done.get(("torch FSDP2 cpu-offload" if "offload" in r["implementation"] else "torch FSDP2", r.get("layers")), {})
+        fsdp2 = done.get((fsdp2_counterpart(r["implementation"]), r.get("layers")), {})
         floor = done.get((FLOOR, r.get("layers")), {})
         print(f"| {r['implementation']} | {layers} | {params:.2f} | {r['median_step_s'] * 1e3:.1f} | "
               f"{_ratio(r['median_step_s'], fsdp2.get('median_step_s'))} | {_ratio(r['median_step_s'], floor.get('median_step_s'))} | "
-              f"{r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | {_number(r['peak_allocated_gib'], '.1f')} | "
+              f"{r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | {_percent(r.get('mfu'))} | "
+              f"{_number(r['peak_allocated_gib'], '.1f')} | "
               f"{_number(r['peak_reserved_gib'], '.1f')} | {_ratio(r['peak_reserved_gib'], fsdp2.get('peak_reserved_gib'))} | "
               f"{r['cpu_ms_per_step']:.1f} | {_number(r['kernels_per_step'], 'd')} | {r['host_rss_gib']:.1f} | "
               f"{r['host_pinned_gib']:.1f} | {r['final_loss']:.4f} |")

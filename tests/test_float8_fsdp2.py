@@ -39,12 +39,16 @@ WORLD = 2
 LOSS_RTOL = 1e-4
 
 
-def _train_per_block(rank: int, world: int, implementation: str, precompute: bool = True, bf16: bool = False) -> dict:
+def _train_per_block(
+    rank: int, world: int, implementation: str, precompute: bool = True, bf16: bool = False, compiled: bool = False
+) -> dict:
     """20 AdamW steps of a float8-converted model sharded per block, then at the root, by
     ``implementation``'s fully_shard ("ours" or "torch"), calling torchao's precompute after
-    each step or not, computing in bf16 over fp32 parameters (torchtitan's mp_policy) or not:
-    the mean losses, what the forwards gathered, and how many weights hold a scale torchao's
-    precompute made."""
+    each step or not, computing in bf16 over fp32 parameters (torchtitan's mp_policy) or not,
+    each block compiled after sharding (aot_eager: eager's kernels, so eager's losses) or not:
+    the mean losses, what the forwards gathered, how many weights hold a scale torchao's
+    precompute made, and the graphs and graph breaks dynamo made."""
+    import torch._dynamo
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -57,6 +61,11 @@ def _train_per_block(rank: int, world: int, implementation: str, precompute: boo
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    if compiled:
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, forwards = [], CountedCollectives()
     for step in range(STEPS):
@@ -77,7 +86,11 @@ def _train_per_block(rank: int, world: int, implementation: str, precompute: boo
         for m in model.blocks.modules()
         if type(m).__name__.endswith("Float8Linear")
     )
-    return {"losses": losses, "gathered": forwards.gathered, "precomputed_scales": precomputed}
+    counters = torch._dynamo.utils.counters
+    return {
+        "losses": losses, "gathered": forwards.gathered, "precomputed_scales": precomputed,
+        "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+    }
 
 
 def _loss_after_writing_the_sharded_weights(rank: int, world: int) -> float:
@@ -105,6 +118,7 @@ def _both(rank: int, world: int) -> dict[str, dict]:
         "torch": _train_per_block(rank, world, "torch"),
         "ours bf16": _train_per_block(rank, world, "ours", bf16=True),
         "torch bf16": _train_per_block(rank, world, "torch", bf16=True),
+        "ours compiled": _train_per_block(rank, world, "ours", bf16=True, compiled=True),
         "halved after fully_shard": _loss_after_writing_the_sharded_weights(rank, world),
     }
 
@@ -171,3 +185,13 @@ def test_weights_written_after_fully_shard_reach_the_float8_weights() -> None:
     expected = sum(nn.functional.mse_loss(model(x), y).item() for x, y in (batch(0, r) for r in range(WORLD))) / WORLD
     got = _results()["halved after fully_shard"]
     assert abs(got - expected) <= LOSS_RTOL * expected, (got, expected)
+
+
+def test_compiled_blocks_train_float8_like_eager_in_one_graph() -> None:
+    """Each block compiled after sharding (torchtitan's float8 + compile recipe): one graph
+    serves every block (no recompile per block, no graph break at the float8 weight), and the
+    losses are eager's, as aot_eager runs eager's kernels."""
+    compiled, eager = _results()["ours compiled"], _results()["ours bf16"]
+    assert compiled["graph_breaks"] == 0, compiled
+    assert compiled["graphs"] == 1, compiled
+    assert compiled["losses"] == eager["losses"]

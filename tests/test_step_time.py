@@ -85,6 +85,32 @@ def test_table_compares_each_row_with_fsdp2_and_the_floor(capsys) -> None:
     step_time._report(rows, _args(), step_time.CONFIGS["small"], nproc=1)
     table = [[cell.strip() for cell in line.strip()[1:-1].split("|")] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     cells = {line[0]: line for line in table}
-    assert cells[OURS][4:6] == ["0.50", "1.25"] and cells[OURS][10] == "0.50" and cells[OURS][12] == "100"
+    assert cells[OURS][4:6] == ["0.50", "1.25"] and cells[OURS][11] == "0.50" and cells[OURS][13] == "100"
     assert cells[NVIDIA][3] == "skipped: no site"
-    assert {len(line) for line in table} == {16}, "every line has the header's cells"
+    assert {len(line) for line in table} == {17}, "every line has the header's cells"
+
+
+def test_each_row_is_compared_with_fsdp2_in_its_own_configuration() -> None:
+    assert step_time.fsdp2_counterpart(OURS) == "torch FSDP2"
+    assert step_time.fsdp2_counterpart(f"{OURS} compiled float8") == "torch FSDP2 compiled float8"
+    assert step_time.fsdp2_counterpart(f"{OURS} float8") == "torch FSDP2 float8"
+    assert step_time.fsdp2_counterpart(f"{OURS} cpu-offload") == "torch FSDP2 cpu-offload"
+    assert all(step_time.fsdp2_counterpart(name) in step_time.IMPLEMENTATIONS for name in step_time.IMPLEMENTATIONS)
+
+
+def test_float8_rows_train_alike_on_the_cpu(single_rank_group) -> None:
+    """Ours and FSDP2 in torchtitan's float8 recipe (emulated on the CPU): the same model and
+    batches give the same losses within 2e-3 (measured: 4e-4). Not bit for bit: ours computes
+    over a bf16 model with fp32 main params, FSDP2 casts its fp32 parameters to bf16 and
+    float8 itself, so bf16 roundings fall at other points."""
+    config = step_time.GPTConfig(seq_len=16, layers=2)
+    args, device = _args(), torch.device("cpu")
+    losses = {}
+    for name in (f"{OURS} float8", "torch FSDP2 float8"):
+        model, optimizer, autocast = step_time.IMPLEMENTATIONS[name](config, device)
+        losses[name] = torch.stack([
+            step_time.train_step(model, optimizer, autocast, config, step_time.batch(config, args, step, 0, device))
+            for step in range(4)
+        ])
+    ours, fsdp2 = losses.values()
+    assert torch.allclose(ours, fsdp2, rtol=2e-3), losses

@@ -32,7 +32,10 @@ class Float8Bucket(Bucket):
         self.round_scales = specs[0].round_scales_to_power_of_2
         super().__init__(names, params, dp, settings, pool, pool_role, **kwargs)
         self.float8_scales = torch.ones(len(params), dtype=torch.float32, device=self.device)
-        self.float8_views: list[torch.Tensor] | None = None
+        # Made before any forward reads them (a compiled block traces forward): sharded, at the
+        # first gather, as the pool lends memory to the same storage at every gather, so these
+        # views (and those autograd saved) stay valid.
+        self.float8_views = None if self.strategy.shards_weights else self._views_of_full_weight()
         for index, spec in enumerate(specs):
             spec.source = self._float8_source(index)
         self.install_main_params()
@@ -56,17 +59,16 @@ class Float8Bucket(Bucket):
         for local in self.locals:
             local.data = stand_in.expand(local.shape)
 
+    def _views_of_full_weight(self) -> list[torch.Tensor]:
+        return [
+            _view_with_own_version(self.full_weight, slot.offset, shape)
+            for slot, shape in zip(self.layout.slots, self.shapes)
+        ]
+
     def _float8_source(self, index: int):
         def source() -> tuple[torch.Tensor, torch.Tensor]:
             if self.strategy.shards_weights and not self._holds_gathered_weights:
                 raise RuntimeError(f"the float8 weight {self.names[index]} was read while its unit is sharded")
-            if self.float8_views is None:
-                # Made once: under optim_grads_params the pool lends memory to the same storage at
-                # every gather, so these views (and those autograd saved) stay valid.
-                self.float8_views = [
-                    self.full_weight[slot.offset : slot.end].view(shape)
-                    for slot, shape in zip(self.layout.slots, self.shapes)
-                ]
             return self.float8_views[index], self.float8_scales[index]
 
         return source
@@ -77,6 +79,8 @@ class Float8Bucket(Bucket):
         """Launches the all-gather of the float8 shards (as bytes: collectives.py)."""
         self.pool.fill(self.full_weight, self._pool_key("weights"))
         self._holds_gathered_weights = True
+        if self.float8_views is None:
+            self.float8_views = self._views_of_full_weight()
         return all_gather_shards(self.full_weight, self.weight_shard, self.dp.group, async_op=async_op)
 
     def point_params_at_full_weight(self) -> None:
@@ -113,3 +117,14 @@ class Float8Bucket(Bucket):
         if self.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
             own_shard = self.full_weight[self.shard_start : self.shard_end].clone()
             all_gather_shards(self.full_weight, own_shard, self.dp.group)
+
+
+def _view_with_own_version(base: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    """A contiguous view of ``base``'s storage from element ``offset``, with a version counter of
+    its own. A compiled block saves the float8 bytes themselves for backward (a saved
+    ``Float8TrainingTensor`` is flattened into its data and scale), and the gather before
+    backward writes ``base`` in place: a shared counter would fail autograd's saved-tensor check,
+    though the bytes written are the ones forward read (FSDP2 writes its gathered parameters
+    under ``torch.autograd._unsafe_preserve_version_counter`` for the same reason)."""
+    view = torch.empty(0, dtype=base.dtype, device=base.device)
+    return view.set_(base.untyped_storage(), base.storage_offset() + offset, shape)

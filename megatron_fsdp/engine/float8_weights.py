@@ -91,8 +91,10 @@ def prepare_float8_linears(
         new._megatron_fsdp_float8 = Float8WeightSpec(
             weight_cast.target_dtype, linear.linear_mm_config, bool(config.round_scales_to_power_of_2)
         )
+        # Not always_call: a compiled block guards on each such hook's id, one graph per block.
+        # After a forward that raised, the next forward's pre-hook replaces the weight shown.
         linear.register_forward_pre_hook(_show_float8_weight)
-        linear.register_forward_hook(_hide_float8_weight, always_call=True)
+        linear.register_forward_hook(_hide_float8_weight)
     for (reason, asked), names in kept.items():
         logged = logger.warning if asked else logger.info
         logged("megatron_fsdp: %d Float8Linear weights (%s, ...) are gathered in their own dtype, not float8: %s",
