@@ -6,15 +6,16 @@ enable_fsdp_float8_all_gather=True))`` before sharding. Such a weight comes as t
 wrapper tensor; :func:`prepare_float8_linears` puts a plain parameter of the same values in its
 place and marks it with a :class:`Float8WeightSpec`, so that the units group it into a float8
 bucket (``float8_bucket.py``), which casts the main params to float8 after each step and gathers
-float8 bytes. Around each such module's forward, ``module.weight`` reads as torchao's
-``Float8TrainingTensor`` over the gathered bytes and the bucket's scale, which its matmul takes
-as already cast; the gradient reaches the parameter as torchao's own would.
+float8 bytes. Such a module becomes a subclass of its torchao class whose forward hands
+torchao's matmul a ``Float8TrainingTensor`` over the gathered bytes and the bucket's scale,
+which it takes as already cast; the gradient reaches the parameter as torchao's own would.
 
 torchao is imported only here, and only when a model holds a ``Float8Linear``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -68,8 +69,8 @@ def prepare_float8_linears(
 ) -> dict[nn.Parameter, nn.Parameter]:
     """Marks the weights of the ``Float8Linear`` modules among ``named_modules`` that asked for
     float8 all-gathers, replacing torchao's wrapper parameters by plain ones (returned as old ->
-    new, so an optimizer built over the old ones still finds them), and installs the hooks that
-    hand each forward its float8 weight. A weight that cannot be gathered in float8 (its recipe,
+    new, so an optimizer built over the old ones still finds them), and gives each such module
+    the forward that reads its gathered float8 weight. A weight that cannot be gathered in float8 (its recipe,
     or ``blocked_by``: see :func:`float8_gathers_blocked_by`) is gathered in its own dtype and
     cast by torchao in each forward, said in one log line per reason. Raises ImportError, before
     any collective, where a ``Float8Linear`` is found and torchao does not import."""
@@ -91,10 +92,7 @@ def prepare_float8_linears(
         new._megatron_fsdp_float8 = Float8WeightSpec(
             weight_cast.target_dtype, linear.linear_mm_config, bool(config.round_scales_to_power_of_2)
         )
-        # Not always_call: a compiled block guards on each such hook's id, one graph per block.
-        # After a forward that raised, the next forward's pre-hook replaces the weight shown.
-        linear.register_forward_pre_hook(_show_float8_weight)
-        linear.register_forward_hook(_hide_float8_weight)
+        linear.__class__ = _gathered_weight_class(type(linear))
     for (reason, asked), names in kept.items():
         logged = logger.warning if asked else logger.info
         logged("megatron_fsdp: %d Float8Linear weights (%s, ...) are gathered in their own dtype, not float8: %s",
@@ -168,19 +166,32 @@ class _Float8WeightFromGathered(torch.autograd.Function):
         return grad, None, None, None
 
 
-def _show_float8_weight(linear: nn.Module, args: tuple) -> None:
-    """Forward pre-hook: ``linear.weight`` reads as the float8 weight for this forward. An
-    instance attribute shadows the registered parameter, which stays as it is."""
-    weight = linear._parameters["weight"]
-    spec = float8_spec(weight)
-    if spec is None or spec.source is None:
-        return
+def _forward_with_gathered_weight(linear: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """torchao's ``Float8Linear.forward`` over the gathered float8 weight: the weight is an
+    argument, not module state written around the call, so a compiled block traces it as it
+    traces any op (an attribute set in forward became a graph output whose gradient
+    AOTAutograd could not match)."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    param = linear._parameters["weight"]
+    spec = float8_spec(param)
+    if spec.source is None:  # no bucket holds it yet
+        return super(type(linear), linear).forward(input)
     data, scale = spec.source()
-    linear.__dict__["weight"] = _Float8WeightFromGathered.apply(weight, data, scale, spec)
+    weight = _Float8WeightFromGathered.apply(param, data, scale, spec)
+    if torch.is_autocast_enabled():
+        input = input.to(torch.get_autocast_gpu_dtype())  # as torchao's forward does
+    output = matmul_with_hp_or_float8_args.apply(input, weight.t(), linear.linear_mm_config, linear.config)
+    if linear.bias is not None:
+        output = output + linear.bias.to(output.dtype)
+    return output
 
 
-def _hide_float8_weight(linear: nn.Module, args: tuple, output: object) -> None:
-    linear.__dict__.pop("weight", None)
+@functools.cache
+def _gathered_weight_class(float8_linear: type) -> type:
+    """``float8_linear`` (torchao's ``Float8Linear`` or a subclass) whose forward reads the
+    gathered float8 weight: ``isinstance`` checks for torchao's class still hold."""
+    return type(f"Gathered{float8_linear.__name__}", (float8_linear,), {"forward": _forward_with_gathered_weight})
 
 
 def float8_scales(amax: torch.Tensor, float8_dtype: torch.dtype, round_to_power_of_2: bool) -> torch.Tensor:
