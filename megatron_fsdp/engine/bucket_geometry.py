@@ -67,15 +67,15 @@ class BucketGeometry:
     def gathers_from_main(self) -> bool:
         """Under optim_grads_params with main params of another dtype, the compute-weight shard
         would only copy the main shard: each gather casts the main shard instead (as FSDP2 casts
-        its shard). HFSDP keeps the shard, which its outer all-gather fills; so does offloading,
-        whose main shard is on the host."""
+        its shard); so does every float8 bucket, whose compute dtype is never the main one.
+        HFSDP keeps the shard, which its outer all-gather fills; so does offloading, whose main
+        shard is on the host (float8 gathers fall back to ordinary ones under both)."""
         return (
             self.strategy.shards_weights
             and self.requires_grad
-            and self.dtypes.main_params != self.dtypes.compute
+            and (self.float8_weights or self.dtypes.main_params != self.dtypes.compute)
             and not self.splits_shard
             and not self.offloaded
-            and not self.float8_weights
         )
 
     @property

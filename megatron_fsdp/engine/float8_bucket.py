@@ -1,10 +1,12 @@
 """A bucket of torchao ``Float8Linear`` weights whose compute copy is float8 (float8_weights.py).
 
-Its compute weights are float8 bytes laid out as the bucket's elements (one byte each), made
-from the main params where the optimizer step installs them: per weight, the amax of this
+Its compute weights are float8 bytes laid out as the bucket's elements (one byte each). Where
+the optimizer step installs the main params, each weight gets its scale: the amax of this
 rank's piece (``segment_amax``), one MAX all-reduce of the bucket's amaxes over the shard group,
-torchao's tensorwise scale, and one cast of the main shard (``float8_cast_segments``). The
-all-gather then carries one byte per element, and every rank already holds every scale.
+torchao's tensorwise scale. Under optim_grads_params each gather casts the main shard with those
+scales (``float8_cast_segments``), as bf16 gathers cast it, so no float8 shard is kept between
+steps; the other strategies cast the whole bucket at the step. The all-gather carries one byte
+per element, and every rank already holds every scale.
 Forward reads each weight as a float8 view of the gathered bucket with its scale; the
 parameters themselves hold a one-element expanded stand-in of their shape and dtype, so
 their gradients arrive as usual and the rest of the bucket (gradients, main params, optimizer,
@@ -44,7 +46,8 @@ class Float8Bucket(Bucket):
 
     def _init_weights(self) -> None:
         if self.strategy.shards_weights:
-            self.weight_shard = torch.zeros(self.layout.shard_numel, dtype=self.float8_dtype, device=self.device)
+            # No float8 shard is kept: each gather casts the main shard (gathers_from_main), as
+            # FSDP2 casts its fp32 shard, so float8 costs no memory beyond the gathers.
             self.full_weight = self.pool.placeholder(self.layout.padded_numel, self.float8_dtype, self.device)
         else:
             self.full_weight = torch.zeros(self.layout.padded_numel, dtype=self.float8_dtype, device=self.device)
@@ -76,15 +79,26 @@ class Float8Bucket(Bucket):
     # -- weights ------------------------------------------------------------------------------
 
     def start_unshard(self, async_op: bool) -> dist.Work | None:
-        """Launches the all-gather of the float8 shards (as bytes: collectives.py)."""
+        """Casts the main shard to float8 with the step's scales and launches the all-gather of
+        the float8 shards (as bytes: collectives.py)."""
         self.pool.fill(self.full_weight, self._pool_key("weights"))
         self._holds_gathered_weights = True
         if self.float8_views is None:
             self.float8_views = self._views_of_full_weight()
-        return all_gather_shards(self.full_weight, self.weight_shard, self.dp.group, async_op=async_op)
+        if self.dp.size == 1:
+            self._cast_main_params(self.full_weight[self.main_start : self.main_end])
+            return None
+        shard = self._gather_input = self.pool.fetch(
+            self.layout.shard_numel, self.float8_dtype, self.device, self._pool_key("gather_input")
+        )
+        self._cast_main_params(shard)
+        return all_gather_shards(self.full_weight, shard, self.dp.group, async_op=async_op)
 
     def point_params_at_full_weight(self) -> None:
         """The parameters keep their stand-ins: forward reads the float8 views."""
+        if self._gather_input is not None:
+            self.pool.release(self._gather_input)
+            self._gather_input = None
 
     def reshard(self) -> None:
         if self._holds_gathered_weights:
@@ -101,22 +115,30 @@ class Float8Bucket(Bucket):
 
     @torch.no_grad()
     def install_main_params(self, staged: object = None) -> None:
-        """Casts the main params into the float8 compute weights: amax per weight over this
-        rank's pieces, the maximum over the shard group, scales, the cast; strategies 1/2 then
+        """The float8 scales of the stepped main params: amax per weight over this rank's
+        pieces, the maximum over the shard group, torchao's scales. Sharded, each gather casts
+        with them; otherwise the cast into the full bucket is now, and strategies 1/2 then
         gather the full float8 bucket."""
-        bounds = [end for pair in self.optim_ranges for end in pair]
-        amax = _ops.segment_amax(self.main_params, bounds)
+        amax = _ops.segment_amax(self.main_params, self._main_bounds())
         if self.strategy is not ShardingStrategy.NO_SHARD:
             all_reduce_max(amax, self.dp.group)
         self.float8_scales.copy_(float8_scales(amax, self.float8_dtype, self.round_scales))
         if self.strategy.shards_weights:
-            target = self.weight_shard
-        else:
-            target = self.full_weight[self.main_start : self.main_end]
-        _ops.float8_cast_segments(self.main_params, bounds, self.float8_scales, target)
+            return
+        self._cast_main_params(self.full_weight[self.main_start : self.main_end])
         if self.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
             own_shard = self.full_weight[self.shard_start : self.shard_end].clone()
             all_gather_shards(self.full_weight, own_shard, self.dp.group)
+
+
+    def _main_bounds(self) -> list[int]:
+        return [end for pair in self.optim_ranges for end in pair]
+
+    @torch.no_grad()
+    def _cast_main_params(self, target: torch.Tensor) -> None:
+        """Each weight's piece of the main params, scaled and cast to float8, into ``target``
+        (laid out as the main params)."""
+        _ops.float8_cast_segments(self.main_params, self._main_bounds(), self.float8_scales, target)
 
 
 def _view_with_own_version(base: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
