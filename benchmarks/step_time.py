@@ -27,12 +27,16 @@ Every implementation computes in bf16 with fp32 master weights and fused AdamW (
 - torch FSDP2: an fp32 model, ``fully_shard`` per block and on the root,
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
 - torch DDP: fp32 weights under bf16 autocast;
+- ``compiled`` rows: each transformer block compiled after sharding (torchtitan's recipe);
+  ``float8`` rows: torchtitan's float8 recipe (torchao's tensorwise ``Float8Linear`` in the
+  blocks, float8 weight all-gathers; FSDP2 calls torchao's precompute after each step);
 - the single-GPU floor (world size 1 only; skipped above it): our arithmetic with no sharding
   machinery, in plain torch: a bf16 model, fp32 master weights and gradients (the bf16 gradients
   copied in by one multi-tensor copy), fused AdamW on the masters, one multi-tensor cast back.
 
-Reported per row: median step time over --steps timed steps after --warmup, tokens/s/GPU, model
-TFLOP/s/GPU, peak allocated and reserved memory, the median CPU time per step (all of the
+Reported per row: median step time over --steps timed steps after --warmup, its ratio to FSDP2's
+row in the same configuration (eager, compiled, float8, offloaded), tokens/s/GPU, model
+TFLOP/s/GPU and MFU (over the device's dense bf16 peak, float8 rows too), peak allocated and reserved memory, the median CPU time per step (all of the
 process's threads from a step's start until it returns to the caller, before the synchronise
 that ends the timed step: launches, hooks, the autograd thread, and any wait inside the step),
 the CUDA kernels one step launches (one profiled step after the timed ones), the final loss, and

@@ -281,3 +281,25 @@ def test_bf16_main_grads_are_read_as_they_are_by_adam_and_sgd_and_cast_for_other
     assert found == {
         "adamw": (torch.bfloat16, True), "sgd momentum": (torch.bfloat16, True), "rmsprop": (torch.float32, False),
     }, found
+
+
+def test_capturing_a_step_the_ops_would_freeze_is_refused(single_rank_group, monkeypatch) -> None:
+    """A CUDA graph capturing optimizer.step() while the C++ ops step it (bf16 main gradients)
+    would replay the captured step count and learning rate at every replay: refused, naming
+    the way out (capturable=True), before any parameter changes. The capture itself needs a GPU
+    (tests/gpu/test_cuda_graph_step.py); here torch.cuda reports one."""
+    from models import Block, make_batch, make_model
+
+    model = make_model(dtype=torch.bfloat16)
+    model, optimizer = megatron_fsdp.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), fsdp_unit_modules=[Block])
+    tokens, targets = make_batch(0, 2)
+    model(tokens, targets).backward()
+    before = {name: value.clone() for name, value in model.full_parameters().items()}
+    with monkeypatch.context() as capturing:
+        capturing.setattr(torch.cuda, "is_available", lambda: True)
+        capturing.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        with pytest.raises(RuntimeError, match="capturable=True"):
+            optimizer.step()
+    assert all(torch.equal(before[name], value) for name, value in model.full_parameters().items())
+    optimizer.step()  # not capturing: steps as before
+    assert any(not torch.equal(before[name], value) for name, value in model.full_parameters().items())
