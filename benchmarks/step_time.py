@@ -36,10 +36,10 @@ Every implementation computes in bf16 with fp32 master weights and fused AdamW (
 
 Reported per row: median step time over --steps timed steps after --warmup, its ratio to FSDP2's
 row in the same configuration (eager, compiled, float8, offloaded), tokens/s/GPU, model
-TFLOP/s/GPU and MFU (over the device's dense bf16 peak, float8 rows too), peak allocated and reserved memory, the median CPU time per step (all of the
-process's threads from a step's start until it returns to the caller, before the synchronise
-that ends the timed step: launches, hooks, the autograd thread, and any wait inside the step),
-the CUDA kernels one step launches (one profiled step after the timed ones), the final loss, and
+TFLOP/s/GPU and MFU (over the device's dense bf16 peak, float8 rows too), peak allocated and
+reserved memory, the median CPU time per step (all of the process's threads from a step's
+start until it returns to the caller, before the synchronise that ends the timed step:
+launches, hooks, the autograd thread, and any wait inside the step), the CUDA kernels one step launches (one profiled step after the timed ones), the final loss, and
 the host memory held (resident set, pinned bytes; with CPU offloading the optimizer lives there).
 
 ``--layers 8,16`` runs --config's width at those depths; ``--largest`` goes through the depths
@@ -137,7 +137,7 @@ def _megatron(
         megatron_fsdp = _megatron_fsdp(nvidia=False)
         model = _build(config, device, torch.bfloat16)
         if float8:
-            # Ours casts the float8 weights where the step installs the main params: no
+            # Ours makes the float8 scales where the step installs the main params: no
             # precompute call after the step (torchao's is a no-op over our weights).
             _convert_to_float8(model, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

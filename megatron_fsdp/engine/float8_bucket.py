@@ -130,7 +130,6 @@ class Float8Bucket(Bucket):
             own_shard = self.full_weight[self.shard_start : self.shard_end].clone()
             all_gather_shards(self.full_weight, own_shard, self.dp.group)
 
-
     def _main_bounds(self) -> list[int]:
         return [end for pair in self.optim_ranges for end in pair]
 

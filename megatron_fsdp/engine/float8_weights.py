@@ -5,8 +5,8 @@ A user asks as under FSDP2: ``convert_to_float8_training(model, config=Float8Lin
 enable_fsdp_float8_all_gather=True))`` before sharding. Such a weight comes as torchao's
 wrapper tensor; :func:`prepare_float8_linears` puts a plain parameter of the same values in its
 place and marks it with a :class:`Float8WeightSpec`, so that the units group it into a float8
-bucket (``float8_bucket.py``), which casts the main params to float8 after each step and gathers
-float8 bytes. Such a module becomes a subclass of its torchao class whose forward hands
+bucket (``float8_bucket.py``), which makes the weights' float8 scales after each step, casts
+the main params to float8 with them and gathers float8 bytes. Such a module becomes a subclass of its torchao class whose forward hands
 torchao's matmul a ``Float8TrainingTensor`` over the gathered bytes and the bucket's scale,
 which it takes as already cast; the gradient reaches the parameter as torchao's own would.
 
@@ -70,9 +70,9 @@ def prepare_float8_linears(
     """Marks the weights of the ``Float8Linear`` modules among ``named_modules`` that asked for
     float8 all-gathers, replacing torchao's wrapper parameters by plain ones (returned as old ->
     new, so an optimizer built over the old ones still finds them), and gives each such module
-    the forward that reads its gathered float8 weight. A weight that cannot be gathered in float8 (its recipe,
-    or ``blocked_by``: see :func:`float8_gathers_blocked_by`) is gathered in its own dtype and
-    cast by torchao in each forward, said in one log line per reason. Raises ImportError, before
+    the forward that reads its gathered float8 weight. A weight that cannot be gathered in
+    float8 (its recipe, or ``blocked_by``: see :func:`float8_gathers_blocked_by`) is gathered in
+    its own dtype and cast by torchao in each forward, said in one log line per reason. Raises ImportError, before
     any collective, where a ``Float8Linear`` is found and torchao does not import."""
     replaced: dict[nn.Parameter, nn.Parameter] = {}
     kept: dict[tuple[str, bool], list[str]] = {}

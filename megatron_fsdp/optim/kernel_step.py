@@ -33,7 +33,7 @@ from megatron_fsdp.engine.buffer import Bucket
 logger = logging.getLogger(__name__)
 
 _ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
-CAPTURE_REFUSED = (
+_CAPTURE_REFUSED = (
     "optimizer.step() is being captured in a CUDA graph, but megatron_fsdp steps this optimizer with "
     "its C++ ops (bf16 main gradients or CPU offloading), which take the step count and learning rate "
     "from the host: every replay would repeat the captured ones. Build the optimizer with "
@@ -80,7 +80,7 @@ class KernelStep:
         """One step of every piece; with ``install``, each bucket's weights leave for the device
         right after its pieces are stepped."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(CAPTURE_REFUSED)
+            raise RuntimeError(_CAPTURE_REFUSED)
         self._hooked_step(self.optimizer, self, install)
 
     @staticmethod
