@@ -69,6 +69,7 @@ import traceback
 from collections.abc import Callable, Iterable
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -337,6 +338,9 @@ def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.devic
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
         "cpu_ms_per_step": statistics.median(cpu_times) * 1e3,
         "kernels_per_step": kernels,
+        # torch.compile's graphs and graph breaks over the whole run (0 and 0 for eager rows).
+        "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
         "final_loss": final_loss.item() / dist.get_world_size(),
         **_host_memory(model, optimizer),
         **_environment(name, device),
