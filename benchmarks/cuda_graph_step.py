@@ -5,6 +5,9 @@ losses match eager ones, and the step time of each.
 
     torchrun --standalone --nproc_per_node 1 benchmarks/cuda_graph_step.py --config 1.3B --micro-batch 1 --seq-len 1024
 
+``--compile-blocks`` compiles each block first (the warm-up steps compile; the graph captures
+the compiled kernels); ``--float8`` puts our row in torchtitan's float8 recipe.
+
 Capture follows torch's recipe for whole-network capture: a few eager steps on a side stream,
 gradients set to None, then ``torch.cuda.graph`` around one step; each replay reads the next
 batch from the captured input tensor. The optimizers are torch's fused AdamW with
@@ -25,14 +28,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import CONFIGS, MasterWeightAdamW, _build, batch, train_step  # noqa: E402  (puts examples/ on the path)
+from step_time import CONFIGS, MasterWeightAdamW, _build, _convert_to_float8, batch, train_step  # noqa: E402  (puts examples/ on the path)
 from gpt_model import GPTConfig, TransformerBlock  # noqa: E402
 
 
-def _ours(config: GPTConfig, device: torch.device):
+def _ours(config: GPTConfig, device: torch.device, float8: bool):
     import megatron_fsdp
 
     model = _build(config, device, torch.bfloat16)
+    if float8:
+        _convert_to_float8(model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=True)
     policy = megatron_fsdp.MixedPrecisionPolicy(
         main_params_dtype=torch.float32, main_grads_dtype=torch.float32, grad_comm_dtype=torch.float32
@@ -43,7 +48,7 @@ def _ours(config: GPTConfig, device: torch.device):
     return model, optimizer
 
 
-def _floor(config: GPTConfig, device: torch.device):
+def _floor(config: GPTConfig, device: torch.device, float8: bool):  # the floor stays bf16
     model = _build(config, device, torch.bfloat16)
     return model, MasterWeightAdamW(model.parameters(), lr=1e-4, capturable=True)
 
@@ -51,8 +56,18 @@ def _floor(config: GPTConfig, device: torch.device):
 BUILDERS = {"megatron_fsdp optim_grads_params fp32-comm": _ours, "single-GPU floor (plain torch)": _floor}
 
 
+def _built(name: str, config: GPTConfig, args, device: torch.device):
+    """Row ``name``'s model and optimizer; with --float8 ours takes torchtitan's float8 recipe
+    (the floor stays bf16), with --compile-blocks each block is compiled after sharding."""
+    model, optimizer = BUILDERS[name](config, device, args.float8)
+    if args.compile_blocks:
+        for block in getattr(model, "module", model).blocks:
+            block.compile()
+    return model, optimizer
+
+
 def _eager(name: str, config: GPTConfig, args, device: torch.device) -> dict:
-    model, optimizer = BUILDERS[name](config, device)
+    model, optimizer = _built(name, config, args, device)
     losses, times = [], []
     for step in range(args.warmup + args.steps):
         tokens = batch(config, args, step, 0, device)
@@ -65,7 +80,7 @@ def _eager(name: str, config: GPTConfig, args, device: torch.device) -> dict:
 
 
 def _captured(name: str, config: GPTConfig, args, device: torch.device) -> dict:
-    model, optimizer = BUILDERS[name](config, device)
+    model, optimizer = _built(name, config, args, device)
     tokens = batch(config, args, 0, 0, device)
     losses = []
     side = torch.cuda.Stream()
@@ -98,6 +113,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--compile-blocks", action="store_true", help="compile each transformer block (warm-up compiles)")
+    parser.add_argument("--float8", action="store_true", help="ours in torchtitan's float8 recipe (the floor stays bf16)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
