@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import CONFIGS, IMPLEMENTATIONS, batch, imports_here, train_step, wanted_implementations  # noqa: E402  (puts examples/ on the path)
+from step_time import CONFIGS, IMPLEMENTATIONS, batch, compile_counts, imports_here, train_step, wanted_implementations  # noqa: E402  (puts examples/ on the path)
 from gpt_model import GPTConfig  # noqa: E402
 
 # First match wins; names as CUDA kernels of torch 2.11 / cuBLAS / NCCL are spelled.
@@ -97,7 +97,7 @@ def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
         train_step(model, optimizer, autocast, config, batch(config, args, step, rank, device))
     host_ms = _host_phases(model, optimizer, autocast, config, batch(config, args, args.warmup, rank, device), 15)
     syncs = _host_syncs_in_one_step(model, optimizer, autocast, config, batch(config, args, args.warmup, rank, device))
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs = compile_counts()["compiled_graphs"]
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
@@ -105,13 +105,9 @@ def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
             train_step(model, optimizer, autocast, config, batch(config, args, step, rank, device))
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - started) * 1e6
-    counters = torch._dynamo.utils.counters
-    compiled = {
-        "graphs": counters["stats"]["unique_graphs"],
-        "graphs_made_while_profiled": counters["stats"]["unique_graphs"] - graphs,
-        "graph_breaks": sum(counters["graph_break"].values()),
-    }
-    counters.clear()
+    compiled = compile_counts()
+    compiled["graphs_made_while_profiled"] = compiled["compiled_graphs"] - graphs
+    torch._dynamo.utils.counters.clear()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         prof.export_chrome_trace(path)

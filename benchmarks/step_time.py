@@ -338,9 +338,8 @@ def _run(name: str, make: Callable, config: GPTConfig, args, device: torch.devic
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
         "cpu_ms_per_step": statistics.median(cpu_times) * 1e3,
         "kernels_per_step": kernels,
-        # torch.compile's graphs and graph breaks over the whole run (0 and 0 for eager rows).
-        "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-        "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+        # Over the whole run (0 and 0 for eager rows).
+        **compile_counts(),
         "final_loss": final_loss.item() / dist.get_world_size(),
         **_host_memory(model, optimizer),
         **_environment(name, device),
@@ -354,6 +353,12 @@ _PEAK_BF16_TFLOPS = {"H100 80GB HBM3": 989.4, "H200": 989.4}
 
 def peak_bf16_tflops(device_name: str) -> float | None:
     return next((peak for part, peak in _PEAK_BF16_TFLOPS.items() if part in device_name), None)
+
+
+def compile_counts() -> dict[str, int]:
+    """torch.compile's graphs and graph breaks in this process so far."""
+    counters = torch._dynamo.utils.counters
+    return {"compiled_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 
 
 def _kernels_in_one_step(model, optimizer, autocast: bool, config: GPTConfig, tokens: torch.Tensor) -> int:
@@ -607,15 +612,14 @@ def main() -> None:
         _launch(args)
 
 
-# Configurations a row name ends with; a row is compared with FSDP2's row of the same ones.
-CONFIGURATION_TAGS = ("compiled", "float8", "cpu-offload")
+# Configurations a row name ends with, in the order FSDP2's rows name them; a row is compared
+# with FSDP2's row of the same ones.
+CONFIGURATION_TAGS = ("cpu-offload", "compiled", "float8")
 
 
 def fsdp2_counterpart(name: str) -> str:
-    """The torch FSDP2 row in ``name``'s configuration (compiled, float8, offloaded)."""
-    tags = [tag for tag in CONFIGURATION_TAGS if tag in name.split()]
-    order = {"cpu-offload": 0, "compiled": 1, "float8": 2}  # as the FSDP2 rows are named
-    return " ".join(["torch FSDP2", *sorted(tags, key=order.get)])
+    """The torch FSDP2 row in ``name``'s configuration (offloaded, compiled, float8)."""
+    return " ".join(["torch FSDP2", *(tag for tag in CONFIGURATION_TAGS if tag in name.split())])
 
 
 def _number(value: float | None, spec: str) -> str:
