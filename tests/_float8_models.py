@@ -119,3 +119,19 @@ class CountedCollectives:
 
     def __exit__(self, *exc: object) -> None:
         self._watching.__exit__(*exc)
+
+
+def reset_dynamo() -> None:
+    """Forget compiled code and dynamo's counters, so a run counts only its own graphs."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def dynamo_counts() -> dict[str, int]:
+    """The graphs dynamo made and the graph breaks it met since :func:`reset_dynamo`."""
+    import torch._dynamo
+
+    counters = torch._dynamo.utils.counters
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 import megatron_fsdp
 from _dist import run_distributed
+from log_messages import LogMessages
 from models import Block, make_batch, make_model
 
 
@@ -111,15 +112,6 @@ def _damage(case: str, directory: str) -> tuple[str, str]:
 CASES = ["flipped tensor data", "flipped tensor header", "flipped .metadata", "truncated file", "deleted file", "deleted manifest"]
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _scenario(rank: int, world: int, root: str) -> dict:
     pristine, legacy = os.path.join(root, "pristine"), os.path.join(root, "legacy")
     model, optimizer = _shard(seed=0)
@@ -135,7 +127,7 @@ def _scenario(rank: int, world: int, root: str) -> dict:
     megatron_fsdp.save_checkpoint(pristine, 3, model, optimizer, extra_state={"data_step": 3})
     at_3 = model.full_parameters()
 
-    warnings = _Warnings()
+    warnings = LogMessages(logging.WARNING)
     logging.getLogger("megatron_fsdp.checkpoint.io").addHandler(warnings)
     results: dict = {"cases": {}}
     for case in CASES:

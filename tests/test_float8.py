@@ -34,10 +34,13 @@ from _float8_models import (  # noqa: E402
     Block,
     CountedCollectives,
     batch,
+    dynamo_counts,
     float8_model,
     reference_losses,
+    reset_dynamo,
     worst_relative_error,
 )
+from log_messages import LogMessages  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import megatron_fsdp  # noqa: E402
@@ -84,17 +87,10 @@ def _losses_of_every_strategy(rank: int, world: int, recipe: str) -> dict[str, l
 def _compiled_blocks_run(rank: int, world: int) -> dict:
     """_train under optim_grads_params with each block compiled after sharding (aot_eager:
     eager's kernels), eager's run beside it, and the graphs and graph breaks dynamo made."""
-    import torch._dynamo
-
     eager = _train(rank, world, float8_model("tensorwise"), zero_dp_strategy="optim_grads_params")[0]
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    reset_dynamo()
     compiled = _train(rank, world, float8_model("tensorwise"), compile_blocks=True, zero_dp_strategy="optim_grads_params")[0]
-    counters = torch._dynamo.utils.counters
-    return {
-        "eager": eager, "compiled": compiled,
-        "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
-    }
+    return {"eager": eager, "compiled": compiled, **dynamo_counts()}
 
 
 @functools.cache
@@ -171,15 +167,6 @@ def test_meta_device_init_gathers_float8_weights_cast_from_the_initialised_value
     assert abs(loss - expected) <= 1e-6 * expected, (loss, expected)
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _fallbacks(rank: int, world: int) -> dict[str, tuple[list[float], dict[str, int], list[str]]]:
     """Where float8 gathers cannot apply: each case's losses, the bytes its forwards gathered by
     dtype, and the float8 log lines its fully_shard wrote."""
@@ -194,7 +181,7 @@ def _fallbacks(rank: int, world: int) -> dict[str, tuple[list[float], dict[str, 
     logger = logging.getLogger("megatron_fsdp.engine.float8_weights")
     results = {}
     for case, (recipe, arguments) in cases.items():
-        records, level = _Records(), logger.level
+        records, level = LogMessages(logging.INFO), logger.level
         logger.addHandler(records)
         logger.setLevel(logging.INFO)
         try:

@@ -30,8 +30,10 @@ from _float8_models import (  # noqa: E402
     STEPS,
     CountedCollectives,
     batch,
+    dynamo_counts,
     float8_model,
     reference_losses,
+    reset_dynamo,
     worst_relative_error,
 )
 
@@ -48,7 +50,6 @@ def _train_per_block(
     each block compiled after sharding (aot_eager: eager's kernels, so eager's losses) or not:
     the mean losses, what the forwards gathered, how many weights hold a scale torchao's
     precompute made, and the graphs and graph breaks dynamo made."""
-    import torch._dynamo
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -61,8 +62,7 @@ def _train_per_block(
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    reset_dynamo()
     if compiled:
         for block in model.blocks:
             block.compile(backend="aot_eager")
@@ -86,11 +86,7 @@ def _train_per_block(
         for m in model.blocks.modules()
         if type(m).__name__.endswith("Float8Linear")
     )
-    counters = torch._dynamo.utils.counters
-    return {
-        "losses": losses, "gathered": forwards.gathered, "precomputed_scales": precomputed,
-        "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
-    }
+    return {"losses": losses, "gathered": forwards.gathered, "precomputed_scales": precomputed, **dynamo_counts()}
 
 
 def _loss_after_writing_the_sharded_weights(rank: int, world: int) -> float:
