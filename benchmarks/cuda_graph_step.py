@@ -28,46 +28,23 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import CONFIGS, MasterWeightAdamW, _build, _convert_to_float8, batch, train_step  # noqa: E402  (puts examples/ on the path)
-from gpt_model import GPTConfig, TransformerBlock  # noqa: E402
+from step_time import CONFIGS, FLOOR, _compiled, _floor_with, _megatron, batch, train_step  # noqa: E402  (puts examples/ on the path)
+from gpt_model import GPTConfig  # noqa: E402
 
 
-def _ours(config: GPTConfig, device: torch.device, float8: bool):
-    import megatron_fsdp
-
-    model = _build(config, device, torch.bfloat16)
-    if float8:
-        _convert_to_float8(model, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=True)
-    policy = megatron_fsdp.MixedPrecisionPolicy(
-        main_params_dtype=torch.float32, main_grads_dtype=torch.float32, grad_comm_dtype=torch.float32
-    )
-    model, optimizer = megatron_fsdp.fully_shard(
-        model, optimizer, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=3, mixed_precision_policy=policy
-    )
-    return model, optimizer
-
-
-def _floor(config: GPTConfig, device: torch.device, float8: bool):  # the floor stays bf16
-    model = _build(config, device, torch.bfloat16)
-    return model, MasterWeightAdamW(model.parameters(), lr=1e-4, capturable=True)
-
-
-BUILDERS = {"megatron_fsdp optim_grads_params fp32-comm": _ours, "single-GPU floor (plain torch)": _floor}
-
-
-def _built(name: str, config: GPTConfig, args, device: torch.device):
-    """Row ``name``'s model and optimizer; with --float8 ours takes torchtitan's float8 recipe
+def _builders(args) -> dict:
+    """Our optim_grads_params row (fp32 main gradients, so torch's AdamW steps them) and the
+    floor, each with a capturable optimizer; with --float8 ours takes torchtitan's float8 recipe
     (the floor stays bf16), with --compile-blocks each block is compiled after sharding."""
-    model, optimizer = BUILDERS[name](config, device, args.float8)
+    ours = _megatron(3, torch.float32, float8=args.float8, capturable=True)
+    floor = _floor_with(capturable=True)
     if args.compile_blocks:
-        for block in getattr(model, "module", model).blocks:
-            block.compile()
-    return model, optimizer
+        ours, floor = _compiled(ours), _compiled(floor)
+    return {"megatron_fsdp optim_grads_params fp32-comm": ours, FLOOR: floor}
 
 
-def _eager(name: str, config: GPTConfig, args, device: torch.device) -> dict:
-    model, optimizer = _built(name, config, args, device)
+def _eager(make, config: GPTConfig, args, device: torch.device) -> dict:
+    model, optimizer, _ = make(config, device)
     losses, times = [], []
     for step in range(args.warmup + args.steps):
         tokens = batch(config, args, step, 0, device)
@@ -79,8 +56,8 @@ def _eager(name: str, config: GPTConfig, args, device: torch.device) -> dict:
     return {"losses": [loss.item() for loss in losses], "median_step_ms": statistics.median(times[args.warmup:]) * 1e3}
 
 
-def _captured(name: str, config: GPTConfig, args, device: torch.device) -> dict:
-    model, optimizer = _built(name, config, args, device)
+def _captured(make, config: GPTConfig, args, device: torch.device) -> dict:
+    model, optimizer, _ = make(config, device)
     tokens = batch(config, args, 0, 0, device)
     losses = []
     side = torch.cuda.Stream()
@@ -122,10 +99,10 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=device)
     config = GPTConfig(**{**CONFIGS[args.config].__dict__, "seq_len": args.seq_len})
     rows = {}
-    for name in BUILDERS:
+    for name, make in _builders(args).items():
         for mode, run in (("eager", _eager), ("captured", _captured)):
             try:
-                rows[f"{name} {mode}"] = run(name, config, args, device)
+                rows[f"{name} {mode}"] = run(make, config, args, device)
             except Exception as error:  # a capture that fails is a result: say where
                 frames = traceback.extract_tb(error.__traceback__)
                 where = next((f"{f.filename}:{f.lineno}" for f in reversed(frames) if "megatron_fsdp" in f.filename), "")

@@ -132,7 +132,7 @@ def _convert_to_float8(model: GPT, device: torch.device) -> None:
 
 def _megatron(
     strategy: int, comm: torch.dtype, double_buffer: bool = False, nccl_ub: bool = False, offload: bool = False,
-    main_grads: torch.dtype = torch.float32, float8: bool = False,
+    main_grads: torch.dtype = torch.float32, float8: bool = False, capturable: bool = False,
 ) -> Callable:
     def make(config, device):
         megatron_fsdp = _megatron_fsdp(nvidia=False)
@@ -141,7 +141,8 @@ def _megatron(
             # Ours makes the float8 scales where the step installs the main params: no
             # precompute call after the step (torchao's is a no-op over our weights).
             _convert_to_float8(model, device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        # capturable: the step count on the device, as a step captured in a CUDA graph needs.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=capturable)
         policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=main_grads, grad_comm_dtype=comm)
         return megatron_fsdp.fully_shard(
             model, optimizer, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=strategy, mixed_precision_policy=policy,
@@ -244,9 +245,12 @@ class MasterWeightAdamW:
                 weight.grad.zero_()
 
 
-def _floor(config, device):
-    model = _build(config, device, torch.bfloat16)
-    return model, MasterWeightAdamW(model.parameters(), lr=1e-4), False
+def _floor_with(capturable: bool = False) -> Callable:
+    def make(config, device):
+        model = _build(config, device, torch.bfloat16)
+        return model, MasterWeightAdamW(model.parameters(), lr=1e-4, capturable=capturable), False
+
+    return make
 
 
 IMPLEMENTATIONS: dict[str, Callable] = {
@@ -269,7 +273,7 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "torch FSDP2 compiled float8": _compiled(_fsdp2_with(offload=False, float8=True)),
     "torch FSDP2 cpu-offload": _fsdp2_with(offload=True),
     "torch DDP": _ddp,
-    FLOOR: _floor,
+    FLOOR: _floor_with(),
 }
 
 
