@@ -112,7 +112,7 @@ def main() -> None:
             print(f"{name} {mode}: {json.dumps(rows[f'{name} {mode}'])}", flush=True)
     if args.out and dist.get_rank() == 0:
         with open(args.out, "w") as file:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, file, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args), "rows": rows}, file, indent=1)
     dist.destroy_process_group()
 
 

@@ -16,6 +16,7 @@ step's wall time. Communication that overlaps compute adds kernel time but no wa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -38,6 +39,7 @@ from gpt_model import GPTConfig  # noqa: E402
 # First match wins; names as CUDA kernels of torch 2.11 / cuBLAS / NCCL are spelled.
 KINDS = [
     ("communication", re.compile(r"nccl", re.I)),
+    ("compiled (triton)", re.compile(r"^triton_")),
     ("matmul", re.compile(r"gemm|cutlass|nvjet|sm\d+_xmma|matmul", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
@@ -116,6 +118,7 @@ def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
     per_kind: dict[str, float] = {}
     intervals = []
     kernels = 0
+    per_kernel: dict[str, float] = {}
     calls: dict[str, list[float]] = {}  # runtime call: [count, host microseconds]
     for event in events:
         category = event.get("cat", "")
@@ -124,6 +127,7 @@ def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
             per_kind[kind] = per_kind.get(kind, 0.0) + event["dur"]
             intervals.append((event["ts"], event["ts"] + event["dur"]))
             kernels += category == "kernel"
+            per_kernel[event["name"]] = per_kernel.get(event["name"], 0.0) + event["dur"]
         elif category == "cuda_runtime":
             count_and_time = calls.setdefault(event["name"], [0, 0.0])
             count_and_time[0] += 1
@@ -138,6 +142,10 @@ def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
         "gpu_idle_ms": (wall_us - busy) / steps / 1e3,
         "kernel_ms": {kind: value / steps / 1e3 for kind, value in sorted(per_kind.items())},
         "kernels_per_step": kernels / steps,
+        # The ten costliest kernels (and copies), ms per step.
+        "costliest_kernels_ms": {
+            name[:120]: total / steps / 1e3 for name, total in sorted(per_kernel.items(), key=lambda item: -item[1])[:10]
+        },
         "host_ms": host_ms,
         "host_syncs_per_step": syncs,
         "torch_compile": compiled,
@@ -154,6 +162,7 @@ def main() -> None:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="1.3B")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=None, help="--config's width at this depth (default: its own)")
     parser.add_argument("--steps", type=int, default=5, help="profiled steps")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--impls", default="optim_grads_params fp32-comm,FSDP2", help="comma-separated names (exact, else substrings)")
@@ -163,6 +172,8 @@ def main() -> None:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     config = GPTConfig(**{**CONFIGS[args.config].__dict__, "seq_len": args.seq_len})
+    if args.layers is not None:
+        config = dataclasses.replace(config, layers=args.layers)
     matching = wanted_implementations(args.impls)
     wanted = [n for n in matching if imports_here(n)]
     if dist.get_rank() == 0 and len(wanted) < len(matching):
@@ -170,7 +181,7 @@ def main() -> None:
     rows = [_profile(name, config, args, device) for name in wanted]
     if dist.get_rank() == 0:
         kinds = sorted({kind for row in rows for kind in row["kernel_ms"]})
-        print(f"{torch.cuda.get_device_name()} x{dist.get_world_size()}, torch {torch.__version__}; {args.config}, "
+        print(f"{torch.cuda.get_device_name()} x{dist.get_world_size()}, torch {torch.__version__}; {args.config} width, {config.layers} layers, "
               f"micro-batch {args.micro_batch}, seq {args.seq_len}; ms per step, mean of {args.steps} profiled steps")
         print("| implementation | step | GPU busy | GPU idle | " + " | ".join(kinds)
               + " | kernels per step | costliest runtime calls per step (calls, host ms) |")
@@ -185,6 +196,9 @@ def main() -> None:
         for row in rows:
             print(f"- {row['implementation']}: {len(row['host_syncs_per_step'])} syncs {row['host_syncs_per_step'][:3]}; "
                   f"{row['torch_compile']}")
+        print("\nCostliest kernels, ms per step")
+        for row in rows:
+            print(f"- {row['implementation']}: " + "; ".join(f"{name} {ms:.1f}" for name, ms in row["costliest_kernels_ms"].items()))
         print("\nHost ms per phase, median of 15 unprofiled steps (until the call returns; then the wait for the GPU)")
         phases = list(rows[0]["host_ms"]) if rows else []
         print("| implementation | " + " | ".join(phases) + " |")
