@@ -10,21 +10,23 @@
 #   engine        parity, mixed precision, state dicts, user buffers, memory (steady state, the
 #                 plan against the allocator, out-of-memory recovery) over NCCL
 #   megatron-core megatron-core's DDP face (tests/gpu/test_megatron_core.py; needs megatron-core)
-#   megatron-lm-strategies
-#                 Megatron-LM's own pretrain_gpt.py against the bundled copy, per strategy, in
-#                 fp32 and bf16 (6 tests of tests/gpu/test_megatron_lm_pretrain.py; needs
-#                 megatron-core and MEGATRON_LM_DIR)
-#   megatron-lm-flags
-#                 the same file's other 7 tests: Megatron-LM's megatron-fsdp flags, the
-#                 precision-aware optimizer's refusal, resuming from an fsdp_dtensor save
+#   megatron-lm-1 .. megatron-lm-5
+#                 Megatron-LM's own pretrain_gpt.py against the bundled copy
+#                 (tests/gpu/test_megatron_lm_pretrain.py; needs megatron-core and MEGATRON_LM_DIR),
+#                 three tests per part in the file's order; the last part runs the rest of the file.
+#                 Each test is two pretrain_gpt.py runs, about 90 s on one H100; the last test
+#                 (resume) is four runs.
 #   train         the main job on 2 GPUs (skipped with fewer)
 #   all           every part above, one after another
-# Timed on one H100 (build included): ops 18 s of tests (2026-11-27), engine 255 s (2026-11-25).
-# Not yet timed: megatron-core and the two megatron-lm parts (the whole megatron-lm file, one
-# pretrain_gpt.py run of ours and one of the bundled copy per test, no longer fitted one call).
+# Timed on one H100, build included (about 65 s of it): ops 18 s of tests (2026-11-27),
+# engine 255 s (2026-11-25), megatron-core 142 s (2026-11-27). Megatron-LM's tests, 2026-11-27:
+# 7 of the 13 took 90-95 s each; six of them in one part ran past 9.5 minutes, hence three per
+# part (about 5-6 minutes each). The five parts have not yet been timed as parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PARTS="ops engine megatron-core megatron-lm-strategies megatron-lm-flags train"
+PARTS="ops engine megatron-core megatron-lm-1 megatron-lm-2 megatron-lm-3 megatron-lm-4 megatron-lm-5 train"
+MEGATRON_LM_TESTS_PER_PART=3
+LAST_MEGATRON_LM_PART=5
 part=${1:?give a part: ${PARTS// /, } or all}
 results=${2:-gpu_results}
 mkdir -p "$results"
@@ -40,8 +42,15 @@ build() {
   MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$results/build.log" 2>&1 || { tail -40 "$results/build.log"; exit 1; }
 }
 
-# The megatron-lm-strategies part's tests; megatron-lm-flags runs the rest of the file.
-MEGATRON_LM_STRATEGIES="test_pretrain_gpt_trains_like_the_bundled_copy or test_pretrain_gpt_in_bf16_trains_like_the_bundled_copy"
+# The test ids of megatron-lm-N: its slice of the file's tests; the last part takes the rest, so
+# a test added to the file always runs somewhere.
+megatron_lm_slice() {
+  local n=$1 first last
+  first=$(( (n - 1) * MEGATRON_LM_TESTS_PER_PART + 1 ))
+  last=$(( n == LAST_MEGATRON_LM_PART ? 1000000 : n * MEGATRON_LM_TESTS_PER_PART ))
+  python3 -m pytest -q --collect-only -p no:cacheprovider tests/gpu/test_megatron_lm_pretrain.py 2>/dev/null \
+    | grep '::' | sed -n "${first},${last}p"
+}
 
 run_part() {
   local name=$1 start=$SECONDS
@@ -55,12 +64,16 @@ run_part() {
         | tee "$results/engine_tests.log" | tail -15 ;;
     megatron-core)
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_megatron_core.py 2>&1 | tee "$results/megatron_core_tests.log" | tail -8 ;;
-    megatron-lm-strategies)
-      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_megatron_lm_pretrain.py -k "$MEGATRON_LM_STRATEGIES" 2>&1 \
-        | tee "$results/megatron_lm_strategies_tests.log" | tail -8 ;;
-    megatron-lm-flags)
-      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_megatron_lm_pretrain.py -k "not ($MEGATRON_LM_STRATEGIES)" 2>&1 \
-        | tee "$results/megatron_lm_flags_tests.log" | tail -8 ;;
+    megatron-lm-*)
+      local ids
+      ids=$(megatron_lm_slice "${name#megatron-lm-}")
+      if [ -z "$ids" ]; then
+        echo "$name: no tests in its slice"  # pytest given no ids would run every test
+      else
+        # One argument per test id (ids hold no spaces).
+        # shellcheck disable=SC2086
+        python3 -m pytest -q -p no:cacheprovider $ids 2>&1 | tee "$results/${name//-/_}_tests.log" | tail -8
+      fi ;;
     train)
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
         torchrun --standalone --nproc_per_node 2 examples/train_gpt.py --steps 60 2>&1 | tail -8 | tee "$results/train_gpt.log"
