@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import CONFIGS, FLOOR, _compiled, _floor_with, _megatron, batch, train_step  # noqa: E402  (puts examples/ on the path)
+from step_time import FLOOR, _compiled, _floor_with, _megatron, add_model_arguments, batch, model_config, train_step  # noqa: E402  (puts examples/ on the path)
 from gpt_model import GPTConfig  # noqa: E402
 
 
@@ -85,9 +85,7 @@ def _captured(make, config: GPTConfig, args, device: torch.device) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="1.3B")
-    parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=1024)
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compile-blocks", action="store_true", help="compile each transformer block (warm-up compiles)")
@@ -97,7 +95,7 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
-    config = GPTConfig(**{**CONFIGS[args.config].__dict__, "seq_len": args.seq_len})
+    config = model_config(args)
     rows = {}
     for name, make in _builders(args).items():
         for mode, run in (("eager", _eager), ("captured", _captured)):

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import CONFIGS, IMPLEMENTATIONS, batch, compile_counts, imports_here, train_step, wanted_implementations  # noqa: E402  (puts examples/ on the path)
+from step_time import IMPLEMENTATIONS, add_model_arguments, batch, compile_counts, imports_here, model_config, train_step, wanted_implementations  # noqa: E402  (puts examples/ on the path)
 from gpt_model import GPTConfig  # noqa: E402
 
 # First match wins; names as CUDA kernels of torch 2.11 / cuBLAS / NCCL are spelled.
@@ -159,9 +159,7 @@ def _profile(name: str, config: GPTConfig, args, device: torch.device) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="1.3B")
-    parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=1024)
+    add_model_arguments(parser)
     parser.add_argument("--layers", type=int, default=None, help="--config's width at this depth (default: its own)")
     parser.add_argument("--steps", type=int, default=5, help="profiled steps")
     parser.add_argument("--warmup", type=int, default=5)
@@ -171,7 +169,7 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
-    config = GPTConfig(**{**CONFIGS[args.config].__dict__, "seq_len": args.seq_len})
+    config = model_config(args)
     if args.layers is not None:
         config = dataclasses.replace(config, layers=args.layers)
     matching = wanted_implementations(args.impls)

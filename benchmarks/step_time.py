@@ -536,7 +536,15 @@ def wanted_implementations(impls: str) -> list[str]:
     return [n for n in IMPLEMENTATIONS if n in picked]
 
 
-def _config(args) -> GPTConfig:
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and batch arguments that :func:`model_config` and :func:`batch` read, shared by
+    the benchmarks built on this one."""
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="1.3B")
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=1024)
+
+
+def model_config(args) -> GPTConfig:
     return GPTConfig(**{**CONFIGS[args.config].__dict__, "seq_len": args.seq_len})
 
 
@@ -556,7 +564,7 @@ def _work(args) -> None:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    config = dataclasses.replace(_config(args), layers=int(args.layers))
+    config = dataclasses.replace(model_config(args), layers=int(args.layers))
     row = {"implementation": args.worker, "layers": config.layers, "parameters_b": _parameters(config) / 1e9}
     row.update(_run_or_oom(args.worker, config, args, device))
     if dist.get_rank() == 0:
@@ -570,7 +578,7 @@ def _launch(args) -> None:
     # Terminated, stop the running row's torchrun on the way out, as on Ctrl-C.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     nproc = args.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    config = _config(args)
+    config = model_config(args)
     depths = args.layers or ("8,16,20,24,28,32,40,48,56,64" if args.largest else str(config.layers))
     rows = []
     for name in wanted_implementations(args.impls):
@@ -588,9 +596,7 @@ def _launch(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="1.3B")
-    parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=1024)
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--impls", default="all", help="comma-separated names (exact, else substrings) or 'all'")
