@@ -14,14 +14,12 @@
 #                 Megatron-LM's own pretrain_gpt.py against the bundled copy
 #                 (tests/gpu/test_megatron_lm_pretrain.py; needs megatron-core and MEGATRON_LM_DIR),
 #                 three tests per part in the file's order; the last part runs the rest of the file.
-#                 Each test is two pretrain_gpt.py runs, about 90 s on one H100; the last test
-#                 (resume) is four runs.
+#                 Each test runs ours and the bundled copy side by side.
 #   train         the main job on 2 GPUs (skipped with fewer)
 #   all           every part above, one after another
-# Timed on one H100, build included (about 65 s of it): ops 18 s of tests (2026-11-27),
-# engine 255 s (2026-11-25), megatron-core 142 s (2026-11-27). Megatron-LM's tests, 2026-11-27:
-# 7 of the 13 took 90-95 s each; six of them in one part ran past 9.5 minutes, hence three per
-# part (about 5-6 minutes each). The five parts have not yet been timed as parts.
+# Timed on one H100, the build (65-105 s, logged as "build") not included: ops 18 s of tests
+# (2026-11-27), engine 255 s (2026-11-25), megatron-core 79 s (2026-11-27), megatron-lm-1 to -5
+# 170, 170, 187, 171 and 130 s (2026-11-27), so every part ends within about 6 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PARTS="ops engine megatron-core megatron-lm-1 megatron-lm-2 megatron-lm-3 megatron-lm-4 megatron-lm-5 train"
@@ -34,12 +32,14 @@ mkdir -p "$results"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 build() {
+  local start=$SECONDS
   nvidia-smi -L | tee "$results/device.txt"
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" | tee -a "$results/device.txt"
   # The system compiler: a toolchain that links its own C++ runtime into _C.so crashes it when a
   # kernel's error message formats a number.
   if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
   MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$results/build.log" 2>&1 || { tail -40 "$results/build.log"; exit 1; }
+  echo "build: $((SECONDS - start)) s" | tee -a "$results/part_times.txt"
 }
 
 # The test ids of megatron-lm-N: its slice of the file's tests; the last part takes the rest, so

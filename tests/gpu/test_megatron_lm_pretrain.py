@@ -8,7 +8,7 @@ Needs CUDA, megatron-core, and ``MEGATRON_LM_DIR``: a folder holding Megatron-LM
 ``pretrain_gpt.py``, ``gpt_builders.py`` and ``model_provider.py`` from the tag that matches the
 megatron-core wheel (core_v0.19.0 for 0.19.x). Each run is its own torchrun over every GPU; ours
 runs through ``python -m megatron_fsdp.integrations.launch pretrain_gpt.py`` (install(), then the
-script as ``__main__``).
+script as ``__main__``). A test's runs of ours and of the bundled copy go side by side.
 
 Tolerances: fp32 unless a test says ``--bf16``. The two packages run the same kernels except the
 optimizer's (torch's AdamW on upstream's DTensors and on our pieces), so fp32 losses agree to fp32
@@ -28,7 +28,10 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -40,6 +43,8 @@ NORM_ATOL = 1e-3
 BF16_RTOL = 1e-3
 BF16_NORM_ATOL = 1e-2
 ITERS = 6
+PACKAGES = ("bundled", "ours")
+T = TypeVar("T")
 
 # A GPT with SwiGLU, RoPE and untied embeddings, small enough to start in seconds.
 MODEL = [
@@ -127,12 +132,22 @@ def assert_same_training(ours: dict, bundled: dict, label: str, rtol: float = RT
         assert abs(norm - ref_norm) <= norm_atol, f"{label} iteration {iteration}: grad norm {norm} vs bundled {ref_norm}"
 
 
+def on_both_packages(run: Callable[[str], T]) -> dict[str, T]:
+    """`run(package)` for the bundled copy and ours at the same time. Each torchrun of this tiny
+    GPT is mostly start-up, so two side by side on the same GPUs halve a test's time; the seeds
+    and kernels are the same, so the numbers are too."""
+    with ThreadPoolExecutor(max_workers=len(PACKAGES)) as pool:
+        futures = {package: pool.submit(run, package) for package in PACKAGES}
+        return {package: future.result() for package, future in futures.items()}
+
+
 def compare(flags: list[str], tmp_path: Path, name: str, rtol: float = RTOL, norm_atol: float = NORM_ATOL) -> None:
-    runs = {}
-    for package in ("bundled", "ours"):
+    def run(package: str) -> dict[int, tuple[float, float]]:
         workdir = tmp_path / package
         workdir.mkdir(exist_ok=True)
-        runs[package] = pretrain(package, flags, workdir, name)
+        return pretrain(package, flags, workdir, name)
+
+    runs = on_both_packages(run)
     assert_same_training(runs["ours"], runs["bundled"], name, rtol, norm_atol)
 
 
@@ -194,13 +209,16 @@ def test_pretrain_gpt_resumes_from_an_fsdp_dtensor_save_like_the_bundled_copy(tm
     half = ITERS // 2
     model = [flag for flag in MODEL if flag != "--swiglu"]
     train = [*model, *TRAINING, "--train-iters", str(ITERS), "--data-parallel-sharding-strategy", "optim_grads_params"]
-    resumed = {}
-    for package in ("bundled", "ours"):
+
+    def save_then_resume(package: str) -> dict[int, tuple[float, float]]:
         workdir = tmp_path / package
         workdir.mkdir()
         checkpoints = str(workdir / "checkpoints")
         pretrain(package, [*train, "--save", checkpoints, "--save-interval", str(half), "--exit-interval", str(half)],
                  workdir, "first-half")
-        resumed[package] = pretrain(package, [*train, "--load", checkpoints], workdir, "resumed")
-        assert sorted(resumed[package]) == list(range(half + 1, ITERS + 1)), sorted(resumed[package])
+        resumed = pretrain(package, [*train, "--load", checkpoints], workdir, "resumed")
+        assert sorted(resumed) == list(range(half + 1, ITERS + 1)), f"{package}: {sorted(resumed)}"
+        return resumed
+
+    resumed = on_both_packages(save_then_resume)
     assert_same_training(resumed["ours"], resumed["bundled"], "resumed")
