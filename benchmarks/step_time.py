@@ -39,7 +39,8 @@ row in the same configuration (eager, compiled, float8, offloaded), tokens/s/GPU
 TFLOP/s/GPU and MFU (over the device's dense bf16 peak, float8 rows too), peak allocated and
 reserved memory, the median CPU time per step (all of the process's threads from a step's
 start until it returns to the caller, before the synchronise that ends the timed step:
-launches, hooks, the autograd thread, and any wait inside the step), the CUDA kernels one step launches (one profiled step after the timed ones), the final loss, and
+launches, hooks, the autograd thread, and any wait inside the step), the CUDA kernels one step
+launches (one profiled step after the timed ones), the final loss, and
 the host memory held (resident set, pinned bytes; with CPU offloading the optimizer lives there).
 
 ``--layers 8,16`` runs --config's width at those depths; ``--largest`` goes through the depths

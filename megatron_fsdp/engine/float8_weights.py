@@ -6,9 +6,10 @@ enable_fsdp_float8_all_gather=True))`` before sharding. Such a weight comes as t
 wrapper tensor; :func:`prepare_float8_linears` puts a plain parameter of the same values in its
 place and marks it with a :class:`Float8WeightSpec`, so that the units group it into a float8
 bucket (``float8_bucket.py``), which makes the weights' float8 scales after each step, casts
-the main params to float8 with them and gathers float8 bytes. Such a module becomes a subclass of its torchao class whose forward hands
-torchao's matmul a ``Float8TrainingTensor`` over the gathered bytes and the bucket's scale,
-which it takes as already cast; the gradient reaches the parameter as torchao's own would.
+the main params to float8 with them and gathers float8 bytes. Such a module becomes a subclass
+of its torchao class whose forward hands torchao's matmul a ``Float8TrainingTensor`` over the
+gathered bytes and the bucket's scale, which it takes as already cast; the gradient reaches the
+parameter as torchao's own would.
 
 torchao is imported only here, and only when a model holds a ``Float8Linear``.
 """
@@ -72,8 +73,9 @@ def prepare_float8_linears(
     new, so an optimizer built over the old ones still finds them), and gives each such module
     the forward that reads its gathered float8 weight. A weight that cannot be gathered in
     float8 (its recipe, or ``blocked_by``: see :func:`float8_gathers_blocked_by`) is gathered in
-    its own dtype and cast by torchao in each forward, said in one log line per reason. Raises ImportError, before
-    any collective, where a ``Float8Linear`` is found and torchao does not import."""
+    its own dtype and cast by torchao in each forward, said in one log line per reason. Raises
+    ImportError, before any collective, where a ``Float8Linear`` is found and torchao does not
+    import."""
     replaced: dict[nn.Parameter, nn.Parameter] = {}
     kept: dict[tuple[str, bool], list[str]] = {}
     for name, linear, reason in _float8_linears(named_modules, blocked_by):
