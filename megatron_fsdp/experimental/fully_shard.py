@@ -7,9 +7,10 @@
   only); the two keywords tune upstream's streams and buffers and are accepted.
 - ``fully_shard(module, mesh, placements, mixed_precision_policy=None, grad_divisor=1)``: shards
   ``module`` in place (returns None, as upstream's). ``placements`` must shard parameters,
-  gradients and optimizer state (``Shard(0)``) over the one dim of a 1-D mesh: the
-  ``optim_grads_params`` strategy. ``mixed_precision_policy`` is megatron_fsdp's (upstream's
-  fields): the model's dtype computes, main weights in ``main_params_dtype`` (default fp32).
+  gradients and optimizer state (upstream's ``Flat()``, or DTensor's ``Shard(0)``) over the one
+  dim of a 1-D mesh: the ``optim_grads_params`` strategy. ``mixed_precision_policy`` is
+  megatron_fsdp's (upstream's fields): the model's dtype computes, main weights in
+  ``main_params_dtype`` (default fp32).
   ``grad_divisor`` divides the reduced gradients on top of the average over the mesh.
 - ``microbatch(context, is_last)``: upstream needs it for HSDP accumulation only; over a 1-D mesh
   every backward finishes its gradients, here as there.
@@ -30,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from megatron_fsdp.experimental.placement import Flat
 from megatron_fsdp.fsdp2.api import check_module, shard_in_place
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
@@ -39,7 +41,8 @@ MeshAxis = int | str
 @dataclass(frozen=True)
 class Placements:
     """Upstream's per-data-parallel-axis placements: ``dp_axes`` names the mesh's data-parallel
-    dims; ``parameter``, ``gradient`` and ``optimizer`` give one placement per axis."""
+    dims; ``parameter``, ``gradient`` and ``optimizer`` give one placement per axis (upstream's
+    ``Flat()``, or DTensor's ``Shard(0)``, the same here)."""
 
     dp_axes: Sequence[MeshAxis]
     parameter: Sequence[Placement]
@@ -116,11 +119,11 @@ def _check_placements(mesh: DeviceMesh, placements: Placements) -> None:
     if axis not in (0, -1) and axis not in (mesh.mesh_dim_names or ()):
         raise ValueError(f"Mesh axis {axis!r} is not present in mesh dim names {mesh.mesh_dim_names}.")
     given = {"parameter": placements.parameter, "gradient": placements.gradient, "optimizer": placements.optimizer}
-    unsupported = {name: tuple(value) for name, value in given.items() if tuple(value) != (Shard(0),)}
+    unsupported = {name: tuple(value) for name, value in given.items() if tuple(value) not in ((Shard(0),), (Flat(),))}
     if unsupported:
         raise NotImplementedError(
             f"placements {unsupported}: megatron_fsdp.experimental shards parameters, gradients and optimizer state "
-            "alike (Shard(0) for each); for replicated parameters or gradients use "
+            "alike (Flat() or Shard(0) for each); for replicated parameters or gradients use "
             "fully_shard_model(..., zero_dp_strategy='optim_grads' or 'optim')"
         )
 
