@@ -12,6 +12,7 @@ from megatron_fsdp.checkpoint.safe_reader import SafeFileSystemReader, UnsafeChe
 from megatron_fsdp.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron_fsdp.engine.config import ShardingStrategy
 from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.engine.piece_dtensor import ShardedSaveError
 from megatron_fsdp.fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
 from megatron_fsdp.integrations.megatron_lm import add_megatron_fsdp_args, ddp_config_from_args
 from megatron_fsdp.megatron_fsdp import MegatronFSDP
@@ -40,6 +41,7 @@ __all__ = [
     "MegatronFSDP",
     "MixedPrecisionPolicy",
     "SafeFileSystemReader",
+    "ShardedSaveError",
     "ShardingStrategy",
     "UnsafeCheckpointError",
     "add_megatron_fsdp_args",

@@ -12,6 +12,7 @@ optimizer.py); checkpoint files key them by parameter FQN.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -72,10 +73,12 @@ def model_state_dict(model: ShardedModel) -> dict[str, Any]:
     for bucket, index, param, _ in _bucket_params(model):
         _checkpointable_extent(bucket, index)
         pieces[param] = bucket.faces[index].state()
-    return {
-        key: pieces[value] if isinstance(value, nn.Parameter) else value
+    # An OrderedDict, as nn.Module.state_dict's: Accelerate's save_state checks such a dict's
+    # storages on every rank, where the pieces refuse it (piece_dtensor.ShardedSaveError).
+    return OrderedDict(
+        (key, pieces[value] if isinstance(value, nn.Parameter) else value)
         for key, value in model.module.state_dict(keep_vars=True).items()
-    }
+    )
 
 
 def load_model_state_dict(model: ShardedModel, state_dict: dict[str, Any], strict: bool = True) -> None:

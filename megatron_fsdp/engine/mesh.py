@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,19 +48,45 @@ class DataParallelGroup:
 def resolve_dp_shard_group(device_mesh: DeviceMesh | None, dp_shard_dim: str | None) -> DataParallelGroup:
     """The group FSDP shards over: ``device_mesh[dp_shard_dim]``, the mesh itself when it is
     1-D and no dim is named, or the default group without a mesh. Raises before any collective."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "megatron_fsdp needs torch.distributed: call torch.distributed.init_process_group() "
-            "(or launch with torchrun) before fully_shard"
-        )
     if device_mesh is None:
         if dp_shard_dim is not None:
             raise ValueError(f"dp_shard_dim={dp_shard_dim!r} was given without a device_mesh; pass device_mesh too")
+        init_default_group()
         return _group_over(None)
     mesh = _named_or_only_dim(
         device_mesh, dp_shard_dim, "device_mesh", "dp_shard_dim", "name the one to shard over with dp_shard_dim"
     )
     return _group_over(mesh, device_mesh)
+
+
+# What torchrun (and other launchers) set for init_process_group's env:// rendezvous.
+LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+def init_default_group() -> None:
+    """Without a default process group, creates it from the launcher's environment, as torch's
+    ``fully_shard`` and ``init_device_mesh`` do (``init_process_group()``: gloo for CPU tensors,
+    NCCL for CUDA ones), and, as ``init_device_mesh``, makes ``LOCAL_RANK`` the current CUDA
+    device if none was chosen. Outside a launcher, raises before any collective."""
+    if not dist.is_available():
+        raise RuntimeError("megatron_fsdp needs torch.distributed, which this build of torch lacks")
+    if dist.is_initialized():
+        return
+    missing = [name for name in LAUNCHER_ENV if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            "megatron_fsdp needs a torch.distributed process group: launch the script with torchrun "
+            "(e.g. torchrun --nproc-per-node 2 train.py), and fully_shard creates the default group from its "
+            "environment as torch's fully_shard does; or call torch.distributed.init_process_group(...) before "
+            f"fully_shard (not launched so: {', '.join(missing)} unset)"
+        )
+    dist.init_process_group()
+    if torch.cuda.is_available() and not torch.cuda.is_initialized() and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    logger.info(
+        "megatron_fsdp: created the default process group from the launcher's environment (rank %d of %d, %s)",
+        dist.get_rank(), dist.get_world_size(), dist.get_backend(),
+    )
 
 
 def _group_over(mesh: DeviceMesh | None, root: DeviceMesh | None = None) -> DataParallelGroup:

@@ -14,6 +14,10 @@ values:
 - elementwise results, ``to``/``cpu``, ``detach``, ``clone`` stay flat-sharded with the layout;
 - DCP's checkpoint hooks describe the piece as the rectangles it covers;
 - pickling saves the piece alone (a copy: not the whole buffer it views) with its layout;
+- its storage (``untyped_storage()``, ``storage()``) raises :class:`ShardedSaveError`: writers
+  that save one process's tensors (safetensors, and through it Trainer's and Accelerate's
+  ``save_state``) look at every tensor's storage before they write anything, and would
+  otherwise write pieces (or fail inside safetensors on the first rank alone);
 - torch's ``set_model_state_dict`` / ``set_optimizer_state_dict`` with
   ``broadcast_from_rank0=True`` build a row-sharded DTensor instead of copying rows into the
   piece (see :meth:`PieceDTensor.__torch_function__`); megatron_fsdp's ``load_state_dict`` and
@@ -67,6 +71,32 @@ class FlatLayout:
         if self.dp_dims == 1:
             return self.pieces[mesh.get_local_rank(0)]
         return self.pieces[mesh.get_local_rank(1) * mesh.size(0) + mesh.get_local_rank(0)]
+
+
+# The ways that write a sharded model, named where a one-process writer is refused.
+SAVE_INSTEAD = (
+    "use megatron_fsdp.integrations.hugging_face.MegatronFSDPTrainer in transformers.Trainer's place; "
+    "wrap accelerator.save_state/load_state in megatron_fsdp.integrations.hugging_face.full_state_dicts(model, "
+    "optimizer); or write each rank's pieces with megatron_fsdp.save_checkpoint (torch.distributed.checkpoint; "
+    "docs/checkpointing.md, docs/hugging_face.md); a model sharded in place by megatron_fsdp.fsdp2 saves as under "
+    "FSDP2: torch.distributed.checkpoint of model.state_dict(), or get_model_state_dict(model, "
+    "options=StateDictOptions(full_state_dict=True)) on every rank"
+)
+
+
+class ShardedSaveError(RuntimeError):
+    """A writer that saves one process's tensors (``safetensors.torch.save_file``, Trainer's
+    ``save_model`` and checkpoints, Accelerate's ``save_state``) met a tensor megatron_fsdp shards:
+    raised before it writes, naming the ways that write a sharded model."""
+
+
+def refuse_one_process_write(what: str) -> ShardedSaveError:
+    """The error for ``what``, a one-process writer given a sharded model's tensors."""
+    return ShardedSaveError(
+        f"{what}: a megatron_fsdp-sharded model's state dict holds each rank's piece of every parameter "
+        "(DTensors with no storage of their own), which a writer of one process's tensors cannot save; refused "
+        f"before writing. To save a sharded model, {SAVE_INSTEAD}"
+    )
 
 
 class PieceDTensor(DTensor):
@@ -172,6 +202,15 @@ class PieceDTensor(DTensor):
         raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {tuple(index.offset)}")
 
     # -- everything else ----------------------------------------------------------------------
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """Refused (:class:`ShardedSaveError`): a DTensor has no storage of its own, and what asks
+        for one is a writer of one process's tensors (safetensors' and Accelerate's shared-tensor
+        checks, on every rank that calls them, before they write)."""
+        raise refuse_one_process_write(
+            "the storage of a megatron_fsdp-sharded tensor was asked for, as safetensors.torch.save_file (and through it "
+            "transformers.Trainer's save_model and checkpoints, accelerator.save_state) does before it writes"
+        )
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         return (

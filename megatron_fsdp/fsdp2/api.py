@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.float8_weights import float8_gathers_blocked_by, prepare_float8_linears
 from megatron_fsdp.engine.mesh import DataParallelGroup, resolve_dp_shard_group, resolve_outer_group
+from megatron_fsdp.engine.piece_dtensor import PieceDTensor, refuse_one_process_write
 from megatron_fsdp.engine.transformer_engine_refusal import refuse_transformer_engine
 from megatron_fsdp.engine.units import FSDPUnit
 from megatron_fsdp.fsdp2.module import MegatronFSDPModule
@@ -350,9 +351,31 @@ def _refuse_deepcopy(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("a module sharded in place by fully_shard cannot be deep-copied: copy it before fully_shard")
 
 
+def _save_pretrained_of_full_tensors(cls: type) -> Callable[..., Any]:
+    """Hugging Face's ``save_pretrained`` for ``FSDP<cls>``: given full tensors in ``state_dict``
+    (torch's ``get_model_state_dict(..., full_state_dict=True)``, what Trainer's and Accelerate's
+    FSDP2 paths pass), the model's own. Without one, or with the sharded pieces in it, refused
+    before anything is written: Transformers would write the config, then fail inside
+    safetensors on the writing rank alone (Trainer calls it on the first rank only)."""
+
+    def save_pretrained(self: nn.Module, *args: Any, state_dict: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        if state_dict is None or any(isinstance(value, PieceDTensor) for value in state_dict.values()):
+            raise refuse_one_process_write(
+                f"{type(self).__name__}.save_pretrained of a model sharded in place by megatron_fsdp.fsdp2, "
+                "without full tensors in state_dict (pass state_dict=get_model_state_dict(model, "
+                "options=StateDictOptions(full_state_dict=True, cpu_offload=True)), gathered on every rank, as under FSDP2)"
+            )
+        return cls.save_pretrained(self, *args, state_dict=state_dict, **kwargs)
+
+    return save_pretrained
+
+
 def _sharded_class(cls: type) -> type:
     sharded = _SHARDED_CLASSES.get(cls)
     if sharded is None:
-        sharded = type(f"FSDP{cls.__name__}", (MegatronFSDPModule, cls), {"__deepcopy__": _refuse_deepcopy})
+        methods: dict[str, Any] = {"__deepcopy__": _refuse_deepcopy}
+        if callable(getattr(cls, "save_pretrained", None)):
+            methods["save_pretrained"] = _save_pretrained_of_full_tensors(cls)
+        sharded = type(f"FSDP{cls.__name__}", (MegatronFSDPModule, cls), methods)
         _SHARDED_CLASSES[cls] = sharded
     return sharded
