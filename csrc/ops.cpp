@@ -15,8 +15,9 @@ TORCH_LIBRARY(megatron_fsdp, m) {
   // dsts[i] = flat[offsets[i] : offsets[i] + dsts[i].numel()], cast to each dst's dtype.
   m.def("unflatten_copy(Tensor flat, int[] offsets, Tensor(a!)[] dsts) -> ()");
 
-  // out (=|+=) scale * sum_r chunks[r], summed in fp32 (fp64 for fp64 chunks) whatever the
-  // dtypes of chunks [world, n] and out [n]: the reduction step behind low-precision communication.
+  // out (=|+=) scale * sum_r chunks[r], summed in fp32 (fp64 when chunks or out are fp64)
+  // whatever the dtypes of chunks [world, n] and out [n]: the reduction step behind
+  // low-precision communication.
   m.def("promoting_reduce(Tensor chunks, float scale, bool accumulate, Tensor(a!) out) -> ()");
 
   // One bool per tensor: does it hold a NaN or an Inf. Computed on the tensors' device, no host sync.

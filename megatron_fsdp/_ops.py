@@ -94,7 +94,7 @@ def unflatten_copy(flat: torch.Tensor, offsets: Sequence[int], dsts: Sequence[to
 
 
 def promoting_reduce(chunks: torch.Tensor, out: torch.Tensor, scale: float = 1.0, accumulate: bool = False) -> None:
-    """``out (=|+=) scale * chunks.sum(0)``, summed in fp32 (fp64 for fp64 chunks)."""
+    """``out (=|+=) scale * chunks.sum(0)``, summed in fp32 (fp64 when chunks or out are fp64)."""
     _ops.promoting_reduce(chunks, float(scale), bool(accumulate), out)
 
 

@@ -54,3 +54,9 @@ class ResolvedDtypes:
     def promotes_reduction(self) -> bool:
         """Communication less precise than accumulation: sum received chunks in high precision."""
         return torch.finfo(self.comm).eps > torch.finfo(self.main_grads).eps
+
+    @property
+    def grads_below_main_params(self) -> bool:
+        """Main gradients less precise than the main params (bf16 under fp32), not merely of
+        another dtype: float64 main gradients under fp32 main params are not below them."""
+        return torch.finfo(self.main_grads).eps > torch.finfo(self.main_params).eps

@@ -11,7 +11,9 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q "torch==2.13.0"
 fi
-.venv/bin/pip install -q numpy ninja setuptools wheel pytest pytest-timeout hypothesis tqdm safetensors matplotlib
+# Pinned: Hypothesis's fixed draws (tests/conftest.py) are the same only under one version of it.
+.venv/bin/pip install -q "numpy==2.4.6" "ninja==1.13.2" "setuptools==84.2.1" "wheel==0.48.0" "pytest==9.2.0" \
+  "pytest-timeout==2.4.0" "hypothesis==6.170.17" "tqdm==4.70.1" "safetensors==0.8.0" "matplotlib==3.11.2"
 # Transformers for examples/hf_llama.py: 5.23.0 is the newest 5.x that installs beside torch 2.13.0 (it needs no torch).
 .venv/bin/pip install -q "transformers==5.23.0"
 # Accelerate for tests/test_failed_steps.py (its find_executable_batch_size around a sharded model).

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+# --hypothesis-profile=ci: property tests draw the same examples every run (tests/conftest.py).
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --hypothesis-profile=ci tests "$@"

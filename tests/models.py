@@ -54,7 +54,9 @@ class TinyGPT(nn.Module):
         if self.reuse_last_block:
             x = self.blocks[-1](x)
         logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+        # The loss in fp32 at least (a bf16 model's in fp32, a float64 model's in float64).
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def make_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

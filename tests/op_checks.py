@@ -74,7 +74,7 @@ def check_flatten_copy_casts_exactly(device: str) -> None:
 
 def _reduce_bound(chunks: torch.Tensor, scale: float, previous: torch.Tensor, out_dtype: torch.dtype, expected: torch.Tensor) -> torch.Tensor:
     """Error bound of one summation in the accumulation dtype followed by one rounding to out_dtype."""
-    acc_roundoff = UNIT_ROUNDOFF[torch.float64 if chunks.dtype == torch.float64 else torch.float32]
+    acc_roundoff = UNIT_ROUNDOFF[torch.float64 if torch.float64 in (chunks.dtype, out_dtype) else torch.float32]
     magnitude = abs(scale) * chunks.double().abs().sum(0) + previous.double().abs()
     # Below the smallest normal the spacing is fixed, so rounding there has an absolute bound.
     subnormal = UNIT_ROUNDOFF[out_dtype] * torch.finfo(out_dtype).smallest_normal

@@ -97,8 +97,9 @@ def reference_run(setup: Setup, world: int, compute_dtype: torch.dtype | None = 
     model = setup.build_model().to(device)
     if compute_dtype is not None:
         model = model.to(compute_dtype)
+    main_dtype = main_params_dtype(setup)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    master = {n: p.detach().float().clone().requires_grad_(True) for n, p in trainable}
+    master = {n: p.detach().to(main_dtype).clone().requires_grad_(True) for n, p in trainable}
     optimizer = build_optimizer(list(master.values()), setup.optimizer)
     result = Result()
     for step in range(setup.steps):
@@ -107,7 +108,7 @@ def reference_run(setup: Setup, world: int, compute_dtype: torch.dtype | None = 
         loss.backward()
         result.losses.append(loss.item())
         for name, param in trainable:
-            master[name].grad = param.grad.float()
+            master[name].grad = param.grad.to(main_dtype)
         if setup.clip is not None:
             result.norms.append(torch.nn.utils.clip_grad_norm_(list(master.values()), MAX_NORM).item())
         if step == setup.steps - 1:
@@ -118,8 +119,20 @@ def reference_run(setup: Setup, world: int, compute_dtype: torch.dtype | None = 
             for name, param in trainable:
                 param.copy_(master[name])
                 param.grad = None
-    result.params = {n: (master[n] if n in master else p).detach().float().cpu() for n, p in model.named_parameters()}
+    result.params = {n: _reported(master[n] if n in master else p) for n, p in model.named_parameters()}
     return result
+
+
+def main_params_dtype(setup: Setup) -> torch.dtype:
+    """The main (master) weights' dtype: fp32 under megatron_fsdp's default policy, else the policy's."""
+    return (setup.policy or megatron_fsdp.MixedPrecisionPolicy()).resolve(setup.dtype).main_params
+
+
+def _reported(param: torch.Tensor) -> torch.Tensor:
+    """A parameter as a run reports it: in fp32, or in float64 where it is float64 (so float64
+    runs are compared at their own precision)."""
+    dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+    return param.detach().to("cpu", dtype)
 
 
 def sharded_run(rank: int, world: int, setup: Setup, device: str = "cpu") -> Result:
@@ -166,7 +179,7 @@ def sharded_run(rank: int, world: int, setup: Setup, device: str = "cpu") -> Res
             result.grads = {n: g.cpu() for n, g in model.full_gradients().items()}
         optimizer.step()
         optimizer.zero_grad()
-    result.params = {n: p.float().cpu() for n, p in model.full_parameters().items()}
+    result.params = {n: _reported(p) for n, p in model.full_parameters().items()}
     return result
 
 
@@ -269,7 +282,7 @@ def _clip(model: megatron_fsdp.MegatronFSDP, way: str, result: Result) -> None:
 def stepped_by_kernels(dtypes: megatron_fsdp.mixed_precision.ResolvedDtypes) -> bool:
     """Main gradients of a lower dtype than fp32 main params: megatron_fsdp's C++ ops step the
     optimizers these tests use (Adam, AdamW, SGD), reading the main gradients as they are."""
-    return dtypes.main_grads != dtypes.main_params and dtypes.main_params == torch.float32
+    return dtypes.grads_below_main_params and dtypes.main_params == torch.float32
 
 
 def _clip_exactly(grads: list[torch.Tensor]) -> float:
@@ -302,13 +315,15 @@ def emulated_reference_run(setup: Setup, world: int, device: str = "cpu") -> Res
         """One bucket reduction of every rank's gradient, added into the main gradient."""
         comm = [g.to(dtypes.comm) for g in per_rank]
         if dtypes.promotes_reduction:
-            total = comm[0].float()
+            # promoting_reduce sums in fp32, or in fp64 where the main gradients are fp64.
+            acc = torch.float64 if dtypes.main_grads == torch.float64 else torch.float32
+            total = comm[0].to(acc)
             for g in comm[1:]:
-                total = total + g.float()
+                total = total + g.to(acc)
             if no_shard:  # the averaged shards are gathered in the communication dtype
                 main.add_((total * scale).to(dtypes.main_grads).to(dtypes.comm))
             else:
-                main.copy_((total * scale + main.float()).to(main.dtype))
+                main.copy_((total * scale + main.to(acc)).to(main.dtype))
             return
         total = comm[0].clone()
         for g in comm[1:]:
@@ -353,7 +368,7 @@ def emulated_reference_run(setup: Setup, world: int, device: str = "cpu") -> Res
         with torch.no_grad():
             for name, param in trainable:
                 param.copy_(master[name])
-    result.params = {n: (master[n] if n in master else p).detach().float().cpu() for n, p in model.named_parameters()}
+    result.params = {n: _reported(master[n] if n in master else p) for n, p in model.named_parameters()}
     return result
 
 

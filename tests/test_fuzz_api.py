@@ -1,7 +1,11 @@
 """Fuzzing the public API: any combination of fully_shard's arguments, sensible or bogus, either
 trains (finite losses, and the parameters of a plain single-process run where the arithmetic is
 fp32 throughout) or raises one of our errors (ValueError, TypeError or NotImplementedError from
-megatron_fsdp's own code) and leaves the model and the process group as they were."""
+megatron_fsdp's own code) and leaves the model and the process group as they were.
+
+The draws are the same on every run (tests/conftest.py's "ci" profile); every draw that failed
+once is pinned with @example, and the seed sweep (docs/testing.md)
+draws afresh."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -67,7 +71,8 @@ VALID = {
     # fp16 main params are left out: Adam's eps (1e-8) underflows in fp16 and its steps overflow
     # to NaN, as they do for plain torch.optim.Adam on fp16 parameters.
     "policy": [None, *((a, b, c) for a in DTYPES if a != torch.float16 for b in DTYPES for c in DTYPES)],
-    "model": [(torch.float32, False, False), (torch.bfloat16, False, False), (torch.float32, True, True)],
+    "model": [(torch.float32, False, False), (torch.bfloat16, False, False), (torch.float32, True, True),
+              (torch.float64, False, False)],
 }
 BOGUS = {
     "zero_dp_strategy": [-1, 4, "zero3", None, True, 2.0, ""],
@@ -154,9 +159,18 @@ def _reference_params() -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
+def _pinned(**arguments) -> dict:
+    """A draw with each argument's first valid value but for ``arguments``."""
+    return {name: values[0] for name, values in VALID.items()} | arguments
+
+
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(chosen=calls())
+# Drawn by seeds 1, 2, 3 and 11 before float64 main gradients trained: the C++ Adam step was
+# handed float64 gradients and raised from inside the op.
+@example(chosen=_pinned(zero_dp_strategy="optim_grads_params", policy=(torch.float32, torch.float64, None)))
 def test_any_arguments_train_or_raise_our_error_without_side_effects(chosen, single_rank_group) -> None:
+    chosen = dict(chosen)  # a pinned example's dict is shared between runs
     dtype, on_meta, init_meta = chosen.pop("model")
     mesh_kind, dp_shard_dim, dp_outer_dim = chosen.pop("mesh")
     policy = chosen.pop("policy")

@@ -18,8 +18,9 @@ from _dist import run_distributed
 from megatron_fsdp import MixedPrecisionPolicy
 from parity import Setup, compare_emulated, emulated_reference_run, sharded_runs
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-COMBOS = list(itertools.product(DTYPES, DTYPES, DTYPES))  # (main params, main grads, comm)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+# (main params, main grads, comm)
+COMBOS = list(itertools.product(("fp32", "bf16"), repeat=3))
 
 
 def _setup(strategy: int, combo: tuple[str, str, str]) -> Setup:
@@ -29,6 +30,13 @@ def _setup(strategy: int, combo: tuple[str, str, str]) -> Setup:
 
 
 SETUPS = {f"s{s}-{'-'.join(c)}": _setup(s, c) for s in range(4) for c in COMBOS}
+# float64 in the policy, each strategy once: float64 main gradients under fp32 main params (torch
+# steps a cast copy; the C++ ops read only gradients below the main params), fp32 communication
+# summed into float64 main gradients (promoting_reduce in fp64), and bf16 main gradients under
+# float64 main params (torch steps a float64 copy).
+for _strategy, _combo in ((3, ("fp32", "fp64", "fp64")), (1, ("fp32", "fp64", "fp64")),
+                          (2, ("fp64", "fp64", "fp32")), (0, ("fp64", "fp64", "fp32")), (3, ("fp64", "bf16", "bf16"))):
+    SETUPS[f"s{_strategy}-{'-'.join(_combo)}"] = _setup(_strategy, _combo)
 # Clipping under mixed precision: fp32 main gradients of a bf16 model, bf16 communication summed
 # in fp32, bf16 main params under fp32 main gradients (the optimizer reads a cast copy, which the
 # clip scales), and bf16 main gradients under fp32 main params (the C++ ops read them as they

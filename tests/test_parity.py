@@ -6,6 +6,11 @@ fp32 tolerance 1e-5 relative (to each tensor's largest entry): the runs differ o
 order of fp32 sums (per-rank partial sums, reduce-scatter), about 1e-7 relative per step; 5
 Adam steps measured below 1e-6, so 1e-5 leaves a 10x margin and any real bug (wrong shard,
 missing average, gradient counted twice) is O(1). bf16: see parity.compare_low_precision.
+
+float64 (a float64 model whose main params stay float64, as FSDP2 trains float64 parameters):
+the same order-of-summation differences at float64's unit roundoff (1e-16), 1e-12 relative
+leaves the same kind of margin; a step in fp32 anywhere (main params, gradients or
+communication) would be 1e-7 off and fail it.
 """
 
 from __future__ import annotations
@@ -16,15 +21,21 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from megatron_fsdp import MixedPrecisionPolicy
 from parity import Setup, check_collectives, compare, compare_low_precision, reference_run, sharded_runs
 
 FP32_RTOL = 1e-5
+FP64_RTOL = 1e-12
 
 SETUPS: dict[str, Setup] = {}
 for _strategy in range(4):
     for _accum in (1, 3):
         SETUPS[f"fp32-s{_strategy}-a{_accum}"] = Setup(strategy=_strategy, accum=_accum, count_collectives=True)
         SETUPS[f"bf16-s{_strategy}-a{_accum}"] = Setup(strategy=_strategy, accum=_accum, dtype=torch.bfloat16, optimizer="sgd")
+    # main_params_dtype=None: the main params in the model's dtype, float64.
+    SETUPS[f"fp64-s{_strategy}-a2"] = Setup(
+        strategy=_strategy, accum=2, dtype=torch.float64, policy=MixedPrecisionPolicy(main_params_dtype=None)
+    )
     # SGD: with frozen norms and a block run twice some gradients sit near zero on some steps,
     # where Adam turns 1e-7 rounding differences into 1e-5 parameter differences.
     SETUPS[f"untied-frozen-reused-s{_strategy}"] = Setup(
@@ -63,8 +74,9 @@ def _check(name: str, world: int) -> None:
     setup = SETUPS[name]
     got = _sharded_results(world)[name]
     reference = reference_run(setup, world)
-    if setup.dtype == torch.float32:
-        compare(got, reference, FP32_RTOL, FP32_RTOL, FP32_RTOL, f"{name} world {world}")
+    if setup.dtype in (torch.float32, torch.float64):
+        rtol = FP64_RTOL if setup.dtype == torch.float64 else FP32_RTOL
+        compare(got, reference, rtol, rtol, rtol, f"{name} world {world}")
     else:
         exact = reference_run(setup, world, compute_dtype=torch.float32)
         compare_low_precision(got, reference, exact, f"{name} world {world}")
@@ -74,7 +86,7 @@ WORLDS = [2, 4]
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", [n for n in SETUPS if n.startswith(("fp32", "bf16"))])
+@pytest.mark.parametrize("name", [n for n in SETUPS if n.startswith(("fp32", "fp64", "bf16"))])
 def test_every_strategy_accumulation_and_dtype_matches_single_process(name: str, world: int) -> None:
     _check(name, world)
 

@@ -3,7 +3,15 @@
 
 #include <ATen/ATen.h>
 
+#include <type_traits>
+
 namespace megatron_fsdp {
+
+// promoting_reduce sums in fp32, or in fp64 when the chunks or the output are fp64: float64 main
+// gradients accumulated through fp32 would lose their precision at every micro-batch.
+template <typename in_t, typename out_t>
+using promoting_acc_t =
+    std::conditional_t<std::is_same_v<in_t, double> || std::is_same_v<out_t, double>, double, float>;
 
 inline bool is_supported_float(at::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||

@@ -1,7 +1,6 @@
-// Sums [world, n] low-precision chunks in fp32 (fp64 for fp64 input) and writes or accumulates
-// the scaled result into an output of another dtype.
+// Sums [world, n] low-precision chunks in fp32 (fp64 when the chunks or the output are fp64) and
+// writes or accumulates the scaled result into an output of another dtype.
 #include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -17,9 +16,9 @@ void promoting_reduce_cpu(const at::Tensor& chunks, double scale, bool accumulat
   const int64_t n = chunks.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, chunks.scalar_type(), "promoting_reduce_in", [&] {
     using in_t = scalar_t;
-    using acc_t = at::opmath_type<in_t>;
     const in_t* in = chunks.const_data_ptr<in_t>();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "promoting_reduce_out", [&] {
+      using acc_t = promoting_acc_t<in_t, scalar_t>;
       scalar_t* dst = out.mutable_data_ptr<scalar_t>();
       const acc_t factor = static_cast<acc_t>(scale);
       at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {

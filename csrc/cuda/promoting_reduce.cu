@@ -1,8 +1,7 @@
-// Sums [world, n] chunks in fp32 (fp64 for fp64 input) and writes or accumulates the scaled
-// result into an output of another dtype. Memory-bound, so loads are 16-byte vectors when the
+// Sums [world, n] chunks in fp32 (fp64 when the chunks or the output are fp64) and writes or
+// accumulates the scaled result into an output of another dtype. Memory-bound, so loads are 16-byte vectors when the
 // layout allows it.
 #include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -42,9 +41,9 @@ constexpr int kUnroll = 4;
 
 template <typename in_t, typename out_t, int V>
 __global__ void promoting_reduce_kernel(const in_t* chunks, out_t* out,
-                                        int64_t world, int64_t n, at::opmath_type<in_t> scale,
+                                        int64_t world, int64_t n, promoting_acc_t<in_t, out_t> scale,
                                         bool accumulate) {
-  using acc_t = at::opmath_type<in_t>;
+  using acc_t = promoting_acc_t<in_t, out_t>;
   using InVec = Vec<in_t, V>;
   using OutVec = Vec<out_t, V>;
   const int64_t num_vecs = n / V;
@@ -101,7 +100,7 @@ bool is_aligned(const void* ptr, size_t alignment) {
 
 template <typename in_t, typename out_t, int V>
 void launch(const in_t* chunks, out_t* out, int64_t world, int64_t n,
-            at::opmath_type<in_t> scale, bool accumulate) {
+            promoting_acc_t<in_t, out_t> scale, bool accumulate) {
   const int64_t num_vecs = n / V;
   // Enough blocks to fill every SM once; the grid-stride loop covers the rest.
   const cudaDeviceProp* properties = at::cuda::getCurrentDeviceProperties();
@@ -125,9 +124,9 @@ void promoting_reduce_cuda(const at::Tensor& chunks, double scale, bool accumula
   const c10::cuda::CUDAGuard guard(out.device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, chunks.scalar_type(), "promoting_reduce_in", [&] {
     using in_t = scalar_t;
-    using acc_t = at::opmath_type<in_t>;
     const in_t* in = chunks.const_data_ptr<in_t>();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "promoting_reduce_out", [&] {
+      using acc_t = promoting_acc_t<in_t, scalar_t>;
       scalar_t* dst = out.mutable_data_ptr<scalar_t>();
       const acc_t factor = static_cast<acc_t>(scale);
       // 16-byte input vectors; every row start must be aligned too, hence n % V == 0.

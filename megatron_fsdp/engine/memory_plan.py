@@ -411,7 +411,7 @@ def _stepped_by_kernels(geometries: list[BucketGeometry], options: PlanOptions) 
     """Whether the C++ ops step the optimizer on the device because main gradients there are of a
     lower dtype than fp32 main params (optim/kernel_step.py's reads_main_grads_as_they_are)."""
     trainable = [g for g in geometries if g.requires_grad]
-    low = [g for g in trainable if not g.offloaded and g.dtypes.main_grads != g.dtypes.main_params]
+    low = [g for g in trainable if not g.offloaded and g.dtypes.grads_below_main_params]
     fp32_main = all(g.dtypes.main_params == torch.float32 for g in trainable)
     return bool(low) and fp32_main and options.optimizer.stepped_by_kernels
 

@@ -192,7 +192,7 @@ def reads_main_grads_as_they_are(optimizer: torch.optim.Optimizer, buckets: Iter
     """Whether the ops will step ``optimizer`` because some device bucket's main gradients are
     of a lower dtype than its main params; if so, those buckets show them as they are."""
     buckets = list(buckets)
-    low = [b for b in buckets if b.host is None and b.dtypes.main_grads != b.main_params.dtype]
+    low = [b for b in buckets if b.host is None and b.dtypes.grads_below_main_params]
     if not low or unsupported_reason(optimizer) is not None or _main_params_reason(buckets) is not None:
         return False
     for bucket in low:
