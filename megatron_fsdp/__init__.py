@@ -11,8 +11,8 @@ from megatron_fsdp.checkpoint.io import (
 from megatron_fsdp.checkpoint.safe_reader import SafeFileSystemReader, UnsafeCheckpointError
 from megatron_fsdp.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron_fsdp.engine.config import ShardingStrategy
-from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
-from megatron_fsdp.engine.piece_dtensor import ShardedSaveError
+from megatron_fsdp.engine.groups.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.engine.params.piece_dtensor import ShardedSaveError
 from megatron_fsdp.fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
 from megatron_fsdp.integrations.megatron_lm import add_megatron_fsdp_args, ddp_config_from_args
 from megatron_fsdp.megatron_fsdp import MegatronFSDP

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
-from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.engine.groups.distributed_index import FSDPDistributedIndex
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
 # Megatron-LM's dtype spellings; "auto" is None: the model's compute dtype (for main grads and

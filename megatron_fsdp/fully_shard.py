@@ -12,10 +12,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import OffloadPolicy
 
-from megatron_fsdp.engine.argument_types import check_argument_types
+from megatron_fsdp.engine.planning.argument_types import check_argument_types
 from megatron_fsdp.engine.config import ShardingStrategy
-from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
-from megatron_fsdp.engine.plan import (
+from megatron_fsdp.engine.groups.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.engine.planning.plan import (
     check_strategies,
     check_timeout,
     check_upstream_options,
@@ -23,7 +23,7 @@ from megatron_fsdp.engine.plan import (
     resolve_offload,
     resolve_policy,
 )
-from megatron_fsdp.engine.transformer_engine_refusal import refuse_transformer_engine
+from megatron_fsdp.engine.planning.transformer_engine_refusal import refuse_transformer_engine
 from megatron_fsdp.megatron_fsdp import MegatronFSDP
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.optim.optimizer import distribute_optimizer
@@ -132,7 +132,7 @@ def fully_shard_model(
       docs/offloading.md.
 
     Before any collective, the ranks check that they shard the same model the same way and
-    all raise the same ``ValueError`` if not (megatron_fsdp/engine/consistency.py).
+    all raise the same ``ValueError`` if not (megatron_fsdp/engine/planning/consistency.py).
     """
     check_argument_types(locals())
     _check_not_wrapped(module)

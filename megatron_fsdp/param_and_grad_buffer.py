@@ -1,5 +1,5 @@
 """Upstream megatron-fsdp's ``param_and_grad_buffer`` module, as far as megatron-core uses it: a
-face over megatron_fsdp's buckets (megatron_fsdp/engine/buffer.py), not a second set of buffers.
+face over megatron_fsdp's buckets (megatron_fsdp/engine/buckets/buffer.py), not a second set of buffers.
 
 - :class:`ParamAndGradBuffer`: what ``model.param_and_grad_buffer`` is. megatron-core's
   distributed optimizer calls :meth:`~ParamAndGradBuffer.copy_main_weights_to_model_weights`
@@ -19,9 +19,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from megatron_fsdp.engine.buffer import Bucket
-from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
-from megatron_fsdp.engine.dtensor_params import (
+from megatron_fsdp.engine.buckets.buffer import Bucket
+from megatron_fsdp.engine.groups.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.engine.params.dtensor_params import (
     contiguous_strides,
     get_mcore_tensor_parallel_partition_dim,
     is_expert_param,
@@ -99,7 +99,7 @@ class ParamAndGradBuffer:
 
     def manual_buffer_registration(self) -> None:
         """Nothing to do: with ``nccl_ub``, megatron_fsdp registers its buffers with NCCL itself
-        after the first optimizer step (megatron_fsdp/engine/user_buffers.py)."""
+        after the first optimizer step (megatron_fsdp/engine/buckets/user_buffers.py)."""
 
 
 def to_local_if_dtensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ checkpoint path calls: DTensors whose ranks hold blocks of rows of different siz
 
 Two kinds of DTensor reach these functions here:
 
-- megatron_fsdp's flat pieces (:class:`~megatron_fsdp.engine.piece_dtensor.PieceDTensor` with a layout:
+- megatron_fsdp's flat pieces (:class:`~megatron_fsdp.engine.params.piece_dtensor.PieceDTensor` with a layout:
   the state dicts of a sharded model and its optimizer). They already describe themselves to
   DCP and gather themselves (``full_tensor()``), so preprocessing leaves them alone and
   :func:`uneven_dtensor_to_full_tensor` calls ``full_tensor()``. A flat piece is not one block of
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate
 
-from megatron_fsdp.engine.dtensor_params import contiguous_strides
+from megatron_fsdp.engine.params.dtensor_params import contiguous_strides
 
 __all__ = [
     "gather_and_compute_chunk_metadata",

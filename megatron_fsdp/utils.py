@@ -1,5 +1,5 @@
 """Upstream megatron-fsdp's ``utils`` module, as far as megatron-core imports it: a face over
-megatron_fsdp's own modules (``FSDPDistributedIndex`` lives in :mod:`megatron_fsdp.engine.distributed_index`).
+megatron_fsdp's own modules (``FSDPDistributedIndex`` lives in :mod:`megatron_fsdp.engine.groups.distributed_index`).
 
 The tensor-parallel helpers read Megatron-Core's marks on a parameter: ``tensor_model_parallel``
 with ``partition_dim`` (set by its parallel layers), or ``_tensor_parallel_mode`` (``"column"``:
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
-from megatron_fsdp.engine.dtensor_params import (
+from megatron_fsdp.engine.groups.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.engine.params.dtensor_params import (
     get_mcore_tensor_parallel_partition_dim,
     is_mcore_tensor_model_parallel,
     is_mcore_tensor_parallel_duplicated,

@@ -254,7 +254,7 @@ def test_dbuffer_ranges_nest_over_two_flat_axes_and_cut_between_rows() -> None:
     axis 0 in rank order (what the all-gather over axis 0 concatenates), their order is the one
     megatron_fsdp's flat-sharded DTensors read (shard rank * outer size + outer rank), and every
     range starts and ends between rows of every tensor."""
-    from megatron_fsdp.engine.piece_dtensor import FlatLayout
+    from megatron_fsdp.engine.params.piece_dtensor import FlatLayout
     from megatron_fsdp.experimental import Flat, Replicate
     from megatron_fsdp.experimental.dbuffer import _global_layout, _local_range, _piece_index
 

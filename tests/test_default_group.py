@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from megatron_fsdp.engine.mesh import LAUNCHER_ENV
+from megatron_fsdp.engine.groups.mesh import LAUNCHER_ENV
 
 SCRIPT = "import torch, megatron_fsdp; megatron_fsdp.fully_shard(torch.nn.Linear(2, 2), fsdp_unit_modules=[torch.nn.Linear])"
 

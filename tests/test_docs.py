@@ -105,7 +105,7 @@ def test_few_doc_blocks_are_skipped_and_each_says_why() -> None:
     assert len(BLOCKS) - len(skipped) >= 10, "the docs should show running code"
 
 
-# A repository path in backticks, as the docs name files: `megatron_fsdp/engine/buffer.py`.
+# A repository path in backticks, as the docs name files: `megatron_fsdp/engine/buckets/buffer.py`.
 REPO_PATH = re.compile(r"`((?:megatron_fsdp|tests|examples|benchmarks|scripts|csrc|docs)/[\w./-]+)`")
 
 

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import megatron_fsdp
 from _dist import run_distributed
-from megatron_fsdp.engine.units import UnitState
+from megatron_fsdp.engine.step.units import UnitState
 from models import Block, TinyGPT, make_batch, make_model
 
 
@@ -94,7 +94,7 @@ def test_nccl_ub_without_nccl_says_so_once_and_keeps_double_buffers(single_rank_
         tokens, targets = make_batch(0, 2)
         model(tokens, targets).backward()
         optimizer.step()
-    fallbacks = [r for r in caplog.records if r.name == "megatron_fsdp.engine.user_buffers"]
+    fallbacks = [r for r in caplog.records if r.name == "megatron_fsdp.engine.buckets.user_buffers"]
     assert [r.levelno for r in fallbacks] == [logging.WARNING], [r.getMessage() for r in fallbacks]
     assert "falls back to unregistered buffers" in fallbacks[0].getMessage() and "cpu" in fallbacks[0].getMessage()
     assert model.user_buffers is None

@@ -308,7 +308,7 @@ def test_expert_and_dense_dtensors_give_global_values() -> None:
 
 def test_experts_are_found_by_name_when_no_parameter_is_marked() -> None:
     """megatron-core's local MoE layers set no allreduce mark; upstream finds experts by name."""
-    from megatron_fsdp.engine.dtensor_params import is_expert_param, mark_experts_by_name
+    from megatron_fsdp.engine.params.dtensor_params import is_expert_param, mark_experts_by_name
 
     moe = torch.nn.ModuleDict({"router": torch.nn.Linear(4, 2), "experts": torch.nn.ModuleList([torch.nn.Linear(4, 4)] * 2)})
     model = torch.nn.ModuleDict({"mlp": moe})

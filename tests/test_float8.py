@@ -178,7 +178,7 @@ def _fallbacks(rank: int, world: int) -> dict[str, tuple[list[float], dict[str, 
             "dp_shard_dim": "dp_shard", "dp_outer_dim": "dp_outer", "outer_dp_sharding_strategy": "optim",
         }),
     }
-    logger = logging.getLogger("megatron_fsdp.engine.float8_weights")
+    logger = logging.getLogger("megatron_fsdp.engine.buckets.float8_weights")
     results = {}
     for case, (recipe, arguments) in cases.items():
         records, level = LogMessages(logging.INFO), logger.level

@@ -15,6 +15,7 @@ from pathlib import Path
 PACKAGE = "megatron_fsdp"
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
 
+ENGINE_FOOT = "megatron_fsdp.engine.config"
 # Top to bottom. A module belongs to the first layer one of whose prefixes names it or a package
 # holding it. Modules of one layer may import each other (without a circle).
 LAYERS: tuple[tuple[str, ...], ...] = (
@@ -27,7 +28,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("megatron_fsdp.uneven_dtensor", "megatron_fsdp.distributed_data_parallel_config"),
     ("megatron_fsdp.optim",),
     ("megatron_fsdp.checkpoint",),
-    ("megatron_fsdp.engine",),
+    # The engine's rooms, top to bottom (docs/architecture.md, "The engine's rooms").
+    ("megatron_fsdp.engine.planning",),  # checked arguments to a plan, memory plans
+    ("megatron_fsdp.engine.step",),  # units, the schedule, its hooks
+    ("megatron_fsdp.engine.buckets",),  # flat buffers and their memory
+    ("megatron_fsdp.engine.params",),  # a parameter's layout, pieces and faces
+    ("megatron_fsdp.engine.groups",),  # process groups, meshes, collectives
+    (ENGINE_FOOT, "megatron_fsdp.engine"),  # the settings every room reads
     ("megatron_fsdp.mixed_precision", "megatron_fsdp._ops", "megatron_fsdp.package_info"),
 )
 # The extension module: compiled, below everything.
@@ -149,6 +156,13 @@ def test_every_module_has_a_layer() -> None:
             layer_of(module)
 
 
+def test_every_engine_module_is_in_a_room() -> None:
+    """Only the settings sit at the engine's foot; every other engine module is in a room."""
+    foot = layer_of(ENGINE_FOOT)
+    loose = [m for m in import_graph() if m.startswith("megatron_fsdp.engine.") and m != ENGINE_FOOT and layer_of(m) == foot]
+    assert not loose, f"engine modules outside the rooms (move each into the room of its concern): {loose}"
+
+
 def test_no_module_imports_a_layer_above_it() -> None:
     upward = [
         f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
@@ -189,7 +203,8 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
         "if TYPE_CHECKING:\n"
         "    from megatron_fsdp.fully_shard import fully_shard\n"
     )
-    targets = imported_modules("megatron_fsdp.engine.probe", probe, modules)
+    targets = imported_modules("megatron_fsdp.engine.step.probe", probe, modules)
     assert targets == {"megatron_fsdp.megatron_fsdp"}
-    assert layer_of("megatron_fsdp.megatron_fsdp") < layer_of("megatron_fsdp.engine.probe")
+    assert layer_of("megatron_fsdp.megatron_fsdp") < layer_of("megatron_fsdp.engine.step.probe")
+    assert layer_of("megatron_fsdp.engine.step.units") < layer_of("megatron_fsdp.engine.buckets.buffer")
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from megatron_fsdp.engine.layout import alignment_in_elements, build_bucket_layout
+from megatron_fsdp.engine.params.layout import alignment_in_elements, build_bucket_layout
 
 
 @pytest.mark.parametrize("world_size", range(1, 9))
@@ -72,7 +72,7 @@ def test_bad_layout_arguments_are_rejected() -> None:
 def test_rectangular_chunks_tile_every_flat_range_exactly_once(shape) -> None:
     import torch
 
-    from megatron_fsdp.engine.layout import flat_offset, rectangular_chunks
+    from megatron_fsdp.engine.params.layout import flat_offset, rectangular_chunks
 
     numel = int(torch.tensor(shape).prod().item()) if shape else 1
     values = torch.arange(numel).reshape(shape)

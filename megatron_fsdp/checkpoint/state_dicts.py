@@ -3,7 +3,7 @@
 ``model.state_dict()`` maps each parameter's original FQN to its DTensor face (sharded_params.py):
 the parameter's global shape over this rank's piece of it (a view into the main parameters, or
 the weights where no main parameters exist). A sharded piece is a flat range, which a
-:class:`~megatron_fsdp.engine.piece_dtensor.PieceDTensor` describes to DCP as the rectangles it
+:class:`~megatron_fsdp.engine.params.piece_dtensor.PieceDTensor` describes to DCP as the rectangles it
 covers and gathers correctly for ``full_tensor()``. DCP then saves, loads in place and reshards
 across world sizes and strategies; the files hold plain tensors of the original shapes.
 Optimizer state entries are DTensors of the same layouts (the optimizer holds the faces:
@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from megatron_fsdp.engine.buffer import Bucket
-from megatron_fsdp.engine.dtensor_params import ParamExtent, is_expert_param
-from megatron_fsdp.engine.mesh import DataParallelGroup
-from megatron_fsdp.engine.sharded_params import ShardSpec, sharded_dtensor
-from megatron_fsdp.engine.units import FSDPUnit
+from megatron_fsdp.engine.buckets.buffer import Bucket
+from megatron_fsdp.engine.params.dtensor_params import ParamExtent, is_expert_param
+from megatron_fsdp.engine.groups.mesh import DataParallelGroup
+from megatron_fsdp.engine.params.sharded_params import ShardSpec, sharded_dtensor
+from megatron_fsdp.engine.step.units import FSDPUnit
 
 # The key under which nn.Module stores what its get_extra_state() returns.
 EXTRA_STATE = "_extra_state"

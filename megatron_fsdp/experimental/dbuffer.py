@@ -31,9 +31,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor import Partial as DTensorPartial
 from torch.distributed.tensor import Replicate as DTensorReplicate
 
-from megatron_fsdp.engine.collectives import all_gather_shards, all_reduce_sum, reduce_scatter_sum
-from megatron_fsdp.engine.layout import BucketLayout, build_bucket_layout
-from megatron_fsdp.engine.piece_dtensor import FlatLayout, piece_dtensor
+from megatron_fsdp.engine.groups.collectives import all_gather_shards, all_reduce_sum, reduce_scatter_sum
+from megatron_fsdp.engine.params.layout import BucketLayout, build_bucket_layout
+from megatron_fsdp.engine.params.piece_dtensor import FlatLayout, piece_dtensor
 from megatron_fsdp.experimental.placement import Flat, Partial, Placement, Replicate
 
 MeshAxis = int | str

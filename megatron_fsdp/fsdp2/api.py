@@ -23,11 +23,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
-from megatron_fsdp.engine.float8_weights import float8_gathers_blocked_by, prepare_float8_linears
-from megatron_fsdp.engine.mesh import DataParallelGroup, resolve_dp_shard_group, resolve_outer_group
-from megatron_fsdp.engine.piece_dtensor import PieceDTensor, refuse_one_process_write
-from megatron_fsdp.engine.transformer_engine_refusal import refuse_transformer_engine
-from megatron_fsdp.engine.units import FSDPUnit
+from megatron_fsdp.engine.buckets.float8_weights import float8_gathers_blocked_by, prepare_float8_linears
+from megatron_fsdp.engine.groups.mesh import DataParallelGroup, resolve_dp_shard_group, resolve_outer_group
+from megatron_fsdp.engine.params.piece_dtensor import PieceDTensor, refuse_one_process_write
+from megatron_fsdp.engine.planning.transformer_engine_refusal import refuse_transformer_engine
+from megatron_fsdp.engine.step.units import FSDPUnit
 from megatron_fsdp.fsdp2.module import MegatronFSDPModule
 from megatron_fsdp.fsdp2.state import STATE_ATTRIBUTE, ModuleShardingState, shared_resources, state_of
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
@@ -213,7 +213,7 @@ def _managed_registrations_of(modules: list[nn.Module], ignored: set[nn.Paramete
 
 def _weight_owners(keyed: list[tuple[str, nn.Module, str, nn.Parameter]]) -> list[tuple[str, nn.Module]]:
     """(name, module) of each module whose ``weight`` this call shards: where torchao's
-    ``Float8Linear`` weights are found (engine/float8_weights.py), not under modules sharded earlier."""
+    ``Float8Linear`` weights are found (engine/buckets/float8_weights.py), not under modules sharded earlier."""
     owners = {owner: key.rpartition(".")[0] for key, owner, attribute, _ in keyed if attribute == "weight"}
     return [(name, owner) for owner, name in owners.items()]
 

@@ -1,8 +1,8 @@
 """The state FSDP2's front door keeps for one ``fully_shard(module)`` call: the engine unit built
 from the module's parameters, the hooks on the module, and (from the first forward on) the step
 its root drives. It translates FSDP2's module-level events into the engine's; the mechanism
-(gathers, reductions, the schedule) is the engine's (``engine/units.py``, ``engine/schedule.py``,
-``engine/step_hooks.py``).
+(gathers, reductions, the schedule) is the engine's (``engine/step/units.py``, ``engine/step/schedule.py``,
+``engine/step/step_hooks.py``).
 
 The root is found as FSDP2 finds it: the first module sharded in place whose forward runs
 becomes the root, and every module sharded in place under it joins its step.
@@ -24,15 +24,15 @@ from torch.distributed.tensor import DTensor
 
 from megatron_fsdp import _ops
 from megatron_fsdp.checkpoint.state_dicts import FaceSource, bucket_face_sources, to_face_layout
-from megatron_fsdp.engine.buffer import Bucket
+from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.config import FSDPSettings
-from megatron_fsdp.engine.mesh import DataParallelGroup
-from megatron_fsdp.engine.offload import OffloadTransfers
-from megatron_fsdp.engine.registered_params import ParamSlot, RegisteredParams
-from megatron_fsdp.engine.schedule import StepScheduler, StepState
-from megatron_fsdp.engine.sharded_params import MeshCache
-from megatron_fsdp.engine.step_hooks import StepHooks, tensors_requiring_grad
-from megatron_fsdp.engine.units import FSDPUnit
+from megatron_fsdp.engine.groups.mesh import DataParallelGroup
+from megatron_fsdp.engine.buckets.offload import OffloadTransfers
+from megatron_fsdp.engine.params.registered_params import ParamSlot, RegisteredParams
+from megatron_fsdp.engine.step.schedule import StepScheduler, StepState
+from megatron_fsdp.engine.params.sharded_params import MeshCache
+from megatron_fsdp.engine.step.step_hooks import StepHooks, tensors_requiring_grad
+from megatron_fsdp.engine.step.units import FSDPUnit
 from megatron_fsdp.fsdp2 import optimizer_state
 from megatron_fsdp.fsdp2.unused_grads import UnusedGrads
 from megatron_fsdp.optim.piece_steps import end_unfinished_steps
@@ -203,7 +203,7 @@ class ModuleShardingState:
         parameters (on the host) to the device weights the next gather reads. The whole-model
         wrapper does this in its optimizer's step; a plain optimizer's step is seen by torch's
         global step post-hook (``optim/piece_steps.py``). Float8 buckets cast them to their
-        float8 weights (engine/float8_bucket.py). Elsewhere the gathers read the main parameters."""
+        float8 weights (engine/buckets/float8_bucket.py). Elsewhere the gathers read the main parameters."""
         for bucket in self.unit.trainable_buckets:
             if bucket.host is not None or bucket.float8_weights:
                 bucket.install_main_params()

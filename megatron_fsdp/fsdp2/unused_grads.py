@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_fsdp.engine.piece_dtensor import plain_attribute_access
-from megatron_fsdp.engine.units import FSDPUnit
+from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
+from megatron_fsdp.engine.step.units import FSDPUnit
 
 
 class UnusedGrads:

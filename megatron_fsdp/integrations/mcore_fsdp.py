@@ -15,7 +15,7 @@ faces (docs/architecture.md, "The parameter contract"):
   megatron_fsdp's own walks of the model (state dicts, ``named_parameters``).
 
 The faces carry what megatron-core reads off upstream's DTensor parameters, as every
-MegatronFSDP's do (megatron_fsdp/engine/upstream_param_attributes.py): ``__fsdp_param__`` (its
+MegatronFSDP's do (megatron_fsdp/engine/params/upstream_param_attributes.py): ``__fsdp_param__`` (its
 gradient clipping then takes ``.grad``'s local tensor), the Megatron-Core attributes of the
 parameter they stand for, ``megatron_fsdp_dist_index`` and ``megatron_fsdp_slice`` (this rank's
 range of the flattened local parameter). The ``param_and_grad_buffer`` megatron-core's optimizer
@@ -32,8 +32,8 @@ from typing import Any
 
 from torch import nn
 
-from megatron_fsdp.engine.dtensor_params import is_mcore_tensor_model_parallel
-from megatron_fsdp.engine.schedule import StepState
+from megatron_fsdp.engine.params.dtensor_params import is_mcore_tensor_model_parallel
+from megatron_fsdp.engine.step.schedule import StepState
 from megatron_fsdp.megatron_fsdp import MegatronFSDP
 
 _PREFIX = "module."

@@ -4,7 +4,7 @@ with ``MegatronFSDP`` the flavour megatron-core's ``FullyShardedDataParallel`` a
 (:class:`~megatron_fsdp.integrations.mcore_fsdp.MegatronCoreFSDP`)."""
 
 from megatron_fsdp.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.engine.groups.distributed_index import FSDPDistributedIndex
 from megatron_fsdp.fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP as MegatronFSDP
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy

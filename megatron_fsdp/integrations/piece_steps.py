@@ -18,7 +18,7 @@ import weakref
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from megatron_fsdp.engine.buffer import Bucket
+from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.megatron_fsdp import MegatronFSDP
 from megatron_fsdp.optim.piece_steps import step_faces_as_pieces
 

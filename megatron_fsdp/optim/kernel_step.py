@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from megatron_fsdp import _ops
-from megatron_fsdp.engine.buffer import Bucket
+from megatron_fsdp.engine.buckets.buffer import Bucket
 
 logger = logging.getLogger(__name__)
 

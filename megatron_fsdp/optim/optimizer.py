@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_fsdp.engine.piece_dtensor import plain_attribute_access
+from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
 from megatron_fsdp.optim.initial_state import InitialStatePlaceholders
 from megatron_fsdp.optim.kernel_step import kernel_step_for, reads_main_grads_as_they_are
 from megatron_fsdp.optim.piece_swap import PieceSwap

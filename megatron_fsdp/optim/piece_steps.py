@@ -29,7 +29,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from megatron_fsdp.engine.buffer import Bucket
+from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.optim.piece_swap import PieceSwap
 
 

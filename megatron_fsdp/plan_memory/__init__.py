@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import OffloadPolicy
 
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
-from megatron_fsdp.engine.memory_plan import (
+from megatron_fsdp.engine.planning.memory_plan import (
     OptimizerSpec,
     PlanOptions,
     RankMemory,
@@ -27,8 +27,8 @@ from megatron_fsdp.engine.memory_plan import (
     describe,
     plan_model,
 )
-from megatron_fsdp.engine.plan import check_outer_strategy, resolve_offload
-from megatron_fsdp.engine.units import resolve_unit_classes
+from megatron_fsdp.engine.planning.plan import check_outer_strategy, resolve_offload
+from megatron_fsdp.engine.step.units import resolve_unit_classes
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
 

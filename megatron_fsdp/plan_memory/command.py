@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megatron_fsdp.engine.memory_plan import OptimizerSpec, gib
+from megatron_fsdp.engine.planning.memory_plan import OptimizerSpec, gib
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.plan_memory import plan_memory
 

@@ -10,7 +10,7 @@ parameter of a tensor-parallel model is ``Replicate()`` on the tensor-parallel d
 parameters share one mesh and torch's norms count each element exactly once.
 
 A sharded piece is a contiguous range of the flattened parameter, so its local tensor is 1-D and
-its DTensor a :class:`~megatron_fsdp.engine.piece_dtensor.PieceDTensor`, which knows every rank's
+its DTensor a :class:`~megatron_fsdp.engine.params.piece_dtensor.PieceDTensor`, which knows every rank's
 range (see docs/architecture.md, "The parameter contract").
 """
 
@@ -24,8 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from megatron_fsdp.engine.mesh import DataParallelGroup
-from megatron_fsdp.engine.piece_dtensor import FlatLayout, as_parameter, piece_dtensor
+from megatron_fsdp.engine.groups.mesh import DataParallelGroup
+from megatron_fsdp.engine.params.piece_dtensor import FlatLayout, as_parameter, piece_dtensor
 
 
 @dataclass(frozen=True)

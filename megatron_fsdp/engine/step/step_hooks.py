@@ -1,4 +1,4 @@
-"""The hooks that drive a :class:`~megatron_fsdp.engine.schedule.StepScheduler` from a model's
+"""The hooks that drive a :class:`~megatron_fsdp.engine.step.schedule.StepScheduler` from a model's
 forward and backward: a forward pre-hook and hook on each unit's module, a pre-backward hook on
 each unit's outputs, and a post-accumulate-grad hook on each trainable parameter.
 
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_fsdp.engine.schedule import StepScheduler
-from megatron_fsdp.engine.units import FSDPUnit
+from megatron_fsdp.engine.step.schedule import StepScheduler
+from megatron_fsdp.engine.step.units import FSDPUnit
 
 logger = logging.getLogger(__name__)
 

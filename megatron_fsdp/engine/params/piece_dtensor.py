@@ -44,9 +44,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Placement
 
-from megatron_fsdp.engine.collectives import all_gather_shards
-from megatron_fsdp.engine.dtensor_params import contiguous_strides
-from megatron_fsdp.engine.layout import flat_offset, rectangular_chunks
+from megatron_fsdp.engine.groups.collectives import all_gather_shards
+from megatron_fsdp.engine.params.dtensor_params import contiguous_strides
+from megatron_fsdp.engine.params.layout import flat_offset, rectangular_chunks
 
 # What __torch_function__ receives when code reads ``tensor.is_meta`` (compared with ==: every
 # read of the getter is a new method-wrapper object).

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megatron_fsdp.engine.bucket_geometry import BucketGeometry
+from megatron_fsdp.engine.buckets.bucket_geometry import BucketGeometry
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
-from megatron_fsdp.engine.float8_weights import float8_gathered_weights, float8_gathers_blocked_by
-from megatron_fsdp.engine.units import ROOT_UNIT_NAME, assign_params_to_units, bucket_groups, find_unit_modules
+from megatron_fsdp.engine.buckets.float8_weights import float8_gathered_weights, float8_gathers_blocked_by
+from megatron_fsdp.engine.step.units import ROOT_UNIT_NAME, assign_params_to_units, bucket_groups, find_unit_modules
 
 # The CUDA caching allocator and the bucket pool hand out multiples of this many bytes.
 ALLOCATION_GRANULE = 512
@@ -186,7 +186,7 @@ class _BucketPlan:
     numels: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
-    # torchao Float8Linear weights gathered in float8 (engine/float8_bucket.py).
+    # torchao Float8Linear weights gathered in float8 (engine/buckets/float8_bucket.py).
     float8: bool = False
 
     @property

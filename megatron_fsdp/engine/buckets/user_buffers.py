@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.cuda.memory import CUDAPluggableAllocator
 
 from megatron_fsdp import _C, _ops
-from megatron_fsdp.engine.mesh import DataParallelGroup
+from megatron_fsdp.engine.groups.mesh import DataParallelGroup
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 if TYPE_CHECKING:
-    from megatron_fsdp.engine.sharded_params import ShardedParam
+    from megatron_fsdp.engine.params.sharded_params import ShardedParam
 
 # What upstream's reset_attribute copies from the model parameter, less ``requires_grad``: a
 # face's is fixed when the model is sharded (buckets are grouped by it).

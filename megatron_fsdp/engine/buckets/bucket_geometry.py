@@ -1,5 +1,5 @@
 """What one bucket holds on one rank, as numbers: which ranges of the bucket its persistent
-buffers cover and which of them exist at all. A :class:`~megatron_fsdp.engine.buffer.Bucket`
+buffers cover and which of them exist at all. A :class:`~megatron_fsdp.engine.buckets.buffer.Bucket`
 allocates by it, and the memory planner (memory_plan.py) counts by it, so the plan is the
 engine's own arithmetic rather than a second formula.
 """
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_fsdp.engine.config import ShardingStrategy
-from megatron_fsdp.engine.layout import BucketLayout, alignment_in_elements, build_bucket_layout
+from megatron_fsdp.engine.params.layout import BucketLayout, alignment_in_elements, build_bucket_layout
 from megatron_fsdp.mixed_precision import ResolvedDtypes
 
 

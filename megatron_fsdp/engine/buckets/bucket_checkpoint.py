@@ -1,6 +1,6 @@
 """What a bucket shows checkpoints and inspection: the flat piece of each parameter this rank
 saves and loads, the DTensor faces over those pieces, the broadcast after a load, and copies of
-the whole bucket. A mixin of :class:`megatron_fsdp.engine.buffer.Bucket`, whose attributes it reads,
+the whole bucket. A mixin of :class:`megatron_fsdp.engine.buckets.buffer.Bucket`, whose attributes it reads,
 kept apart from the buffers' life in a training step."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_fsdp.engine.collectives import all_gather_shards
-from megatron_fsdp.engine.dtensor_params import ParamExtent
-from megatron_fsdp.engine.piece_dtensor import FlatLayout
-from megatron_fsdp.engine.sharded_params import MeshCache, ShardedParam, shard_spec
+from megatron_fsdp.engine.groups.collectives import all_gather_shards
+from megatron_fsdp.engine.params.dtensor_params import ParamExtent
+from megatron_fsdp.engine.params.piece_dtensor import FlatLayout
+from megatron_fsdp.engine.params.sharded_params import MeshCache, ShardedParam, shard_spec
 
 
 class BucketCheckpointing:
-    """Checkpoint and inspection methods of a bucket (see :class:`megatron_fsdp.engine.buffer.Bucket`)."""
+    """Checkpoint and inspection methods of a bucket (see :class:`megatron_fsdp.engine.buckets.buffer.Bucket`)."""
 
     def checkpoint_source(self) -> tuple[torch.Tensor, int]:
         """What a checkpoint holds for this bucket (the main params where they exist, else the

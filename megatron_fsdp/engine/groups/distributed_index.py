@@ -1,5 +1,5 @@
 """``FSDPDistributedIndex``: upstream megatron-fsdp's record of the meshes and process groups a
-model is sharded over, as a face over :mod:`megatron_fsdp.engine.mesh`.
+model is sharded over, as a face over :mod:`megatron_fsdp.engine.groups.mesh`.
 
 Upstream code builds one and passes it to ``MegatronFSDP(module, dist_index, ...)``;
 megatron-core reads its groups and sub-meshes. The groups megatron_fsdp shards with are resolved
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from megatron_fsdp.engine.mesh import (
+from megatron_fsdp.engine.groups.mesh import (
     DataParallelGroup,
     resolve_dp_shard_group,
     resolve_expert_group,

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fsdp import _ops
-from megatron_fsdp.engine.bucket_checkpoint import BucketCheckpointing
-from megatron_fsdp.engine.collectives import (
+from megatron_fsdp.engine.buckets.bucket_checkpoint import BucketCheckpointing
+from megatron_fsdp.engine.groups.collectives import (
     all_gather_shards,
     all_reduce_sum,
     all_to_all,
@@ -27,13 +27,13 @@ from megatron_fsdp.engine.collectives import (
     wait_for,
 )
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
-from megatron_fsdp.engine.dtensor_params import local_grad, local_tensor, param_extent
-from megatron_fsdp.engine.bucket_geometry import BucketGeometry
-from megatron_fsdp.engine.layout import BucketLayout
-from megatron_fsdp.engine.mesh import DataParallelGroup
-from megatron_fsdp.engine.offload import HostBuffers, OffloadTransfers, StagedWeights
-from megatron_fsdp.engine.piece_dtensor import plain_attribute_access
-from megatron_fsdp.engine.sharded_params import ShardedParam
+from megatron_fsdp.engine.params.dtensor_params import local_grad, local_tensor, param_extent
+from megatron_fsdp.engine.buckets.bucket_geometry import BucketGeometry
+from megatron_fsdp.engine.params.layout import BucketLayout
+from megatron_fsdp.engine.groups.mesh import DataParallelGroup
+from megatron_fsdp.engine.buckets.offload import HostBuffers, OffloadTransfers, StagedWeights
+from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
+from megatron_fsdp.engine.params.sharded_params import ShardedParam
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
 

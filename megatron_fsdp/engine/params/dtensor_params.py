@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 if TYPE_CHECKING:
-    from megatron_fsdp.engine.distributed_index import FSDPDistributedIndex
+    from megatron_fsdp.engine.groups.distributed_index import FSDPDistributedIndex
 
 logger = logging.getLogger(__name__)
 
