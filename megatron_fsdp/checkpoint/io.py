@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,9 +35,7 @@ from megatron_fsdp.checkpoint.integrity import (
 from megatron_fsdp.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader, read_metadata_safely, screen_items
 from megatron_fsdp.checkpoint.state_dicts import check_keys, fqn_keyed_optimizer_state_dict
 from megatron_fsdp.checkpoint.weights_only import UnsafeCheckpointError, load_weights_only, serialize_weights_only
-
-if TYPE_CHECKING:  # the wrapper sits above this module; it is passed in
-    from megatron_fsdp.megatron_fsdp import MegatronFSDP
+from megatron_fsdp.engine.step.sharded_model import ShardedModel
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +65,7 @@ def latest_checkpoint_step(checkpoint_dir: str) -> int | None:
 
 
 def _training_state(
-    model: MegatronFSDP, optimizer: torch.optim.Optimizer | None, saved_keys: set[str] | None = None
+    model: ShardedModel, optimizer: torch.optim.Optimizer | None, saved_keys: set[str] | None = None
 ) -> dict[str, Any]:
     """What a checkpoint holds: the optimizer state keyed by FQN (as torch's state-dict helpers
     and torchtitan write it), or by position where ``saved_keys`` (a checkpoint's) show a
@@ -89,7 +87,7 @@ def _training_state(
 def save_checkpoint(
     checkpoint_dir: str,
     step: int,
-    model: MegatronFSDP,
+    model: ShardedModel,
     optimizer: torch.optim.Optimizer | None = None,
     extra_state: dict[str, Any] | None = None,
     keep_last: int | None = None,
@@ -167,7 +165,7 @@ def _prune(checkpoint_dir: str, keep_last: int) -> None:
         shutil.rmtree(_step_dir(checkpoint_dir, old), ignore_errors=True)
 
 
-def check_checkpoint_fits(path: str, model: MegatronFSDP, metadata: Metadata | None = None) -> set[str]:
+def check_checkpoint_fits(path: str, model: ShardedModel, metadata: Metadata | None = None) -> set[str]:
     """Raises naming every missing, unexpected and mis-shaped model tensor of the checkpoint at
     ``path`` (whose DCP ``metadata`` it reads, restricted, unless given) before anything is read
     into the model; returns every key the checkpoint holds."""
@@ -185,7 +183,7 @@ def check_checkpoint_fits(path: str, model: MegatronFSDP, metadata: Metadata | N
 
 def load_checkpoint(
     checkpoint_dir: str,
-    model: MegatronFSDP,
+    model: ShardedModel,
     optimizer: torch.optim.Optimizer | None = None,
     step: int | None = None,
     verify: bool = True,
@@ -273,7 +271,7 @@ def _set_aside(checkpoint_dir: str, corrupt_steps: list[int], loaded_step: int) 
         logger.warning("could not set the corrupt checkpoints of %s aside: %s", checkpoint_dir, error)
 
 
-def _load(path: str, model: MegatronFSDP, optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
+def _load(path: str, model: ShardedModel, optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
     reader = SafeFileSystemReader(path)
     metadata, extra = _read_without_running_code(path, reader)
     saved_keys = check_checkpoint_fits(path, model, metadata)
@@ -314,7 +312,7 @@ def _read_without_running_code(path: str, reader: SafeFileSystemReader) -> tuple
 
 @torch.no_grad()
 def full_state_dict(
-    model: MegatronFSDP, rank0_only: bool = True, cpu_offload: bool = True, dtype: torch.dtype | None = None
+    model: ShardedModel, rank0_only: bool = True, cpu_offload: bool = True, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """Every parameter and buffer at full size under its FQN (tied parameters under each name);
     a collective. Gathered bucket by bucket and, with ``cpu_offload``, moved to the CPU at once,
@@ -347,7 +345,7 @@ def full_state_dict(
     return result
 
 
-def export_safetensors(model: MegatronFSDP, path: str, dtype: torch.dtype | None = None) -> None:
+def export_safetensors(model: ShardedModel, path: str, dtype: torch.dtype | None = None) -> None:
     """Writes the full weights (see :func:`full_state_dict`) as one safetensors file that
     ``safetensors.torch.load_file`` and Hugging Face ``from_pretrained`` read; rank 0 writes,
     through a temporary file, so a failed export leaves no half-written file. A collective."""

@@ -6,14 +6,13 @@ them)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-if TYPE_CHECKING:  # the wrapper sits above this module; it is passed in
-    from megatron_fsdp.megatron_fsdp import MegatronFSDP
+from megatron_fsdp.engine.step.sharded_model import ShardedModel
 
 
 def gathered_state_dict(state_dict: dict[str, Any], keep: bool) -> dict[str, Any]:
@@ -36,7 +35,7 @@ def gathered_state_dict(state_dict: dict[str, Any], keep: bool) -> dict[str, Any
 
 
 def save_pretrained(
-    model: MegatronFSDP,
+    model: ShardedModel,
     save_directory: str,
     *args: Any,
     state_dict: dict[str, Any] | None = None,

@@ -14,30 +14,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from megatron_fsdp.engine.buckets.buffer import Bucket
+from megatron_fsdp.engine.buckets.faces import local_piece
 from megatron_fsdp.engine.params.dtensor_params import ParamExtent, is_expert_param
-from megatron_fsdp.engine.groups.mesh import DataParallelGroup
-from megatron_fsdp.engine.params.sharded_params import ShardSpec, sharded_dtensor
-from megatron_fsdp.engine.step.units import FSDPUnit
+from megatron_fsdp.engine.step.sharded_model import ShardedModel
 
 # The key under which nn.Module stores what its get_extra_state() returns.
 EXTRA_STATE = "_extra_state"
-
-
-class ShardedModel(Protocol):
-    """What state dicts read of a sharded model (a MegatronFSDP, which calls into this module:
-    the dependency runs one way)."""
-
-    module: nn.Module
-    units: list[FSDPUnit]
-    dp: DataParallelGroup
 
 
 def _param_names(model: ShardedModel) -> dict[nn.Parameter, list[str]]:
@@ -99,7 +87,7 @@ def load_model_state_dict(model: ShardedModel, state_dict: dict[str, Any], stric
         for param, (extent, spec, (piece, start)) in pieces.items():
             key = next((n for n in names[param] if n in state_dict), None)
             if key is not None:
-                local = _local_piece(state_dict[key], piece, start, extent, spec)
+                local = local_piece(state_dict[key], piece, start, extent, spec)
                 if local.data_ptr() != piece.data_ptr():  # else dcp.load wrote straight into the piece
                     piece.copy_(local)
         for key, value in expected.items():
@@ -120,18 +108,6 @@ def incompatible_keys(model: ShardedModel, state_dict: dict[str, Any]) -> tuple[
     ``load_state_dict`` reports them (a tied weight's other name counts as missing, as there)."""
     expected = model.module.state_dict(keep_vars=True)
     return [key for key in expected if key not in state_dict], [key for key in state_dict if key not in expected]
-
-
-def holds_this_piece(value: DTensor, spec: ShardSpec) -> bool:
-    """Whether ``value``'s local tensor is this rank's piece as ``spec`` places it (our own state
-    dict, filled by ``dcp.load``, or a copy of it). Decided from metadata alone, so every rank
-    decides alike and either none gathers the full tensor or all do."""
-    return (
-        value.device_mesh == spec.mesh
-        and tuple(value.placements) == spec.placements
-        and value.shape == spec.global_shape
-        and getattr(value, "_flat_layout", None) == spec.layout
-    )
 
 
 def check_keys(expected: dict[str, torch.Size], given: dict[str, torch.Size | None], strict: bool, what: str) -> None:
@@ -155,53 +131,6 @@ def check_keys(expected: dict[str, torch.Size], given: dict[str, torch.Size | No
         raise RuntimeError(f"the {what} does not fit this model; " + "; ".join(problems))
 
 
-@dataclass(frozen=True)
-class FaceSource:
-    """Where a face's values sit in the parameter: its piece (what the optimizer steps), where
-    the piece starts in this rank's flattened region, that region (``extent``) and the spec."""
-
-    piece: torch.Tensor
-    start: int
-    extent: ParamExtent
-    spec: ShardSpec
-
-
-def face_sources(model: ShardedModel) -> dict[nn.Parameter, FaceSource]:
-    """Each trainable parameter's DTensor face -> its :class:`FaceSource`."""
-    return {
-        sharded.param: source
-        for unit in model.units
-        for bucket in unit.trainable_buckets
-        for sharded, source in zip(bucket.faces, bucket_face_sources(bucket))
-    }
-
-
-def bucket_face_sources(bucket: Bucket) -> list[FaceSource]:
-    """The :class:`FaceSource` of each of ``bucket``'s parameters, in order."""
-    return [
-        FaceSource(piece, start, extent, sharded.spec)
-        for (piece, start), extent, sharded in zip(bucket.checkpoint_pieces(), bucket.extents, bucket.faces)
-    ]
-
-
-def to_face_layout(value: Any, source: FaceSource, what: str) -> Any:
-    """A per-element optimizer-state entry as a DTensor laid out like the face (its own storage
-    when it already is one, e.g. filled in place by ``dcp.load``); from a full tensor or a
-    DTensor of another layout (gathered on every rank: the decision reads metadata only).
-    Entries that are not per-element tensors (a step count) stay as they are."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value
-    if isinstance(value, DTensor) and holds_this_piece(value, source.spec):
-        return value
-    if tuple(value.shape) != tuple(source.spec.global_shape):
-        raise ValueError(
-            f"optimizer state {what} has shape {tuple(value.shape)}, not the parameter's {tuple(source.spec.global_shape)}: "
-            "megatron_fsdp shards elementwise optimizers, whose per-element state has the parameter's shape"
-        )
-    local = _local_piece(value, source.piece, source.start, source.extent, source.spec)
-    return sharded_dtensor(local.to(source.piece.device, copy=True), source.spec)
-
-
 def fqn_keyed_optimizer_state_dict(
     state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module
 ) -> dict[str, Any]:
@@ -216,21 +145,3 @@ def fqn_keyed_optimizer_state_dict(
         "state": {to_fqn[key]: value for key, value in state_dict["state"].items()},
         "param_groups": [{**group, "params": [to_fqn[key] for key in group["params"]]} for group in state_dict["param_groups"]],
     }
-
-
-def _local_piece(value: Any, piece: torch.Tensor, start: int, extent: ParamExtent, spec: ShardSpec) -> Any:
-    """This rank's piece of a parameter or a per-element state entry: from a DTensor holding it
-    (no communication), else from the full tensor (a DTensor of another layout is gathered, on
-    every rank); other entries (a step count) as they are."""
-    if isinstance(value, DTensor):
-        with torch.no_grad():
-            if holds_this_piece(value, spec):
-                return value.to_local().reshape(piece.shape)
-            if value.device.type != value.device_mesh.device_type:
-                # A host copy (torch's broadcast with cpu_offload=True) gathers on the mesh's
-                # device: NCCL has no CPU tensors.
-                value = value.to(value.device_mesh.device_type)
-            value = value.full_tensor()
-    if isinstance(value, torch.Tensor) and value.dim() > 0:
-        return extent.local_region(value).reshape(-1)[start : start + piece.numel()]
-    return value

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp import _ops
-from megatron_fsdp.checkpoint.state_dicts import FaceSource, bucket_face_sources, to_face_layout
+from megatron_fsdp.engine.buckets.faces import FaceSource, bucket_face_sources, to_face_layout
 from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.config import FSDPSettings
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup

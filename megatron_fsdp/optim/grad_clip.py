@@ -10,15 +10,12 @@ this is the fast path, and the one that also works when parameters live on diffe
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_fsdp import _ops
-
-if TYPE_CHECKING:  # the wrapper sits above this module; it is passed in
-    from megatron_fsdp.megatron_fsdp import MegatronFSDP
+from megatron_fsdp.engine.step.sharded_model import ShardedModel
 
 
 def _check_arguments(max_norm: float, norm_type: float) -> None:
@@ -29,7 +26,7 @@ def _check_arguments(max_norm: float, norm_type: float) -> None:
         raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or math.inf), got {norm_type!r}")
 
 
-def total_grad_norm(model: MegatronFSDP, norm_type: float = 2.0) -> torch.Tensor:
+def total_grad_norm(model: ShardedModel, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of every trainable parameter's reduced gradient, as a single process holding the
     whole model would compute it (a collective over the whole world). Each piece counts once:
     pieces that several ranks hold (no_shard, HSDP replicas, tensor-parallel replicas) are
@@ -61,7 +58,7 @@ def total_grad_norm(model: MegatronFSDP, norm_type: float = 2.0) -> torch.Tensor
 
 
 def clip_grad_norm_(
-    model: MegatronFSDP, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = True
+    model: ShardedModel, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = True
 ) -> torch.Tensor:
     """Scales every trainable parameter's reduced gradient (what ``param.grad`` shows and the
     optimizer steps with) so their total ``norm_type``-norm is at most ``max_norm``; returns the

@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
+from megatron_fsdp.engine.step.sharded_model import ShardedModel
 from megatron_fsdp.optim.initial_state import InitialStatePlaceholders
 from megatron_fsdp.optim.kernel_step import kernel_step_for, reads_main_grads_as_they_are
 from megatron_fsdp.optim.piece_swap import PieceSwap
 
-if TYPE_CHECKING:  # the wrapper sits above this module; it is passed in
-    from megatron_fsdp.megatron_fsdp import MegatronFSDP
 
-
-def _return_cached_device_memory(model: MegatronFSDP) -> None:
+def _return_cached_device_memory(model: ShardedModel) -> None:
     """Before a fresh optimizer's first step, which creates state that lives for the whole run
     (Adam: two tensors per main param), the device memory torch caches goes back to the driver,
     so that state takes blocks of its own. Otherwise it is carved out of the blocks the first
@@ -30,7 +27,7 @@ def _return_cached_device_memory(model: MegatronFSDP) -> None:
         torch.cuda.empty_cache()
 
 
-def distribute_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) -> torch.optim.Optimizer:
+def distribute_optimizer(optimizer: torch.optim.Optimizer, model: ShardedModel) -> torch.optim.Optimizer:
     """Re-points ``optimizer`` at ``model``'s DTensor faces (``model.parameters()``), in place,
     and wraps its ``step`` (finish gradient sync, step the pieces, install weights) and
     ``zero_grad`` (also release the main gradients). Hyper-parameters and param groups stay as

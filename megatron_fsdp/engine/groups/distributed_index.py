@@ -107,22 +107,6 @@ class FSDPDistributedIndex:
         #: The groups megatron_fsdp shards, reduces and gathers over (mesh.DataParallelGroup).
         self.data_parallel: DataParallelGroup = dp
 
-    @classmethod
-    def from_data_parallel_group(cls, dp: DataParallelGroup) -> FSDPDistributedIndex:
-        """The index of groups resolved elsewhere (a model sharded by ``fully_shard_model``)."""
-        index = cls.__new__(cls)
-        index.device_mesh = dp.root_mesh
-        index.dp_shard_dim = dp.dim_names[0] if len(dp.dim_names) == 1 else None
-        index.dp_outer_dim = dp.outer.dim_names[0] if dp.outer is not None and len(dp.outer.dim_names) == 1 else None
-        index.tp_dim = dp.model_parallel_dims[0] if len(dp.model_parallel_dims) == 1 else None
-        index.use_hybrid_fsdp = dp.outer is not None
-        index.hsdp_outer_dp_shard = dp.outer_shards_optimizer
-        index.expt_device_mesh = dp.expert.root_mesh if dp.expert is not None else None
-        index.hybrid_fsdp_group = index.hybrid_fsdp_expt_group = None
-        index.fsdp_group_ag = index.expt_fsdp_group_ag = None
-        index.data_parallel = dp
-        return index
-
     # -- upstream's group attributes ----------------------------------------------------------
 
     @property
