@@ -26,6 +26,7 @@ from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.buckets.float8_weights import float8_gathers_blocked_by, prepare_float8_linears
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup, resolve_dp_shard_group, resolve_outer_group
 from megatron_fsdp.engine.params.piece_dtensor import PieceDTensor, refuse_one_process_write
+from megatron_fsdp.engine.params.registered_params import Registration
 from megatron_fsdp.engine.planning.transformer_engine_refusal import refuse_transformer_engine
 from megatron_fsdp.engine.step.units import FSDPUnit
 from megatron_fsdp.fsdp2.module import MegatronFSDPModule
@@ -102,17 +103,17 @@ def shard_in_place(
     reduced gradients are divided by it on top of the group size (upstream's v2);
     ``offload_pin_memory``: offload (FSDP2's ``CPUOffloadPolicy(pin_memory)``), None: do not."""
     keyed = _managed_registrations_of(modules, ignored)
-    params = list(dict.fromkeys(param for _, _, _, param in keyed))
     name = ", ".join(type(module).__name__ for module in modules)
     _check_params(name, keyed, shard_placement_fn)
     dp = _data_parallel_group(mesh)
     if prepare_float8_linears(_weight_owners(keyed), float8_gathers_blocked_by(offload_pin_memory is not None, False)):
-        keyed = _managed_registrations_of(modules, ignored)
-        params = list(dict.fromkeys(param for _, _, _, param in keyed))
-    if params and params[0].is_meta:
+        keyed = _managed_registrations_of(modules, ignored)  # the float8 linears hold new weights
+    materialises = bool(keyed) and keyed[0].param.is_meta
+    if materialises:
         keyed = _materialise(keyed, _mesh_device(mesh))
-        params = list(dict.fromkeys(param for _, _, _, param in keyed))
-    elif mesh is not None and params:
+    first_key = _first_keys(keyed)
+    params = list(first_key)
+    if mesh is not None and params and not materialises:
         _move_to_mesh_device(modules, params, _mesh_device(mesh))
     policy, compute_dtype = (engine_policy, None) if engine_policy is not None else _mixed_precision(params, mp_policy)
     offloads = offload_pin_memory is not None
@@ -120,9 +121,6 @@ def shard_in_place(
         strategy=ShardingStrategy.OPTIM_GRADS_PARAMS, mixed_precision=policy, sync_model_each_microbatch=True,
         cpu_offload=offloads, offload_pin_memory=bool(offload_pin_memory),
     )
-    first_key = {}
-    for key, _, _, param in keyed:
-        first_key.setdefault(param, key)
     resources = shared_resources()
     device = params[0].device if params else _mesh_device(mesh)
     transfers = resources.transfers(device, bool(offload_pin_memory)) if offloads else None
@@ -133,8 +131,7 @@ def shard_in_place(
         unit.reshard_after_forward = reshard_after_forward
     for bucket in unit.trainable_buckets:
         bucket.grad_divisor *= grad_divisor
-    registrations = [(owner, name, param) for _, owner, name, param in keyed]
-    state = ModuleShardingState(modules, unit, dp, settings, mp_policy, registrations, resources)
+    state = ModuleShardingState(modules, unit, dp, settings, mp_policy, keyed, resources)
     # Eager under torch.compile, as FSDP2's own hooks are: a compiled block's call would otherwise
     # compile these hooks' frames up to the engine's (eager) step hooks, a graph break and a
     # resume frame for each, whose guards run on every call.
@@ -207,27 +204,36 @@ def check_module(module: Any) -> None:
         )
 
 
-def _managed_registrations_of(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+def _managed_registrations_of(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list[Registration]:
     return [entry for module in modules for entry in _managed_registrations(module, ignored)]
 
 
-def _weight_owners(keyed: list[tuple[str, nn.Module, str, nn.Parameter]]) -> list[tuple[str, nn.Module]]:
+def _first_keys(keyed: list[Registration]) -> dict[nn.Parameter, str]:
+    """Each parameter, in order of first registration, under its first key (a tied weight's
+    other registrations name it again)."""
+    first: dict[nn.Parameter, str] = {}
+    for registration in keyed:
+        first.setdefault(registration.param, registration.key)
+    return first
+
+
+def _weight_owners(keyed: list[Registration]) -> list[tuple[str, nn.Module]]:
     """(name, module) of each module whose ``weight`` this call shards: where torchao's
     ``Float8Linear`` weights are found (engine/buckets/float8_weights.py), not under modules sharded earlier."""
     owners = {owner: key.rpartition(".")[0] for key, owner, attribute, _ in keyed if attribute == "weight"}
     return [(name, owner) for owner, name in owners.items()]
 
 
-def _managed_registrations(module: nn.Module, ignored: set[nn.Parameter]) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
-    """(key relative to ``module``, owning module, attribute name, parameter) for every
-    registration of a parameter this call shards: those under ``module`` outside submodules
-    already sharded in place, less the ignored. A tied weight has one entry per registration."""
-    found = []
+def _managed_registrations(module: nn.Module, ignored: set[nn.Parameter]) -> list[Registration]:
+    """Every registration of a parameter this call shards: those under ``module`` outside
+    submodules already sharded in place, less the ignored. A tied weight has one entry per
+    registration."""
+    found: list[Registration] = []
 
     def walk(owner: nn.Module, prefix: str) -> None:
         for name, param in owner._parameters.items():
             if param is not None and param not in ignored:
-                found.append((prefix + name, owner, name, param))
+                found.append(Registration(prefix + name, owner, name, param))
         for child_name, child in owner._modules.items():
             if child is not None and state_of(child) is None:
                 walk(child, f"{prefix}{child_name}.")
@@ -243,7 +249,7 @@ def _is_shard_0(placement: Any, ndim: int) -> bool:
 
 def _check_params(
     name: str,
-    keyed: list[tuple[str, nn.Module, str, nn.Parameter]],
+    keyed: list[Registration],
     shard_placement_fn: Callable[[nn.Parameter], Any] | None,
 ) -> None:
     for key, owner, _, param in keyed:
@@ -296,9 +302,7 @@ def _mesh_device(mesh: DeviceMesh | None) -> torch.device:
     return torch.device(device_type, getattr(torch, device_type).current_device())
 
 
-def _materialise(
-    keyed: list[tuple[str, nn.Module, str, nn.Parameter]], device: torch.device
-) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+def _materialise(keyed: list[Registration], device: torch.device) -> list[Registration]:
     """Meta parameters replaced by parameters of uninitialised memory on ``device``, one call's
     at a time (the buckets copy them and let them go): as after FSDP2's ``to_empty``, the module's
     own init then writes the pieces. A meta tensor cannot take data in place, so each is a new
@@ -310,7 +314,7 @@ def _materialise(
             replacements[param].__dict__.update(param.__dict__)  # what marks it (a float8 weight's spec)
     for _, owner, name, param in keyed:
         owner._parameters[name] = replacements[param]
-    return [(key, owner, name, replacements[param]) for key, owner, name, param in keyed]
+    return [registration._replace(param=replacements[registration.param]) for registration in keyed]
 
 
 def _move_to_mesh_device(modules: list[nn.Module], params: list[nn.Parameter], device: torch.device) -> None:

@@ -28,7 +28,7 @@ from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.config import FSDPSettings
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup
 from megatron_fsdp.engine.buckets.offload import OffloadTransfers
-from megatron_fsdp.engine.params.registered_params import ParamSlot, RegisteredParams
+from megatron_fsdp.engine.params.registered_params import ParamSlot, RegisteredParams, Registration
 from megatron_fsdp.engine.step.schedule import StepScheduler, StepState
 from megatron_fsdp.engine.params.sharded_params import MeshCache
 from megatron_fsdp.engine.step.step_hooks import StepHooks, tensors_requiring_grad
@@ -94,12 +94,11 @@ class ModuleShardingState:
         dp: DataParallelGroup,
         settings: FSDPSettings,
         mp_policy: TorchMixedPrecisionPolicy,
-        registrations: list[tuple[nn.Module, str, nn.Parameter]],
+        registrations: list[Registration],
         resources: SharedResources,
     ) -> None:
         """``modules``: the module sharded in place, or FSDP2's group of them; ``registrations``:
-        (owning module, attribute name, parameter) for each registration of a unit parameter under
-        them (a tied weight has several)."""
+        each registration of a unit parameter under them (a tied weight has several)."""
         self.module_ref = weakref.ref(modules[0])
         self.unit = unit
         self.dp = dp
@@ -118,7 +117,7 @@ class ModuleShardingState:
         for bucket in unit.buckets:
             bucket.add_faces(meshes)
         self.faces = {p: f for b in unit.buckets for p, f in zip(b.params, b.faces)}
-        self.slots = [ParamSlot(owner, name, param, self.faces[param].param) for owner, name, param in registrations]
+        self.slots = [ParamSlot(r.owner, r.attribute, r.param, self.faces[r.param].param) for r in registrations]
         for face in self.faces.values():
             optimizer_state.track(face.param, self)
         unit.registration = RegisteredParams(self.slots)

@@ -10,8 +10,19 @@ wrapper shows the faces through its own ``named_parameters``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from torch import nn
+
+
+class Registration(NamedTuple):
+    """One registration of a parameter an in-place call shards: ``owner._parameters[attribute]``,
+    under ``key`` relative to the module sharded (a tied weight has one per module holding it)."""
+
+    key: str
+    owner: nn.Module
+    attribute: str
+    param: nn.Parameter
 
 
 @dataclass(frozen=True)
