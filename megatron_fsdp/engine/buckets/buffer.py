@@ -5,7 +5,9 @@ pooled bucket when used) and every parameter's ``.data`` is a view into it. Grad
 into a pooled un-reduced buffer, reduced once per bucket, and accumulated into the main gradient
 (sharded for strategies 1..3). Trainable buckets also hold the fp32 main parameters that the
 optimizer steps, one tensor per parameter covering this rank's piece of it; with CPU offloading
-those and the gradients the optimizer reads live on the host (offload.py).
+those and the gradients the optimizer reads live on the host (offload.py). What a bucket holds
+through a step (weights gathered or not, gradients held, reduced, shown) is named in
+bucket_state.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from megatron_fsdp import _ops
 from megatron_fsdp.engine.buckets.bucket_checkpoint import BucketCheckpointing
+from megatron_fsdp.engine.buckets.bucket_state import BucketState
 from megatron_fsdp.engine.groups.collectives import (
     all_gather_shards,
     all_reduce_sum,
@@ -87,6 +90,7 @@ class Bucket(BucketCheckpointing):
         self.dtype = compute_dtype or self.locals[0].dtype
         self.dtypes = settings.mixed_precision.resolve(self.dtype)
         self.device = self.locals[0].device
+        self.state = BucketState(f"{self.dtype} bucket of {names[0]} .. {names[-1]}", len(params))
         self.requires_grad = params[0].requires_grad
         # Offloaded: the main parameters and the gradients the optimizer reads live on the host.
         self.offloaded = transfers is not None and self.requires_grad
@@ -111,7 +115,6 @@ class Bucket(BucketCheckpointing):
         self.views: list[torch.Tensor] | None = None
         self.gathers_from_main = self.geometry.gathers_from_main
         self._gather_input: torch.Tensor | None = None
-        self._holds_gathered_weights = False  # pool memory in full_weight (sharded weights only)
         self._init_weights()
 
         self.unreduced_grad: torch.Tensor | None = None
@@ -123,12 +126,6 @@ class Bucket(BucketCheckpointing):
         self.padding_index = (
             torch.cat([torch.arange(lo, hi, device=self.device) for lo, hi in gaps]) if gaps else None
         )
-        # This backward: which parameters delivered a gradient, and which of those still hold it
-        # in their .grad (in arrival order), not yet taken into the un-reduced buffer.
-        self.grads_received = [False] * len(params)
-        self._received_count = 0
-        self._held: list[int] = []
-        self._holding = [False] * len(params)
         # One flag per parameter, set on the device when a local gradient holds NaN/Inf.
         self.nonfinite_flags = (
             torch.zeros(len(params), dtype=torch.bool, device=self.device) if settings.report_nan_in_param_grad else None
@@ -199,7 +196,6 @@ class Bucket(BucketCheckpointing):
         # Offloaded, only until they are sent to the host, which accumulates from then on.
         self.main_grad: torch.Tensor | None = None
         self.outer_grad: torch.Tensor | None = None
-        self.outer_sync_due = False
         self.optim_params: list[nn.Parameter] = []
         self.optim_ranges: list[tuple[int, int]] = []
         # What the optimizer reads: the fully reduced gradients in the main-parameter dtype (the
@@ -207,7 +203,6 @@ class Bucket(BucketCheckpointing):
         # see read_main_grads_as_they_are), shown once per change.
         self.optimizer_grads: torch.Tensor | None = None
         self.optimizer_reads_main_grads = False
-        self._grads_shown = True
         for lo, hi in self.geometry.main_pieces():
             self.optim_ranges.append((lo - self.main_start, hi - self.main_start))
             self.optim_params.append(nn.Parameter(self.main_params[lo - self.main_start : hi - self.main_start]))
@@ -225,8 +220,8 @@ class Bucket(BucketCheckpointing):
 
     def start_unshard(self, async_op: bool) -> dist.Work | None:
         """Fills the pooled bucket and launches the all-gather of the weight shards into it."""
+        self.state.gather()
         self.pool.fill(self.full_weight, self._pool_key("weights"))
-        self._holds_gathered_weights = True
         if self.host is not None:
             self.host.before_device_reads_weights()
         shard = self.weight_shard
@@ -253,12 +248,11 @@ class Bucket(BucketCheckpointing):
     def reshard(self) -> None:
         """Gives the gathered weights back (a bucket of the root unit may have done so already,
         once its gradients were in)."""
-        if not self._holds_gathered_weights:
+        if not self.state.release():
             return
         for local in self.locals:
             local.data = self._placeholder
         self.pool.release(self.full_weight)
-        self._holds_gathered_weights = False
 
     # -- gradients ----------------------------------------------------------------------------
 
@@ -276,25 +270,19 @@ class Bucket(BucketCheckpointing):
         """Parameter ``index``'s ``.grad`` holds a new gradient (torch adds a second one of the
         same backward into it); True once every parameter of the bucket has delivered one in this
         backward, the moment to :meth:`take_grads`."""
-        if not self._holding[index]:
-            self._holding[index] = True
-            self._held.append(index)
-        if self.grads_received[index]:
-            return False
-        self.grads_received[index] = True
-        self._received_count += 1
-        return self._received_count == len(self.params)
+        return self.state.note_grad(index)
 
     def take_grads(self) -> None:
         """Moves the gradients the parameters' ``.grad`` hold into the un-reduced buffer and
         releases them: a parameter's first gradient is copied in, later ones (micro-batches
         accumulated locally) added, each as one multi-tensor op for the bucket. Per parameter,
         the host's launch would cost more than the GPU's copy of a bucket."""
-        if not self._held:
+        held = self.state.held
+        if not held:
             return
         targets = _ops.param_views(self._grad_buffer(), self.offsets, self.shapes)
         grads, copy_to, copy_from, add_to, add_from = [], [], [], [], []
-        for index in self._held:
+        for index in held:
             grad = local_grad(self.params[index])
             grads.append(grad)
             if self.grads_written[index]:
@@ -309,12 +297,11 @@ class Bucket(BucketCheckpointing):
         if add_to:
             torch._foreach_add_(add_to, add_from)
         if self.nonfinite_flags is not None:
-            held = torch.tensor(self._held, device=self.device)
-            self.nonfinite_flags[held] = self.nonfinite_flags[held].logical_or(_ops.find_non_finite(grads))
-        for index in self._held:
+            rows = torch.tensor(held, device=self.device)
+            self.nonfinite_flags[rows] = self.nonfinite_flags[rows].logical_or(_ops.find_non_finite(grads))
+        for index in held:
             self.params[index].grad = None
-            self._holding[index] = False
-        self._held = []
+        self.state.forget_held()
 
     def _grad_buffer(self) -> torch.Tensor:
         """The un-reduced buffer the gradients go into, set up by the first take since the last
@@ -342,8 +329,7 @@ class Bucket(BucketCheckpointing):
         return self.geometry.reduces_in_place(self.grad_divisor)
 
     def end_backward(self) -> None:
-        self.grads_received = [False] * len(self.params)
-        self._received_count = 0
+        self.state.end_backward()
 
     def drop_unreduced_grads(self) -> None:
         """After a backward that raised: forgets the gradients not yet reduced, those the
@@ -352,8 +338,7 @@ class Bucket(BucketCheckpointing):
         with plain_attribute_access():
             for param in self.params:
                 param.grad = None
-        self._holding = [False] * len(self.params)
-        self._held = []
+        self.state.forget_held()
         if self.unreduced_grad is not None and self.unreduced_grad is not self.main_grad:
             self.pool.release(self.unreduced_grad)
         self.unreduced_grad = None
@@ -365,6 +350,8 @@ class Bucket(BucketCheckpointing):
         all-reduce (no_shard) or reduce-scatter. Lower-precision communication: an all-to-all
         of the chunks, summed in the main-gradient dtype by ``promoting_reduce``."""
         unreduced, self.unreduced_grad = self.unreduced_grad, None
+        if unreduced is None:
+            raise RuntimeError(f"{self.state.name}: a reduction was started with no gradient taken since the last one")
         for index, written in enumerate(self.grads_written):
             if not written:  # no gradient this backward: it contributes zeros
                 slot = self.layout.slots[index]
@@ -395,14 +382,10 @@ class Bucket(BucketCheckpointing):
         self.pool.release(unreduced)
         return comm
 
-    def _grads_changing(self) -> None:
-        """The reduced gradients are about to change: what the parameters show becomes stale."""
-        self._grads_shown = False
-
     def _main_grad_to_write(self) -> tuple[torch.Tensor, bool]:
         """The main gradient, and whether it is fresh: created (uninitialised) by the first
         reduction since it was released, which writes it instead of adding to zeros."""
-        self._grads_changing()
+        self.state.grads_changing()
         if self.main_grad is None:
             self.main_grad = torch.empty(self.grad_end - self.grad_start, dtype=self.dtypes.main_grads, device=self.device)
             return self.main_grad, True
@@ -445,18 +428,17 @@ class Bucket(BucketCheckpointing):
 
     def finish_reduction(self, pending: PendingReduction) -> None:
         if pending.work is not None:
-            what = (f"the gradient reduction of the {self.dtype} bucket of {self.names[0]} .. {self.names[-1]} "
-                    f"({len(self.names)} parameters)")
+            what = f"the gradient reduction of the {self.state.name} ({len(self.names)} parameters)"
             wait_for(pending.work, self.collective_timeout, what)
         pending.finish()
-        self.outer_sync_due = self.outer is not None
+        self.state.reduction_finished(self.outer is not None)
 
     def sync_outer(self) -> None:
         """HSDP: average the shard-group-reduced gradients over the outer group. Averaging
         again later is harmless: the part already averaged is equal on every outer rank."""
-        if not self.outer_sync_due:
+        if not self.state.outer_sync_due:
             return
-        self._grads_changing()
+        self.state.grads_changing()
         if self.splits_shard:
             if self.outer_grad is None:
                 self.outer_grad = torch.empty(self.main_end - self.main_start, dtype=self.dtypes.main_grads, device=self.device)
@@ -465,7 +447,7 @@ class Bucket(BucketCheckpointing):
             all_reduce_sum(self.main_grad, self.outer.group)
         if self.outer_divisor != 1:
             self.optimizer_grad_source().div_(self.outer_divisor)
-        self.outer_sync_due = False
+        self.state.outer_synced()
 
     def optimizer_grad_source(self) -> torch.Tensor | None:
         """The fully reduced gradients of the range the optimizer steps; None when no gradient
@@ -483,7 +465,7 @@ class Bucket(BucketCheckpointing):
                 for optim_param, face in zip(self.optim_params, self.faces):
                     optim_param.grad = None
                     face.show_grad(None)
-            self._grads_shown = True
+            self.state.grads_now_shown()
         else:
             for grad in self._held_grads():
                 grad.zero_()
@@ -511,7 +493,7 @@ class Bucket(BucketCheckpointing):
         source = self.optimizer_grad_source()
         # Reduced in place (a shard group of one), the main gradient is also the un-reduced
         # buffer while micro-batches accumulate without sync: not reduced yet, it stays.
-        if self.host is None or self.outer_sync_due or source is None or source is self.unreduced_grad:
+        if self.host is None or self.state.outer_sync_due or source is None or source is self.unreduced_grad:
             return
         self.host.send_grads(source)
         self.main_grad = self.outer_grad = None
@@ -524,7 +506,7 @@ class Bucket(BucketCheckpointing):
         main-parameter dtype, held from backward to zero_grad. The pieces' and faces' ``.grad``
         may then differ in dtype from the parameter (torch's ``grad_dtype = None``)."""
         self.optimizer_reads_main_grads = True
-        self._grads_shown = False
+        self.state.grads_changing()
         with plain_attribute_access():
             for optim_param, face in zip(self.optim_params, self.faces):
                 optim_param.grad_dtype = None
@@ -535,7 +517,7 @@ class Bucket(BucketCheckpointing):
         fully reduced gradients, once per change of them: a clip in between scales what the
         optimizer then reads. Without any (nothing reduced since zero_grad) they get None, and
         torch's optimizers skip them, as for any ``.grad``."""
-        if self._grads_shown:
+        if self.state.grads_shown:
             return
         if self.host is not None:
             self.offload_grads()
@@ -549,7 +531,7 @@ class Bucket(BucketCheckpointing):
                 piece = None if self.optimizer_grads is None else self.optimizer_grads[lo:hi]
                 optim_param.grad = piece
                 face.show_grad(piece)
-        self._grads_shown = True
+        self.state.grads_now_shown()
 
     def stage_main_params(self) -> StagedWeights | None:
         """Offloaded: host memory for the stepped main params in the compute dtype (``buffer``,

@@ -70,7 +70,7 @@ class Float8Bucket(Bucket):
 
     def _float8_source(self, index: int):
         def source() -> tuple[torch.Tensor, torch.Tensor]:
-            if self.strategy.shards_weights and not self._holds_gathered_weights:
+            if self.strategy.shards_weights and not self.state.gathered:
                 raise RuntimeError(f"the float8 weight {self.names[index]} was read while its unit is sharded")
             return self.float8_views[index], self.float8_scales[index]
 
@@ -81,8 +81,8 @@ class Float8Bucket(Bucket):
     def start_unshard(self, async_op: bool) -> dist.Work | None:
         """Casts the main shard to float8 with the step's scales and launches the all-gather of
         the float8 shards (as bytes: collectives.py)."""
+        self.state.gather()
         self.pool.fill(self.full_weight, self._pool_key("weights"))
-        self._holds_gathered_weights = True
         if self.float8_views is None:
             self.float8_views = self._views_of_full_weight()
         if self.dp.size == 1:
@@ -101,9 +101,8 @@ class Float8Bucket(Bucket):
             self._gather_input = None
 
     def reshard(self) -> None:
-        if self._holds_gathered_weights:
+        if self.state.release():
             self.pool.release(self.full_weight)
-            self._holds_gathered_weights = False
 
     def _pool_key(self, purpose: str) -> str:
         return f"{purpose}/{self.pool_role}:float8"

@@ -1,0 +1,100 @@
+"""The states a bucket moves through in a step, in one place, with the transitions the schedule
+(engine/step/schedule.py) makes:
+
+- Weights (strategies that shard them): ``SHARDED`` -> ``gather`` (the pooled bucket is filled
+  and the all-gather launched) -> ``GATHERED`` -> ``release`` (back to the pool) -> ``SHARDED``.
+  A root unit's bucket is released as soon as its gradients are in, and again, as a no-op, with
+  its unit. Where weights are not sharded the bucket stays ``SHARDED``: its full weights are its
+  own, never pooled.
+- Gradients, each backward: a parameter's gradient arrives in its ``.grad`` (``note_grad``:
+  held), is taken into the un-reduced buffer (``forget_held``); once every parameter delivered
+  one the bucket is complete and its reduction may start; ``end_backward`` forgets who delivered.
+- Reduced gradients: a finished reduction leaves the dp_outer average due (HSDP) until
+  ``outer_synced``; every change of them leaves what the optimizer's pieces and the faces show
+  stale until ``grads_shown``. The two are independent: gradients may be shown before the outer
+  average (upstream's ``attach_grad_to_optimizer_state`` may come first), which then changes them.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class WeightState(enum.Enum):
+    SHARDED = "sharded"  # no pooled memory: this rank's shard only (or unsharded weights of its own)
+    GATHERED = "gathered"  # the pooled bucket holds the gathered weights, or a gather in flight
+
+
+class BucketState:
+    """One bucket's state; the bucket calls one method per transition, a wrong one raises."""
+
+    def __init__(self, name: str, num_params: int) -> None:
+        self.name = name  # for errors: which bucket
+        self.weights = WeightState.SHARDED
+        # This backward: which parameters delivered a gradient, and which of those still hold it
+        # in their .grad (in arrival order), not yet taken into the un-reduced buffer.
+        self._received = [False] * num_params
+        self._received_count = 0
+        self.held: list[int] = []
+        self._holding = [False] * num_params
+        # Reduced over the shard group, not yet averaged over dp_outer (HSDP).
+        self.outer_sync_due = False
+        # Whether the optimizer's pieces and the faces show the current reduced gradients.
+        self.grads_shown = True
+
+    # -- weights ------------------------------------------------------------------------------
+
+    @property
+    def gathered(self) -> bool:
+        return self.weights is WeightState.GATHERED
+
+    def gather(self) -> None:
+        if self.gathered:
+            # A second fill would leak the first gather's pool memory.
+            raise RuntimeError(f"bucket {self.name}: gathered again without a reshard in between")
+        self.weights = WeightState.GATHERED
+
+    def release(self) -> bool:
+        """Back to SHARDED; False when it was already (nothing to give back)."""
+        was_gathered = self.gathered
+        self.weights = WeightState.SHARDED
+        return was_gathered
+
+    # -- gradients of one backward ------------------------------------------------------------
+
+    def note_grad(self, index: int) -> bool:
+        """Parameter ``index``'s ``.grad`` holds a new gradient; True once every parameter has
+        delivered one in this backward."""
+        if not self._holding[index]:
+            self._holding[index] = True
+            self.held.append(index)
+        if self._received[index]:
+            return False
+        self._received[index] = True
+        self._received_count += 1
+        return self._received_count == len(self._received)
+
+    def forget_held(self) -> None:
+        """The held gradients left the parameters' ``.grad``: taken into the un-reduced buffer,
+        or dropped after a backward that raised."""
+        for index in self.held:
+            self._holding[index] = False
+        self.held = []
+
+    def end_backward(self) -> None:
+        self._received = [False] * len(self._received)
+        self._received_count = 0
+
+    # -- reduced gradients --------------------------------------------------------------------
+
+    def reduction_finished(self, has_outer: bool) -> None:
+        self.outer_sync_due = has_outer
+
+    def outer_synced(self) -> None:
+        self.outer_sync_due = False
+
+    def grads_changing(self) -> None:
+        self.grads_shown = False
+
+    def grads_now_shown(self) -> None:
+        self.grads_shown = True
