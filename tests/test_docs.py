@@ -117,3 +117,43 @@ def test_every_path_the_docs_name_exists() -> None:
                 missing += [f"{path}:{number}: {name}" for name in REPO_PATH.findall(line)
                             if not os.path.exists(os.path.join(ROOT, name.rstrip("/")))]
     assert not missing, "paths named in the docs that are not in the tree:\n" + "\n".join(missing)
+
+
+ARCHITECTURE = os.path.join(ROOT, "docs", "architecture.md")
+# A row of the map: | `megatron_fsdp/<folder>/` or `megatron_fsdp/<module>.py`, ... | what, naming modules |
+MAP_ROW = re.compile(r"^\| (?P<where>`megatron_fsdp/[^|]+) \| (?P<what>.+) \|$")
+MODULE_NAME = re.compile(r"`([\w./]+\.py)`")
+
+
+def map_entries() -> tuple[set[str], set[str]]:
+    """The folders and modules docs/architecture.md's map names, as repository paths: a row's
+    first cell names a folder (or modules of one folder), its modules are named relative to it."""
+    with open(ARCHITECTURE) as handle:
+        section = handle.read().split("## The map", 1)[1].split("\n## ", 1)[0]
+    folders, modules = set(), set()
+    for row in filter(None, map(MAP_ROW.match, section.splitlines())):
+        where = re.findall(r"`([^`]+)`", row["where"])
+        folder = where[0] if where[0].endswith("/") else os.path.dirname(where[0]) + "/"
+        folders.add(folder)
+        for name in [w for w in where if w.endswith(".py")] + MODULE_NAME.findall(row["what"]):
+            modules.add(name if name.startswith("megatron_fsdp/") else folder + name)
+    return folders, modules
+
+
+def test_the_architecture_map_names_every_module_and_no_other() -> None:
+    folders, modules = map_entries()
+    package = os.path.join(ROOT, "megatron_fsdp")
+    present = {
+        os.path.relpath(os.path.join(where, name), ROOT)
+        for where, _, names in os.walk(package)
+        for name in names
+        if name.endswith(".py")
+    }
+    # A package's __init__.py is named by its folder's row.
+    unnamed = sorted(
+        path for path in present
+        if path not in modules and not (path.endswith("/__init__.py") and os.path.dirname(path) + "/" in folders)
+    )
+    assert not unnamed, "modules docs/architecture.md's map does not name (add each to its folder's row):\n" + "\n".join(unnamed)
+    missing = sorted(modules - present)
+    assert not missing, "modules the map names that are not in the tree:\n" + "\n".join(missing)
