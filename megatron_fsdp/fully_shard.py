@@ -12,9 +12,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import OffloadPolicy
 
-from megatron_fsdp.engine.planning.argument_types import check_argument_types
 from megatron_fsdp.engine.config import ShardingStrategy
 from megatron_fsdp.engine.groups.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.engine.planning.argument_types import check_argument_types
 from megatron_fsdp.engine.planning.plan import (
     check_strategies,
     check_timeout,

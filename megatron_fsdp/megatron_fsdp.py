@@ -15,20 +15,20 @@ from torch import nn
 from megatron_fsdp import _ops
 from megatron_fsdp.checkpoint import pretrained, state_dicts
 from megatron_fsdp.distributed_data_parallel_config import ddp_config_from_settings
-from megatron_fsdp.engine.planning.argument_types import check_argument_types
 from megatron_fsdp.engine.buckets.buffer import Bucket
-from megatron_fsdp.engine.groups.distributed_index import FSDPDistributedIndex
 from megatron_fsdp.engine.buckets.float8_weights import float8_gathers_blocked_by, prepare_float8_linears
-from megatron_fsdp.engine.planning.meta_init import materialize_unit_by_unit
 from megatron_fsdp.engine.buckets.offload import OffloadTransfers
-from megatron_fsdp.engine.planning.plan import ShardingPlan, check_upstream_options, plan_from_upstream_arguments
-from megatron_fsdp.engine.step.schedule import FAILED_BACKWARD_ADVICE, StepScheduler, StepState
-from megatron_fsdp.engine.params.sharded_params import MeshCache, ShardedParam
-from megatron_fsdp.engine.step.step_hooks import StepHooks
-from megatron_fsdp.engine.planning.transformer_engine_refusal import refuse_transformer_engine
-from megatron_fsdp.engine.step.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_to_units, find_unit_modules
-from megatron_fsdp.engine.params.upstream_param_attributes import mark_distributed_params
 from megatron_fsdp.engine.buckets.user_buffers import NCCLUserBuffers
+from megatron_fsdp.engine.groups.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.engine.params.sharded_params import MeshCache, ShardedParam
+from megatron_fsdp.engine.params.upstream_param_attributes import mark_distributed_params
+from megatron_fsdp.engine.planning.argument_types import check_argument_types
+from megatron_fsdp.engine.planning.meta_init import materialize_unit_by_unit
+from megatron_fsdp.engine.planning.plan import ShardingPlan, check_upstream_options, plan_from_upstream_arguments
+from megatron_fsdp.engine.planning.transformer_engine_refusal import refuse_transformer_engine
+from megatron_fsdp.engine.step.schedule import FAILED_BACKWARD_ADVICE, StepScheduler, StepState
+from megatron_fsdp.engine.step.step_hooks import StepHooks
+from megatron_fsdp.engine.step.units import ROOT_UNIT_NAME, FSDPUnit, assign_params_to_units, find_unit_modules
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.optim.unsharded_step_guard import guard_optimizer_steps
 from megatron_fsdp.param_and_grad_buffer import ParamAndGradBuffer

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 import megatron_fsdp
 from _dist import run_distributed
-from megatron_fsdp.optim.kernel_step import unsupported_reason
 from megatron_fsdp.engine.buckets.offload import HostBuffers
+from megatron_fsdp.optim.kernel_step import unsupported_reason
 from models import Block, make_batch, make_model, train_steps
 from parity import Setup, check_collectives, compare, compare_low_precision, reference_run, sharded_runs
 

@@ -22,8 +22,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.buckets.float8_weights import float8_gathers_blocked_by, prepare_float8_linears
+from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup, resolve_dp_shard_group, resolve_outer_group
 from megatron_fsdp.engine.params.piece_dtensor import PieceDTensor, refuse_one_process_write
 from megatron_fsdp.engine.params.registered_params import Registration

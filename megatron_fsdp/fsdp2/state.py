@@ -23,14 +23,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp import _ops
-from megatron_fsdp.engine.buckets.faces import FaceSource, bucket_face_sources, to_face_layout
 from megatron_fsdp.engine.buckets.buffer import Bucket
+from megatron_fsdp.engine.buckets.faces import FaceSource, bucket_face_sources, to_face_layout
+from megatron_fsdp.engine.buckets.offload import OffloadTransfers
 from megatron_fsdp.engine.config import FSDPSettings
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup
-from megatron_fsdp.engine.buckets.offload import OffloadTransfers
 from megatron_fsdp.engine.params.registered_params import ParamSlot, RegisteredParams, Registration
-from megatron_fsdp.engine.step.schedule import StepScheduler, StepState
 from megatron_fsdp.engine.params.sharded_params import MeshCache
+from megatron_fsdp.engine.step.schedule import StepScheduler, StepState
 from megatron_fsdp.engine.step.step_hooks import StepHooks, tensors_requiring_grad
 from megatron_fsdp.engine.step.units import FSDPUnit
 from megatron_fsdp.fsdp2 import optimizer_state

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from megatron_fsdp.engine.buckets.faces import FaceSource, bucket_face_sources, holds_this_piece, to_face_layout
 from megatron_fsdp.engine.buckets.buffer import Bucket
+from megatron_fsdp.engine.buckets.faces import FaceSource, bucket_face_sources, holds_this_piece, to_face_layout
 from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
 from megatron_fsdp.engine.params.sharded_params import ShardedParam, sharded_dtensor
 

@@ -29,12 +29,12 @@ from megatron_fsdp.engine.groups.collectives import (
     reduce_scatter_sum,
     wait_for,
 )
-from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
-from megatron_fsdp.engine.params.dtensor_params import local_grad, local_tensor, param_extent
 from megatron_fsdp.engine.buckets.bucket_geometry import BucketGeometry
-from megatron_fsdp.engine.params.layout import BucketLayout
-from megatron_fsdp.engine.groups.mesh import DataParallelGroup
 from megatron_fsdp.engine.buckets.offload import HostBuffers, OffloadTransfers, StagedWeights
+from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
+from megatron_fsdp.engine.groups.mesh import DataParallelGroup
+from megatron_fsdp.engine.params.dtensor_params import local_grad, local_tensor, param_extent
+from megatron_fsdp.engine.params.layout import BucketLayout
 from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
 from megatron_fsdp.engine.params.sharded_params import ShardedParam
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from megatron_fsdp import _ops
 from megatron_fsdp.engine.buckets.buffer import Bucket
-from megatron_fsdp.engine.groups.collectives import all_gather_shards, all_reduce_max
-from megatron_fsdp.engine.config import ShardingStrategy
 from megatron_fsdp.engine.buckets.float8_weights import float8_scales, float8_spec
+from megatron_fsdp.engine.config import ShardingStrategy
+from megatron_fsdp.engine.groups.collectives import all_gather_shards, all_reduce_max
 
 
 class Float8Bucket(Bucket):

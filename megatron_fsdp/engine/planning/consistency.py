@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_fsdp.engine.groups.collectives import all_gather_shards, wait_for
 from megatron_fsdp.engine.config import FSDPSettings
+from megatron_fsdp.engine.groups.collectives import all_gather_shards, wait_for
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup
 
 # Differences listed in the error before the rest are only counted.

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
-from megatron_fsdp.engine.planning.memory_plan import OptimizerSpec, PlanOptions, biggest, describe, gib, plan_buckets, plan_rank
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup
+from megatron_fsdp.engine.planning.memory_plan import OptimizerSpec, PlanOptions, biggest, describe, gib, plan_buckets, plan_rank
 
 logger = logging.getLogger(__name__)
 

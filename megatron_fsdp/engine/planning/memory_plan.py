@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from megatron_fsdp.engine.buckets.bucket_geometry import BucketGeometry
-from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.buckets.float8_weights import float8_gathered_weights, float8_gathers_blocked_by
+from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.step.units import ROOT_UNIT_NAME, assign_params_to_units, bucket_groups, find_unit_modules
 
 # The CUDA caching allocator and the bucket pool hand out multiples of this many bytes.

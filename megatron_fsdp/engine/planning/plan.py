@@ -21,11 +21,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
-from megatron_fsdp.engine.planning.consistency import check_same_configuration_on_all_ranks, describe_configuration
 from megatron_fsdp.engine.groups.distributed_index import FSDPDistributedIndex
-from megatron_fsdp.engine.params.dtensor_params import check_parallel_params, is_expert_param, mark_experts_by_name
-from megatron_fsdp.engine.planning.memory_check import check_device_memory
 from megatron_fsdp.engine.groups.mesh import submesh
+from megatron_fsdp.engine.params.dtensor_params import check_parallel_params, is_expert_param, mark_experts_by_name
+from megatron_fsdp.engine.planning.consistency import check_same_configuration_on_all_ranks, describe_configuration
+from megatron_fsdp.engine.planning.memory_check import check_device_memory
 from megatron_fsdp.engine.step.units import resolve_unit_classes
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 

@@ -23,8 +23,8 @@ from torch.autograd import Variable
 
 from megatron_fsdp import _ops
 from megatron_fsdp.engine.buckets.buffer import Bucket, PendingReduction
-from megatron_fsdp.engine.groups.collectives import all_gather_shards
 from megatron_fsdp.engine.config import FSDPSettings
+from megatron_fsdp.engine.groups.collectives import all_gather_shards
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup
 from megatron_fsdp.engine.step.units import FSDPUnit
 

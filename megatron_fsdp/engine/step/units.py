@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from megatron_fsdp.engine.buckets.buffer import Bucket
-from megatron_fsdp.engine.groups.collectives import wait_for
-from megatron_fsdp.engine.config import FSDPSettings
-from megatron_fsdp.engine.params.dtensor_params import is_expert_param
 from megatron_fsdp.engine.buckets.float8_bucket import Float8Bucket
 from megatron_fsdp.engine.buckets.float8_weights import float8_spec
-from megatron_fsdp.engine.groups.mesh import DataParallelGroup
 from megatron_fsdp.engine.buckets.offload import OffloadTransfers
+from megatron_fsdp.engine.config import FSDPSettings
+from megatron_fsdp.engine.groups.collectives import wait_for
+from megatron_fsdp.engine.groups.mesh import DataParallelGroup
+from megatron_fsdp.engine.params.dtensor_params import is_expert_param
 from megatron_fsdp.engine.params.registered_params import RegisteredParams
 
 logger = logging.getLogger(__name__)
