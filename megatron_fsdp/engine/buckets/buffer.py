@@ -22,6 +22,9 @@ from torch import nn
 from megatron_fsdp import _ops
 from megatron_fsdp.engine.buckets.bucket_checkpoint import BucketCheckpointing
 from megatron_fsdp.engine.buckets.bucket_state import BucketState
+from megatron_fsdp.engine.buckets.bucket_geometry import BucketGeometry
+from megatron_fsdp.engine.buckets.offload import HostBuffers, OffloadTransfers, StagedWeights
+from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.groups.collectives import (
     all_gather_shards,
     all_reduce_sum,
@@ -29,9 +32,6 @@ from megatron_fsdp.engine.groups.collectives import (
     reduce_scatter_sum,
     wait_for,
 )
-from megatron_fsdp.engine.buckets.bucket_geometry import BucketGeometry
-from megatron_fsdp.engine.buckets.offload import HostBuffers, OffloadTransfers, StagedWeights
-from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup
 from megatron_fsdp.engine.params.dtensor_params import local_grad, local_tensor, param_extent
 from megatron_fsdp.engine.params.layout import BucketLayout
