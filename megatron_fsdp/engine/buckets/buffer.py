@@ -21,8 +21,8 @@ from torch import nn
 
 from megatron_fsdp import _ops
 from megatron_fsdp.engine.buckets.bucket_checkpoint import BucketCheckpointing
-from megatron_fsdp.engine.buckets.bucket_state import BucketState
 from megatron_fsdp.engine.buckets.bucket_geometry import BucketGeometry
+from megatron_fsdp.engine.buckets.bucket_state import BucketState
 from megatron_fsdp.engine.buckets.offload import HostBuffers, OffloadTransfers, StagedWeights
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.groups.collectives import (
