@@ -133,6 +133,17 @@ class MegatronFSDPTrainer(Trainer):
         # The wrapper's parameters are named as the wrapped model's, which Trainer's rule walks.
         return super().get_decay_parameter_names(model.module if isinstance(model, MegatronFSDP) else model)
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self._sharded_model() is None:
+            super().save_model(output_dir, _internal_call)
+            return
+        # _save gathers the weights, so every rank must call it; Trainer's own save_model calls it
+        # on every rank in Transformers 5.23 but on the writing rank alone in 5.17, where the other
+        # ranks then went on to the optimizer's collectives (found over NCCL at world 2).
+        self._save(output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         sharded = self._sharded_model()
         if sharded is None:
