@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.placement_types import Partial, Placement
+from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
 
 from megatron_fsdp.engine.groups.collectives import all_gather_shards
 from megatron_fsdp.engine.params.dtensor_params import contiguous_strides
@@ -287,11 +287,18 @@ _WHOLE_EXTREMA: dict[Any, str] = {
 }
 
 
+def splits(placement: Placement) -> bool:
+    """Whether ``placement`` splits a tensor over its mesh dim: ``Shard``, or the ``_StridedShard``
+    FSDP2 puts on the data-parallel dim of a parameter tensor-parallel on the same dim (which
+    torch does not count as ``is_shard()``)."""
+    return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
 def _is_flat_sharded(value: Any) -> bool:
     return (
         isinstance(value, PieceDTensor)
         and value._flat_layout is not None
-        and any(p.is_shard() for p in value.placements[: value._flat_layout.dp_dims])
+        and any(splits(p) for p in value.placements[: value._flat_layout.dp_dims])
     )
 
 
@@ -304,7 +311,7 @@ def _whole_extremum(piece: PieceDTensor, reduce_op: str) -> DTensor:
     else:
         info = torch.finfo(local.dtype) if local.dtype.is_floating_point else torch.iinfo(local.dtype)
         value = torch.tensor(info.min if reduce_op == "max" else info.max, dtype=local.dtype, device=local.device)
-    placements = [Partial(reduce_op) if p.is_shard() else p for p in piece.placements]
+    placements = [Partial(reduce_op) if splits(p) else p for p in piece.placements]
     return DTensor.from_local(value, piece.device_mesh, placements, run_check=False)
 
 
@@ -357,7 +364,7 @@ def _copies_whole_parameter(args: tuple) -> bool:
         isinstance(source, DTensor)
         and not isinstance(source, PieceDTensor)
         and source.device_mesh == target.device_mesh
-        and all(p.is_replicate() or p.is_shard() for p in source.placements)
+        and all(p.is_replicate() or splits(p) for p in source.placements)
         and source.shape == target.shape
         and tuple(target._flat_layout.local_shape) == tuple(target.shape)
     )
@@ -397,7 +404,7 @@ def _keep_layout(func: Any, args: tuple, kwargs: dict | None, out: Any) -> Any:
         )
         if same_layout:
             return PieceDTensor.wrap(value, layout)
-        if layout is not None and any(p.is_shard() for p in value.placements[: layout.dp_dims]):
+        if layout is not None and any(splits(p) for p in value.placements[: layout.dp_dims]):
             raise NotImplementedError(
                 f"{func} on a megatron_fsdp flat-sharded DTensor (a rank holds a flat range of the "
                 "parameter, not torch.chunk rows): call .full_tensor() or .redistribute() first"
