@@ -127,3 +127,19 @@ def test_torchtitan_trainer_with_hsdp_float8_compile_full_ac_and_accumulation_ma
     )[0]  # fmt: skip
     assert len(fsdp2) == FEATURES_STEPS and fsdp2[-1][1] < fsdp2[0][1]  # it trained
     _assert_losses_close(ours, fsdp2, FLOAT8_RELATIVE_TOLERANCE * fsdp2[0][1])
+
+
+def test_torchtitan_trainer_with_tensor_parallel_matches_fsdp2(tmp_path, seeded) -> None:
+    """``--parallelism.tensor_parallel_degree 2`` at world 4 (2 data-parallel x 2 tensor-parallel):
+    torchtitan's TP plan makes the parameters DTensors on the "tp" dim, both FSDPs shard their
+    local tensors over the "fsdp" dim; fp32, so the losses agree to rounding."""
+    run_dir, from_seed = seeded
+    tensor_parallel = ("--parallelism.tensor_parallel_degree", "2")
+    fsdp2, ours = run_distributed(
+        train_runs, 4, run_dir,
+        [_args(module, str(tmp_path / name), *from_seed, *tensor_parallel)
+         for name, module in (("fsdp2", TORCH_FSDP2), ("ours", MEGATRON_FSDP))],
+        fresh_processes=True, timeout=900,
+    )[0]  # fmt: skip
+    assert len(fsdp2) == STEPS and fsdp2[-1][1] < fsdp2[0][1]  # it trained
+    _assert_losses_close(ours, fsdp2, LOSS_TOLERANCE)

@@ -229,12 +229,15 @@ class PieceDTensor(DTensor):
         if func == torch.Tensor.copy_ and _copies_whole_parameter(args):
             # A whole parameter written into a piece: an init building it replicated (torchtitan's
             # fused QKV), a state-dict cache refreshed from row-sharded values (torchtitan's
-            # checkpointer). This rank's flat range of it; a row-sharded source is gathered first.
+            # checkpointer). This rank's flat range of its tensor-parallel local region (the whole
+            # of a parameter that is not tensor parallel); a row-sharded source is gathered first.
             target, source = args[0], args[1]
+            layout = target._flat_layout
             whole = source.to_local() if all(p.is_replicate() for p in source.placements) else source.full_tensor()
-            start, length = target._flat_layout.mine(target.device_mesh)
+            region = whole[tuple(slice(o, o + size) for o, size in zip(layout.offset, layout.local_shape))]
+            start, length = layout.mine(target.device_mesh)
             with torch.no_grad():
-                target._local_tensor.copy_(whole.reshape(-1)[start : start + length])
+                target._local_tensor.copy_(region.reshape(-1)[start : start + length])
             return target
         if func in _DIM_REDUCTIONS or func is torch.linalg.matrix_norm:
             _refuse_reduction_over_dims(func, args, kwargs or {})
@@ -354,8 +357,8 @@ def _distributes_rows_in_place(frame: FrameType) -> bool:
 
 
 def _copies_whole_parameter(args: tuple) -> bool:
-    """``target.copy_(source)`` with ``target`` a flat piece of a whole (not tensor-parallel)
-    parameter and ``source`` a plain DTensor of its shape on the same mesh (replicated or
+    """``target.copy_(source)`` with ``target`` a flat piece of a parameter (tensor-parallel or
+    not) and ``source`` a plain DTensor of its global shape on the same mesh (replicated or
     row-sharded)."""
     if len(args) < 2 or not isinstance(args[0], PieceDTensor) or args[0]._flat_layout is None:
         return False
@@ -366,7 +369,6 @@ def _copies_whole_parameter(args: tuple) -> bool:
         and source.device_mesh == target.device_mesh
         and all(p.is_replicate() or splits(p) for p in source.placements)
         and source.shape == target.shape
-        and tuple(target._flat_layout.local_shape) == tuple(target.shape)
     )
 
 
