@@ -17,7 +17,8 @@ A second pair of runs, on 4 gloo ranks, turns several features on at once, throu
 config and flags only: HSDP (2 replicas of 2 shards), ``llama3_debugmodel_float8`` (torchao's
 Float8Linear, tensorwise, emulated on the CPU), per-block ``torch.compile`` (``aot_eager``), full
 activation checkpointing and two accumulated micro-batches per step (global batch twice the
-data-parallel one).
+data-parallel one). A third, on 4 gloo ranks too, turns on torchtitan's tensor and context
+parallelism (2 x 2), the parameters DTensors on the "tp" dim sharded over the "fsdp" dim.
 """
 
 from __future__ import annotations
@@ -127,3 +128,23 @@ def test_torchtitan_trainer_with_hsdp_float8_compile_full_ac_and_accumulation_ma
     )[0]  # fmt: skip
     assert len(fsdp2) == FEATURES_STEPS and fsdp2[-1][1] < fsdp2[0][1]  # it trained
     _assert_losses_close(ours, fsdp2, FLOAT8_RELATIVE_TOLERANCE * fsdp2[0][1])
+
+
+def test_torchtitan_trainer_with_tensor_and_context_parallel_matches_fsdp2(tmp_path, seeded) -> None:
+    """``--parallelism.tensor_parallel_degree 2 --parallelism.context_parallel_degree 2`` at world
+    4: torchtitan's TP plan makes the parameters DTensors on the "tp" dim, CP splits each sequence
+    over the "cp" dim, and both FSDPs shard the TP-local tensors over the "fsdp" dim (the CP ranks
+    folded in, torchtitan's dp_shard x cp); fp32, so the losses agree to rounding."""
+    run_dir, from_seed = seeded
+    tensor_parallel = (
+        "--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
+        "--training.seq_len", "256",  # CP cuts FlexAttention's blocks of 128 over its 2 ranks
+    )  # fmt: skip
+    fsdp2, ours = run_distributed(
+        train_runs, 4, run_dir,
+        [_args(module, str(tmp_path / name), *from_seed, *tensor_parallel)
+         for name, module in (("fsdp2", TORCH_FSDP2), ("ours", MEGATRON_FSDP))],
+        fresh_processes=True, timeout=900,
+    )[0]  # fmt: skip
+    assert len(fsdp2) == STEPS and fsdp2[-1][1] < fsdp2[0][1]  # it trained
+    _assert_losses_close(ours, fsdp2, LOSS_TOLERANCE)

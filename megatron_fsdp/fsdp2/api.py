@@ -11,6 +11,7 @@ collective.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from megatron_fsdp.engine.buckets.float8_weights import float8_gathers_blocked_by, prepare_float8_linears
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup, resolve_dp_shard_group, resolve_outer_group
+from megatron_fsdp.engine.params.dtensor_params import param_extent
 from megatron_fsdp.engine.params.piece_dtensor import PieceDTensor, refuse_one_process_write
 from megatron_fsdp.engine.params.registered_params import Registration
 from megatron_fsdp.engine.planning.transformer_engine_refusal import refuse_transformer_engine
@@ -104,8 +106,8 @@ def shard_in_place(
     ``offload_pin_memory``: offload (FSDP2's ``CPUOffloadPolicy(pin_memory)``), None: do not."""
     keyed = _managed_registrations_of(modules, ignored)
     name = ", ".join(type(module).__name__ for module in modules)
-    _check_params(name, keyed, shard_placement_fn)
-    dp = _data_parallel_group(mesh)
+    _check_params(name, keyed, shard_placement_fn, mesh)
+    dp = _with_tensor_parallel_mesh(_data_parallel_group(mesh), keyed)
     if prepare_float8_linears(_weight_owners(keyed), float8_gathers_blocked_by(offload_pin_memory is not None, False)):
         keyed = _managed_registrations_of(modules, ignored)  # the float8 linears hold new weights
     materialises = bool(keyed) and keyed[0].param.is_meta
@@ -251,13 +253,11 @@ def _check_params(
     name: str,
     keyed: list[Registration],
     shard_placement_fn: Callable[[nn.Parameter], Any] | None,
+    mesh: DeviceMesh | None,
 ) -> None:
     for key, owner, _, param in keyed:
         if isinstance(param, DTensor):
-            raise NotImplementedError(
-                f"{key} is a DTensor (tensor parallel, or sharded by torch's fully_shard): megatron_fsdp.fsdp2 shards "
-                "plain parameters only; for tensor parallelism use fully_shard_model(..., tp_dim=...)"
-            )
+            _check_tensor_parallel_param(key, param, mesh)
         if isinstance(owner, FSDPModule):
             raise ValueError(f"{key} belongs to a module sharded by torch's own fully_shard: use one fully_shard for the model")
         if shard_placement_fn is not None:
@@ -275,6 +275,61 @@ def _check_params(
         )
     if len(devices) > 1:
         raise ValueError(f"{name}'s parameters are spread over {sorted(map(str, devices))}: move them to one device")
+
+
+def _check_tensor_parallel_param(key: str, param: DTensor, mesh: DeviceMesh | None) -> None:
+    """A DTensor parameter (``parallelize_module``'s) is sharded as its local tensor over ``mesh``,
+    data-parallel dims of the same devices as the mesh it was tensor-parallelised on, as FSDP2
+    does; checked on metadata alone, so every rank raises alike before any collective."""
+    tp_mesh = param.device_mesh
+    tp_names = tp_mesh.mesh_dim_names or ()
+    if not isinstance(mesh, DeviceMesh) or not mesh.mesh_dim_names or not tp_names:
+        # Without a mesh it may also be a parameter torch's own fully_shard sharded (under a
+        # module sharded by torch's), which nothing on the parameter tells apart.
+        raise ValueError(
+            f"{key} is a DTensor on mesh {tp_mesh}: if it was sharded by torch's fully_shard, shard every module "
+            "with one fully_shard; if it is tensor parallel, fully_shard needs the data-parallel dims of the same "
+            f"devices as mesh=..., with named dims, to shard its local tensor over: {_TENSOR_PARALLEL_FIX}"
+        )
+    if set(tp_names) & set(mesh.mesh_dim_names):
+        raise ValueError(_not_other_dims(key, tp_names, mesh))
+    # The whole-model door's check of what its buckets can place (Shard or Replicate, each tensor dim split once).
+    param_extent(key, param)
+
+
+def _with_tensor_parallel_mesh(dp: DataParallelGroup, keyed: list[Registration]) -> DataParallelGroup:
+    """``dp`` whose faces of DTensor parameters live on the data-parallel dim and the parameters'
+    own (FSDP2's 2-D placements): the two meshes joined as FSDP2 joins them, since a client such
+    as torchtitan slices them from different meshes over the same devices."""
+    tp_meshes = {registration.param.device_mesh for registration in keyed if isinstance(registration.param, DTensor)}
+    if not tp_meshes:
+        return dp
+    if len(tp_meshes) > 1:
+        raise ValueError(
+            f"one fully_shard call holds DTensor parameters on {len(tp_meshes)} different meshes "
+            f"({', '.join(sorted(str(m.mesh_dim_names) for m in tp_meshes))}); shard the modules of each in calls of their own"
+        )
+    (tp_mesh,) = tp_meshes
+    try:
+        joined = DeviceMesh._concatenate([dp.mesh, tp_mesh])
+    except RuntimeError as error:  # from the meshes' layouts alone: every rank alike
+        key = next(r.key for r in keyed if isinstance(r.param, DTensor))
+        raise ValueError(_not_other_dims(key, tp_mesh.mesh_dim_names, dp.mesh) + f" ({error})") from error
+    return dataclasses.replace(dp, root_mesh=joined)
+
+
+_TENSOR_PARALLEL_FIX = (
+    "tensor-parallelise with parallelize_module(module, world_mesh['tp'], plan) and shard with "
+    "fully_shard(module, mesh=world_mesh['dp']), both meshes sliced from one named mesh "
+    "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))"
+)
+
+
+def _not_other_dims(key: str, tp_names: Any, mesh: DeviceMesh) -> str:
+    return (
+        f"{key} is a DTensor on mesh dims {tuple(tp_names)}, which are not other dims of the devices fully_shard's "
+        f"mesh (dims {mesh.mesh_dim_names}) spans; {_TENSOR_PARALLEL_FIX}"
+    )
 
 
 def _data_parallel_group(mesh: Any) -> DataParallelGroup:

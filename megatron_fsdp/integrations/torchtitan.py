@@ -12,10 +12,13 @@ checkpointing and per-block compile as torchtitan's does, then shards with megat
 ``fully_shard`` where torchtitan's calls torch's: one unit per transformer block, the embedding,
 the final norm and the head grouped, then the root. Everything else (meta build, ``init_weights``
 after parallelize, chunked loss, float8 Linear, DCP checkpoints, gradient accumulation, HSDP from
-``data_parallel_replicate_degree``) is torchtitan's. See docs/fsdp2.md, "torchtitan".
+``data_parallel_replicate_degree``, tensor parallelism from ``tensor_parallel_degree`` and
+context parallelism from ``context_parallel_degree``, applied before sharding as torchtitan
+applies them) is torchtitan's. See docs/fsdp2.md, "torchtitan".
 
-Tensor, context, pipeline and expert parallelism are refused with a clear error: this module
-covers data parallelism (FSDP and HSDP) only.
+Pipeline and expert parallelism are refused with a clear error, and so are tensor and context
+parallelism under an SPMD backend other than ``partial_dtensor`` (whose FSDP mesh is torchtitan's
+flattened "fsdp" dim, data-parallel shards and context-parallel ranks together).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ try:
         enable_fsdp_symm_mem,
         get_fsdp_reshard_after_forward_policy,
     )
+    from torchtitan.distributed.context_parallel import apply_cp_to_forward
     from torchtitan.models.llama3 import parallelize_llama as torchtitan_parallelize_llama
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError(
@@ -50,13 +54,17 @@ logger = logging.getLogger(__name__)
 LLAMA3_CONFIG_REGISTRY = "torchtitan.models.llama3.config_registry"
 
 
-def _refuse_unsupported(parallel_dims: Any, model: nn.Module) -> None:
+def _refuse_unsupported(parallel_dims: Any, model: nn.Module, spmd_backend: str) -> None:
     """Raises before any collective, on every rank alike (the checks read only the config)."""
+    if spmd_backend != "partial_dtensor" and (parallel_dims.tp_enabled or parallel_dims.cp_enabled):
+        raise NotImplementedError(
+            f"megatron_fsdp.integrations.torchtitan runs tensor and context parallelism under "
+            f"--parallelism.spmd_backend partial_dtensor, not {spmd_backend!r}: pass --parallelism.spmd_backend "
+            "partial_dtensor"
+        )
     unsupported = [
         name
         for name, enabled in (
-            ("tensor parallelism", parallel_dims.tp_enabled),
-            ("context parallelism", parallel_dims.cp_enabled),
             ("pipeline parallelism", parallel_dims.pp_enabled),
             ("expert parallelism", parallel_dims.ep_enabled),
         )
@@ -66,7 +74,7 @@ def _refuse_unsupported(parallel_dims: Any, model: nn.Module) -> None:
         unsupported.append("mixture-of-experts blocks")
     if unsupported:
         raise NotImplementedError(
-            f"megatron_fsdp.integrations.torchtitan shards data-parallel only; this job asks for "
+            f"megatron_fsdp.integrations.torchtitan shards with data, tensor and context parallelism; this job asks for "
             f"{', '.join(unsupported)}. Use torchtitan's own module for it."
         )
 
@@ -130,10 +138,18 @@ def parallelize_llama(
     dump_folder: str,
 ) -> nn.Module:
     """torchtitan's parallelize function for llama3 (same keywords as torchtitan's
-    ``parallelize_llama``), sharding with megatron_fsdp: activation checkpointing, then
-    per-block ``torch.compile`` when ``compile.components`` holds ``"model"``, then
-    :func:`shard_decoder`. The model may be on the meta device, as torchtitan builds it."""
-    _refuse_unsupported(parallel_dims, model)
+    ``parallelize_llama``), sharding with megatron_fsdp: context parallelism and tensor
+    parallelism as torchtitan applies them, activation checkpointing, then per-block
+    ``torch.compile`` when ``compile.components`` holds ``"model"``, then :func:`shard_decoder`.
+    The model may be on the meta device, as torchtitan builds it."""
+    _refuse_unsupported(parallel_dims, model, parallelism.spmd_backend)
+    if parallel_dims.cp_enabled:
+        attentions = [block.attention.inner_attention for block in model.layers.values()]
+        apply_cp_to_forward(attentions, parallel_dims.get_mesh("cp"))
+    if parallel_dims.tp_enabled:
+        # torchtitan's own plan: the parameters become DTensors on the "tp" dim, whose local
+        # tensors fully_shard then shards over the "fsdp" dim of the same mesh.
+        model.parallelize(parallel_dims)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:

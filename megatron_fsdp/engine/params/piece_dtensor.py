@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.placement_types import Partial, Placement
+from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
 
 from megatron_fsdp.engine.groups.collectives import all_gather_shards
 from megatron_fsdp.engine.params.dtensor_params import contiguous_strides
@@ -229,12 +229,15 @@ class PieceDTensor(DTensor):
         if func == torch.Tensor.copy_ and _copies_whole_parameter(args):
             # A whole parameter written into a piece: an init building it replicated (torchtitan's
             # fused QKV), a state-dict cache refreshed from row-sharded values (torchtitan's
-            # checkpointer). This rank's flat range of it; a row-sharded source is gathered first.
+            # checkpointer). This rank's flat range of its tensor-parallel local region (the whole
+            # of a parameter that is not tensor parallel); a row-sharded source is gathered first.
             target, source = args[0], args[1]
+            layout = target._flat_layout
             whole = source.to_local() if all(p.is_replicate() for p in source.placements) else source.full_tensor()
-            start, length = target._flat_layout.mine(target.device_mesh)
+            region = whole[tuple(slice(o, o + size) for o, size in zip(layout.offset, layout.local_shape))]
+            start, length = layout.mine(target.device_mesh)
             with torch.no_grad():
-                target._local_tensor.copy_(whole.reshape(-1)[start : start + length])
+                target._local_tensor.copy_(region.reshape(-1)[start : start + length])
             return target
         if func in _DIM_REDUCTIONS or func is torch.linalg.matrix_norm:
             _refuse_reduction_over_dims(func, args, kwargs or {})
@@ -287,11 +290,18 @@ _WHOLE_EXTREMA: dict[Any, str] = {
 }
 
 
+def splits(placement: Placement) -> bool:
+    """Whether ``placement`` splits a tensor over its mesh dim: ``Shard``, or the ``_StridedShard``
+    FSDP2 puts on the data-parallel dim of a parameter tensor-parallel on the same dim (which
+    torch does not count as ``is_shard()``)."""
+    return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
 def _is_flat_sharded(value: Any) -> bool:
     return (
         isinstance(value, PieceDTensor)
         and value._flat_layout is not None
-        and any(p.is_shard() for p in value.placements[: value._flat_layout.dp_dims])
+        and any(splits(p) for p in value.placements[: value._flat_layout.dp_dims])
     )
 
 
@@ -304,7 +314,7 @@ def _whole_extremum(piece: PieceDTensor, reduce_op: str) -> DTensor:
     else:
         info = torch.finfo(local.dtype) if local.dtype.is_floating_point else torch.iinfo(local.dtype)
         value = torch.tensor(info.min if reduce_op == "max" else info.max, dtype=local.dtype, device=local.device)
-    placements = [Partial(reduce_op) if p.is_shard() else p for p in piece.placements]
+    placements = [Partial(reduce_op) if splits(p) else p for p in piece.placements]
     return DTensor.from_local(value, piece.device_mesh, placements, run_check=False)
 
 
@@ -347,8 +357,8 @@ def _distributes_rows_in_place(frame: FrameType) -> bool:
 
 
 def _copies_whole_parameter(args: tuple) -> bool:
-    """``target.copy_(source)`` with ``target`` a flat piece of a whole (not tensor-parallel)
-    parameter and ``source`` a plain DTensor of its shape on the same mesh (replicated or
+    """``target.copy_(source)`` with ``target`` a flat piece of a parameter (tensor-parallel or
+    not) and ``source`` a plain DTensor of its global shape on the same mesh (replicated or
     row-sharded)."""
     if len(args) < 2 or not isinstance(args[0], PieceDTensor) or args[0]._flat_layout is None:
         return False
@@ -357,9 +367,8 @@ def _copies_whole_parameter(args: tuple) -> bool:
         isinstance(source, DTensor)
         and not isinstance(source, PieceDTensor)
         and source.device_mesh == target.device_mesh
-        and all(p.is_replicate() or p.is_shard() for p in source.placements)
+        and all(p.is_replicate() or splits(p) for p in source.placements)
         and source.shape == target.shape
-        and tuple(target._flat_layout.local_shape) == tuple(target.shape)
     )
 
 
@@ -397,7 +406,7 @@ def _keep_layout(func: Any, args: tuple, kwargs: dict | None, out: Any) -> Any:
         )
         if same_layout:
             return PieceDTensor.wrap(value, layout)
-        if layout is not None and any(p.is_shard() for p in value.placements[: layout.dp_dims]):
+        if layout is not None and any(splits(p) for p in value.placements[: layout.dp_dims]):
             raise NotImplementedError(
                 f"{func} on a megatron_fsdp flat-sharded DTensor (a rank holds a flat range of the "
                 "parameter, not torch.chunk rows): call .full_tensor() or .redistribute() first"

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup
 from megatron_fsdp.engine.params.piece_dtensor import FlatLayout, as_parameter, piece_dtensor
@@ -79,7 +79,7 @@ def shard_spec(
         placements.append(Shard(0))
         distinct *= dp.outer.size
     dims += dp.dim_names
-    placements.append(Shard(0) if sharded else Replicate())
+    placements.append(_data_parallel_shard(param) if sharded else Replicate())
     distinct *= dp.size if sharded else 1
     if isinstance(param, DTensor):
         dims += param.device_mesh.mesh_dim_names
@@ -95,6 +95,22 @@ def shard_spec(
     if world % distinct:
         raise RuntimeError(f"{distinct} distinct pieces of a parameter cannot spread evenly over {world} ranks")
     return ShardSpec(mesh, tuple(placements), global_shape, world // distinct, layout)
+
+
+def _data_parallel_shard(param: torch.Tensor) -> Placement:
+    """The placement on the data-parallel dim, as FSDP2 writes it: ``Shard(0)``, or where the
+    parameter is tensor-parallel on dim 0 too, ``_StridedShard(0, split_factor=tp)``, which says
+    that the TP split was made first (each TP piece is split again over the data-parallel ranks).
+    Our own piece is a flat range whatever the placement (the layout says where); the placement
+    is what DCP, redistribute and the optimizer's state-dict helpers read, and what FSDP2's
+    checkpoints carry."""
+    if not isinstance(param, DTensor):
+        return Shard(0)
+    split_factor = 1
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_shard() and placement.dim % param.dim() == 0:
+            split_factor *= param.device_mesh.size(mesh_dim)
+    return _StridedShard(0, split_factor=split_factor) if split_factor > 1 else Shard(0)
 
 
 def sharded_dtensor(piece: torch.Tensor, spec: ShardSpec) -> DTensor:
