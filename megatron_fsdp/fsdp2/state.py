@@ -28,7 +28,7 @@ from megatron_fsdp.engine.buckets.faces import FaceSource, bucket_face_sources, 
 from megatron_fsdp.engine.buckets.offload import OffloadTransfers
 from megatron_fsdp.engine.config import FSDPSettings
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup
-from megatron_fsdp.engine.params.registered_params import ParamSlot, RegisteredParams, Registration
+from megatron_fsdp.engine.params.registered_params import RegisteredParams, Registration, SwappedRegistration
 from megatron_fsdp.engine.params.sharded_params import MeshCache
 from megatron_fsdp.engine.step.schedule import StepScheduler, StepState
 from megatron_fsdp.engine.step.step_hooks import StepHooks, tensors_requiring_grad
@@ -112,12 +112,14 @@ class ModuleShardingState:
         # set_post_optim_event() on the root: waited on by the next forward before its first gather.
         self.post_optim_event: torch.Event | None = None
         # Registrations showing row-sharded copies inside a state_dict() call (state_dict_pre_hook).
-        self._shown_as_rows: list[ParamSlot] = []
+        self._shown_as_rows: list[SwappedRegistration] = []
         meshes = MeshCache()
         for bucket in unit.buckets:
             bucket.add_faces(meshes)
         self.faces = {p: f for b in unit.buckets for p, f in zip(b.params, b.faces)}
-        self.slots = [ParamSlot(r.owner, r.attribute, r.param, self.faces[r.param].param) for r in registrations]
+        self.slots = [
+            SwappedRegistration(r.owner, r.attribute, r.param, self.faces[r.param].param) for r in registrations
+        ]
         for face in self.faces.values():
             optimizer_state.track(face.param, self)
         unit.registration = RegisteredParams(self.slots)
@@ -255,7 +257,7 @@ class ModuleShardingState:
         before it copies them (after any hook of its parents rewrote them, a fused-QKV hook say);
         the module sharded in place then installs what was loaded. Saving: see
         :meth:`state_dict_pre_hook`."""
-        owners: dict[nn.Module, list[ParamSlot]] = {}
+        owners: dict[nn.Module, list[SwappedRegistration]] = {}
         for slot in self.slots:
             owners.setdefault(slot.module, []).append(slot)
         for owner, slots in owners.items():
@@ -266,7 +268,9 @@ class ModuleShardingState:
             # A partial: torch marks a post-hook with an attribute, which a bound method cannot take.
             module.register_state_dict_post_hook(functools.partial(self.state_dict_post_hook))
 
-    def _load_pre_hook(self, slots: list[ParamSlot], owner: nn.Module, state_dict: dict, prefix: str, *unused: Any) -> None:
+    def _load_pre_hook(
+        self, slots: list[SwappedRegistration], owner: nn.Module, state_dict: dict, prefix: str, *unused: Any
+    ) -> None:
         """Entries for these faces become DTensors laid out like them (their own storage when
         they already are, as after ``dcp.load``; else gathered and cut), so ``nn.Module``'s copy
         into each face writes this rank's flat piece."""

@@ -26,9 +26,10 @@ class Registration(NamedTuple):
 
 
 @dataclass(frozen=True)
-class ParamSlot:
-    """One registration of a parameter: ``module._parameters[name]`` (a tied weight has one per
-    module holding it)."""
+class SwappedRegistration:
+    """One registration of a parameter, ``module._parameters[name]`` (a tied weight has one per
+    module holding it), with the two parameters it is swapped between: the compute parameter
+    and the DTensor face."""
 
     module: nn.Module
     name: str
@@ -40,7 +41,7 @@ class RegisteredParams:
     """Swaps a unit's registrations between faces and compute parameters, as the unit reshards
     and unshards (the way FSDP2 registers its sharded and unsharded parameters)."""
 
-    def __init__(self, slots: list[ParamSlot]) -> None:
+    def __init__(self, slots: list[SwappedRegistration]) -> None:
         self.slots = slots
 
     def show_sharded(self) -> None:
