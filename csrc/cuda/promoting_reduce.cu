@@ -1,6 +1,6 @@
 // Sums [world, n] chunks in fp32 (fp64 when the chunks or the output are fp64) and writes or
-// accumulates the scaled result into an output of another dtype. Memory-bound, so loads are 16-byte vectors when the
-// layout allows it.
+// accumulates the scaled result into an output of another dtype. Memory-bound, so loads are
+// 16-byte vectors when the layout allows it.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
