@@ -43,9 +43,9 @@ class BucketCheckpointing:
         source, _ = self.checkpoint_source()
         sharded = source.numel() != self.layout.padded_numel
         self.faces = []
-        for index, (param, extent, (piece, _)) in enumerate(zip(self.params, self.extents, self.checkpoint_pieces())):
+        for index, (extent, (piece, _)) in enumerate(zip(self.extents, self.checkpoint_pieces())):
             layout = self._flat_layout(index, extent) if sharded else None
-            spec = shard_spec(param, extent.global_shape, self.dp, layout, self.device.type, meshes)
+            spec = shard_spec(extent, self.dp, layout, self.device.type, meshes)
             self.faces.append(ShardedParam(piece, spec, self.requires_grad))
 
     def _flat_layout(self, index: int, extent: ParamExtent) -> FlatLayout:

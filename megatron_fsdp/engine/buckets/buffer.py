@@ -75,9 +75,11 @@ class Bucket(BucketCheckpointing):
         self.pool_role = pool_role
         self.params = params
         # What the buffers hold of each parameter: the parameter itself, or a DTensor's local
-        # tensor, whose global place ``extents`` record (for checkpoints).
+        # tensor, whose global place ``extents`` record (for checkpoints; also Megatron-Core's
+        # plain tensor-parallel blocks).
         self.locals = [local_tensor(p) for p in params]
-        self.extents = [param_extent(n, p) for n, p in zip(names, params)]
+        tensor_parallel_mesh = dp.model_parallel_mesh()
+        self.extents = [param_extent(n, p, tensor_parallel_mesh) for n, p in zip(names, params)]
         self.dp = dp
         # Reduced gradients are divided by this: the data-parallel size, or for expert buckets
         # (reduced over the smaller expert-data-parallel group) the dense one; 1 (a sum) for a

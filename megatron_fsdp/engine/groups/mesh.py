@@ -40,6 +40,12 @@ class DataParallelGroup:
         """Ranks that see different data: this group times the outer one."""
         return self.size * (self.outer.size if self.outer is not None else 1)
 
+    def model_parallel_mesh(self) -> DeviceMesh | None:
+        """The mesh of ``model_parallel_dims`` (None without them)."""
+        if not self.model_parallel_dims or self.root_mesh is None:
+            return None
+        return self.root_mesh[self.model_parallel_dims]
+
     def device_mesh(self, device_type: str) -> DeviceMesh:
         """A 1-D DeviceMesh over this group (what state-dict DTensors are placed on)."""
         return self.mesh if self.mesh is not None else DeviceMesh.from_group(self.group, device_type)

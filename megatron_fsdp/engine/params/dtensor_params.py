@@ -90,11 +90,14 @@ def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def param_extent(name: str, param: torch.Tensor) -> ParamExtent:
+def param_extent(name: str, param: torch.Tensor, tensor_parallel_mesh: DeviceMesh | None = None) -> ParamExtent:
     """The extent of ``param`` on this rank. DTensor placements must be Shard/Replicate, each
     tensor dim sharded over at most one mesh dim (what Colwise/Rowwise plans and expert
-    sharding make)."""
+    sharding make). A plain parameter that Megatron-Core marks as split across
+    ``tensor_parallel_mesh`` (of more than one rank) is this rank's block of the global one."""
     if not isinstance(param, DTensor):
+        if tensor_parallel_mesh is not None and tensor_parallel_mesh.size() > 1 and is_mcore_tensor_model_parallel(param):
+            return _mcore_tensor_parallel_extent(param, tensor_parallel_mesh)
         return ParamExtent(param.shape, param.shape, (0,) * param.dim())
     mesh, placements = param.device_mesh, tuple(param.placements)
     offset = [0] * param.dim()
@@ -121,6 +124,16 @@ def param_extent(name: str, param: torch.Tensor) -> ParamExtent:
             f"{tuple(expected)} of {tuple(param.shape)} over {placements}; megatron_fsdp cannot place it in checkpoints"
         )
     return extent
+
+
+def _mcore_tensor_parallel_extent(param: torch.Tensor, mesh: DeviceMesh) -> ParamExtent:
+    """Megatron-Core splits a tensor-parallel weight into equal blocks along ``partition_dim``,
+    tensor-parallel rank r holding block r: as ``Shard(partition_dim)`` over the mesh."""
+    dim = get_mcore_tensor_parallel_partition_dim(param)
+    global_shape, offset = list(param.shape), [0] * param.dim()
+    global_shape[dim] *= mesh.size()
+    offset[dim] = param.shape[dim] * mesh.get_local_rank()
+    return ParamExtent(torch.Size(global_shape), param.shape, tuple(offset), mesh, (Shard(dim),))
 
 
 def check_parallel_params(module: nn.Module, tp_mesh: DeviceMesh | None, expert_mesh_given: bool) -> None:

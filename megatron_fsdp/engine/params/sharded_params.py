@@ -5,9 +5,10 @@ the reduced gradients (a view too).
 
 The mesh holds every dim the parameter is distributed over: the data-parallel dims (``Shard(0)``
 where the main weights are sharded, ``Replicate()`` where every rank holds them whole), then the
-tensor- or expert-parallel dims of a DTensor parameter with its own placements. A plain
-parameter of a tensor-parallel model is ``Replicate()`` on the tensor-parallel dims, so all dense
-parameters share one mesh and torch's norms count each element exactly once.
+tensor- or expert-parallel dims of a DTensor parameter with its own placements (of a plain
+parameter Megatron-Core splits across tensor-parallel ranks: ``Shard(partition_dim)``). Any other
+plain parameter of a tensor-parallel model is ``Replicate()`` on the tensor-parallel dims, so all
+dense parameters share one mesh and torch's norms count each element exactly once.
 
 A sharded piece is a contiguous range of the flattened parameter, so its local tensor is 1-D and
 its DTensor a :class:`~megatron_fsdp.engine.params.piece_dtensor.PieceDTensor`, which knows every rank's
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup
+from megatron_fsdp.engine.params.dtensor_params import ParamExtent
 from megatron_fsdp.engine.params.piece_dtensor import FlatLayout, as_parameter, piece_dtensor
 
 
@@ -58,15 +60,14 @@ class MeshCache:
 
 
 def shard_spec(
-    param: torch.Tensor,
-    global_shape: torch.Size,
+    extent: ParamExtent,
     dp: DataParallelGroup,
     layout: FlatLayout | None,
     device_type: str,
     meshes: MeshCache,
 ) -> ShardSpec:
-    """The spec of ``param``'s piece (of a parameter of ``global_shape``; a sharded parameter's
-    own shape is empty) in a bucket reduced over ``dp``: ``layout`` says where every rank's piece
+    """The spec of the piece of a parameter of ``extent`` (its place among the tensor- or
+    expert-parallel ranks) in a bucket reduced over ``dp``: ``layout`` says where every rank's piece
     lies when the pieces are shards (``layout.dp_dims == 2``: HFSDP splits each shard again over
     the outer group), None when every rank holds the whole bucket."""
     sharded = layout is not None
@@ -79,14 +80,14 @@ def shard_spec(
         placements.append(Shard(0))
         distinct *= dp.outer.size
     dims += dp.dim_names
-    placements.append(_data_parallel_shard(param) if sharded else Replicate())
+    placements.append(_data_parallel_shard(extent) if sharded else Replicate())
     distinct *= dp.size if sharded else 1
-    if isinstance(param, DTensor):
-        dims += param.device_mesh.mesh_dim_names
-        placements += param.placements
-        for mesh_dim, placement in enumerate(param.placements):
+    if extent.is_distributed:
+        dims += extent.mesh.mesh_dim_names
+        placements += extent.placements
+        for mesh_dim, placement in enumerate(extent.placements):
             if placement.is_shard():
-                distinct *= param.device_mesh.size(mesh_dim)
+                distinct *= extent.mesh.size(mesh_dim)
     else:
         dims += dp.model_parallel_dims
         placements += [Replicate()] * len(dp.model_parallel_dims)
@@ -94,22 +95,22 @@ def shard_spec(
     world = dist.get_world_size()
     if world % distinct:
         raise RuntimeError(f"{distinct} distinct pieces of a parameter cannot spread evenly over {world} ranks")
-    return ShardSpec(mesh, tuple(placements), global_shape, world // distinct, layout)
+    return ShardSpec(mesh, tuple(placements), extent.global_shape, world // distinct, layout)
 
 
-def _data_parallel_shard(param: torch.Tensor) -> Placement:
+def _data_parallel_shard(extent: ParamExtent) -> Placement:
     """The placement on the data-parallel dim, as FSDP2 writes it: ``Shard(0)``, or where the
     parameter is tensor-parallel on dim 0 too, ``_StridedShard(0, split_factor=tp)``, which says
     that the TP split was made first (each TP piece is split again over the data-parallel ranks).
     Our own piece is a flat range whatever the placement (the layout says where); the placement
     is what DCP, redistribute and the optimizer's state-dict helpers read, and what FSDP2's
     checkpoints carry."""
-    if not isinstance(param, DTensor):
+    if not extent.is_distributed:
         return Shard(0)
     split_factor = 1
-    for mesh_dim, placement in enumerate(param.placements):
-        if placement.is_shard() and placement.dim % param.dim() == 0:
-            split_factor *= param.device_mesh.size(mesh_dim)
+    for mesh_dim, placement in enumerate(extent.placements):
+        if placement.is_shard() and placement.dim % len(extent.global_shape) == 0:
+            split_factor *= extent.mesh.size(mesh_dim)
     return _StridedShard(0, split_factor=split_factor) if split_factor > 1 else Shard(0)
 
 

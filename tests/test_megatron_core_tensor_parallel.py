@@ -1,0 +1,326 @@
+"""megatron-core's tensor parallelism on megatron_fsdp, without megatron-core (CI has no Python
+3.12): a model built as megatron-core's tensor-parallel layers build theirs (plain per-rank
+blocks marked ``tensor_model_parallel`` / ``partition_dim``, the vocabulary and the MLP's first
+layer split by rows, its second by columns, norms and biases after a reduction duplicated),
+wrapped by :class:`MegatronCoreFSDP` over megatron-core's mesh ``(dp_cp, tp)`` and driven as
+megatron-core drives it (``finish_grad_sync``, its clip on local gradients with tensor-parallel
+duplicates left out, the fsdp_dtensor checkpoint through DCP). Compared with one process
+training the unsplit model on the same data. tests/gpu/test_megatron_lm_pretrain.py runs
+Megatron-LM's ``pretrain_gpt.py`` with ``--tensor-model-parallel-size 2`` itself.
+
+Tolerances: fp32 throughout. The sharded run sums the same products in another order (TP
+all-reduces, DP reduce-scatters), so losses and norms agree to fp32 rounding (1e-5 relative);
+Adam's update is about lr = 1e-2 an element whatever the gradient's size, so a rounding in a
+near-zero gradient can move a parameter by a small fraction of that (1e-5 absolute). A resumed
+run repeats the saved run's own arithmetic: bit-equal at the same sizes, and within 1e-6
+relative when resharded to other tensor- and data-parallel sizes (the reductions regroup).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+
+from _dist import run_distributed
+
+import megatron_fsdp
+from megatron_fsdp import uneven_dtensor
+from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
+from megatron_fsdp.integrations.piece_steps import install_piece_steps
+
+VOCAB, HIDDEN, FFN, SEQ, ROWS = 38, 20, 52, 9, 4
+STEPS, SAVED_AT = 5, 3
+
+
+# -- megatron-core's tensor-parallel regions, over a tensor-parallel group --------------------
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Forward: the same input on every tensor-parallel rank; backward: the sum of their grads."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group, ctx.width = group, x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        start = dist.get_rank(ctx.group) * ctx.width
+        return grad[..., start : start + ctx.width].contiguous(), None
+
+
+def _split(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
+    """megatron-core's marks on a weight its tensor-parallel ranks hold a block of."""
+    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, partition_dim, 1
+    return param
+
+
+class TensorParallelMLPBlock(nn.Module):
+    """LayerNorm, a column-parallel layer (rows of the weight and bias split), GELU, a
+    row-parallel layer (columns split; its bias added after the reduction, duplicated)."""
+
+    def __init__(self, tp: int, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.group = group
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.fc1_weight = _split(nn.Parameter(torch.empty(FFN // tp, HIDDEN)), 0)
+        self.fc1_bias = _split(nn.Parameter(torch.empty(FFN // tp)), 0)
+        self.fc2_weight = _split(nn.Parameter(torch.empty(HIDDEN, FFN // tp)), 1)
+        self.fc2_bias = nn.Parameter(torch.empty(HIDDEN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        if self.group is not None:
+            h = _CopyToTensorParallel.apply(h, self.group)
+        partial = F.linear(F.gelu(F.linear(h, self.fc1_weight, self.fc1_bias)), self.fc2_weight)
+        if self.group is not None:
+            partial = _ReduceFromTensorParallel.apply(partial, self.group)
+        return x + partial + self.fc2_bias
+
+
+class TensorParallelGPT(nn.Module):
+    """A vocabulary-parallel embedding and output layer around tensor-parallel MLP blocks; with
+    ``tp == 1`` (no group) the plain model that the one-process reference trains."""
+
+    def __init__(self, tp: int = 1, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.tp, self.group = tp, group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.embedding = _split(nn.Parameter(torch.empty(VOCAB // tp, HIDDEN)), 0)
+        self.position = nn.Parameter(torch.empty(SEQ, HIDDEN))
+        self.blocks = nn.ModuleList(TensorParallelMLPBlock(tp, group) for _ in range(2))
+        self.final_norm = nn.LayerNorm(HIDDEN)
+        self.output = _split(nn.Parameter(torch.empty(VOCAB // tp, HIDDEN)), 0)
+        self.load_blocks_of(full_initial_weights())
+
+    def load_blocks_of(self, full: dict[str, torch.Tensor]) -> None:
+        """Each parameter gets its tensor-parallel rank's block of the full tensor."""
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                value = full[name]
+                if getattr(param, "tensor_model_parallel", False):
+                    value = value.chunk(self.tp, dim=param.partition_dim)[self.rank]
+                param.copy_(value)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        rows = VOCAB // self.tp
+        local = tokens - self.rank * rows
+        outside = (local < 0) | (local >= rows)
+        x = F.embedding(local.clamp(0, rows - 1), self.embedding).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.group is not None:
+            x = _ReduceFromTensorParallel.apply(x, self.group)
+        x = x + self.position[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        h = self.final_norm(x)
+        if self.group is not None:
+            h = _CopyToTensorParallel.apply(h, self.group)
+        logits = F.linear(h, self.output)
+        if self.group is not None:
+            logits = _GatherLastDim.apply(logits, self.group)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def full_initial_weights() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    shapes = {name: param.shape for name, param in _plain_shapes().items()}
+    return {name: torch.randn(shape, generator=generator) * 0.2 for name, shape in shapes.items()}
+
+
+def _plain_shapes() -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        model = nn.Module()
+        model.embedding = nn.Parameter(torch.empty(VOCAB, HIDDEN))
+        model.position = nn.Parameter(torch.empty(SEQ, HIDDEN))
+        model.blocks = nn.ModuleList()
+        for _ in range(2):
+            block = nn.Module()
+            block.norm = nn.LayerNorm(HIDDEN)
+            block.fc1_weight = nn.Parameter(torch.empty(FFN, HIDDEN))
+            block.fc1_bias = nn.Parameter(torch.empty(FFN))
+            block.fc2_weight = nn.Parameter(torch.empty(HIDDEN, FFN))
+            block.fc2_bias = nn.Parameter(torch.empty(HIDDEN))
+            model.blocks.append(block)
+        model.final_norm = nn.LayerNorm(HIDDEN)
+        model.output = nn.Parameter(torch.empty(VOCAB, HIDDEN))
+    return dict(model.named_parameters())
+
+
+def make_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=generator)
+    return data[:, :-1], data[:, 1:]
+
+
+# -- megatron-core's flow ---------------------------------------------------------------------
+
+
+class _Adapter(nn.Module):
+    """Stands for megatron-core's FullyShardedDataParallel over a ``(dp_cp, tp)`` mesh."""
+
+    def __init__(self, dp: int, tp: int) -> None:
+        super().__init__()
+        mesh = dist.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_cp", "tp"))
+        self.tp_group = mesh["tp"].get_group()
+        self.dp_rank = mesh.get_local_rank("dp_cp")
+        self.dp = dp
+        index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp_cp", tp_dim="tp")
+        config = megatron_fsdp.DistributedDataParallelConfig(
+            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, overlap_param_gather=True
+        )
+        model = TensorParallelGPT(tp, self.tp_group if tp > 1 else None)
+        self.module = MegatronCoreFSDP(model, index, config, fsdp_unit_modules=[TensorParallelMLPBlock])
+
+
+def _optimizer(adapter: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(adapter.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _clip(adapter: _Adapter, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+    """megatron-core's clip for Megatron-FSDP: local gradients, each tensor-parallel block once
+    and each duplicated parameter from tensor-parallel rank 0 only, one all-reduce of the squares."""
+    first_tp_rank = dist.get_rank(adapter.tp_group) == 0
+    grads = [
+        p.grad._local_tensor
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or first_tp_rank)
+    ]
+    total = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+    dist.all_reduce(total)
+    norm = total.sqrt().item()
+    coefficient = max_norm / (norm + 1e-6)
+    if coefficient < 1:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad._local_tensor.mul_(coefficient)
+    return norm
+
+
+def _train_step(adapter: _Adapter, optimizer: torch.optim.Optimizer, step: int) -> tuple[float, float]:
+    tokens, targets = make_batch(step)
+    rows = slice(adapter.dp_rank * ROWS // adapter.dp, (adapter.dp_rank + 1) * ROWS // adapter.dp)
+    loss = adapter.module(tokens[rows], targets[rows])
+    loss.backward()
+    adapter.module.finish_grad_sync()
+    norm = _clip(adapter, optimizer, 0.5)
+    optimizer.step()
+    adapter.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
+    adapter.module.zero_grad_buffer()
+    total = loss.detach().clone()
+    dist.all_reduce(total)  # every tensor-parallel rank holds the same loss
+    return total.item() / dist.get_world_size(), norm
+
+
+def _checkpoint_state(adapter: _Adapter, optimizer: torch.optim.Optimizer) -> dict:
+    names = {p: n for n, p in adapter.named_parameters()}
+    state = {"model": adapter.module.state_dict(), "optimizer": {"state": {names[p]: s for p, s in optimizer.state.items()}}}
+    return uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(state)
+
+
+def _resume(dp: int, tp: int, checkpoint_dir: str) -> list[tuple[float, float]]:
+    """Fresh objects loading the checkpoint as megatron-core does (a zero-gradient step first
+    materialises the optimizer state), then the steps after the save."""
+    adapter = _Adapter(dp, tp)
+    optimizer = _optimizer(adapter)
+    for p in adapter.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad()
+    target = _checkpoint_state(adapter, optimizer)
+    dcp.load(target, checkpoint_id=checkpoint_dir)
+    adapter.module.load_state_dict({"module." + k: v for k, v in target["model"].items()})
+    return [_train_step(adapter, optimizer, step) for step in range(SAVED_AT, STEPS)]
+
+
+def _flow(rank: int, world_size: int, checkpoint_dir: str) -> dict:
+    handles = install_piece_steps()  # what install() puts: the optimizer steps the plain pieces
+    try:
+        adapter = _Adapter(2, 2)
+        optimizer = _optimizer(adapter)
+        history = [_train_step(adapter, optimizer, step) for step in range(SAVED_AT)]
+        dcp.save(_checkpoint_state(adapter, optimizer), checkpoint_id=checkpoint_dir)
+        history += [_train_step(adapter, optimizer, step) for step in range(SAVED_AT, STEPS)]
+        state = adapter.module.state_dict()
+        full = {k.removeprefix("module."): v.full_tensor() for k, v in state.items()}
+        placements = {k.removeprefix("module."): tuple(v.placements) for k, v in state.items()}
+        return {
+            "history": history,
+            "full": full,
+            "placements": placements,
+            "same_sizes": _resume(2, 2, checkpoint_dir),
+            "dp4": _resume(4, 1, checkpoint_dir),
+        }
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _reference() -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+    model = TensorParallelGPT()
+    optimizer = _optimizer(model)
+    history = []
+    for step in range(STEPS):
+        tokens, targets = make_batch(step)
+        loss = model(tokens, targets)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
+        optimizer.step()
+        optimizer.zero_grad()
+        history.append((loss.item(), norm))
+    return history, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_tensor_parallel_blocks_train_checkpoint_and_reshard_like_one_process(tmp_path):
+    results = run_distributed(_flow, 4, str(tmp_path / "ckpt"))
+    reference, reference_params = _reference()
+    ours = results[0]
+    assert all(r["history"] == ours["history"] for r in results), "ranks disagree on the loss or the norm"
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours["history"], reference)):
+        assert math.isclose(loss, ref_loss, rel_tol=1e-5), f"step {step}: loss {loss} vs one process {ref_loss}"
+        assert math.isclose(norm, ref_norm, rel_tol=1e-5), f"step {step}: grad norm {norm} vs one process {ref_norm}"
+    # Checkpoints and state dicts hold the global tensors, split as megatron-core splits them.
+    assert ours["full"].keys() == reference_params.keys()
+    for name, expected in reference_params.items():
+        torch.testing.assert_close(ours["full"][name], expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert ours["placements"]["blocks.0.fc1_weight"][-1] == torch.distributed.tensor.Shard(0)
+    assert ours["placements"]["blocks.0.fc2_weight"][-1] == torch.distributed.tensor.Shard(1)
+    assert ours["placements"]["blocks.0.fc2_bias"][-1] == torch.distributed.tensor.Replicate()
+    continued = ours["history"][SAVED_AT:]
+    assert ours["same_sizes"] == continued, f"resumed {ours['same_sizes']} vs continued {continued}"
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours["dp4"], continued), start=SAVED_AT):
+        assert math.isclose(loss, ref_loss, rel_tol=1e-6), f"step {step} at TP1 x DP4: loss {loss} vs {ref_loss}"
+        assert math.isclose(norm, ref_norm, rel_tol=1e-6), f"step {step} at TP1 x DP4: norm {norm} vs {ref_norm}"
