@@ -49,7 +49,7 @@ def _run_once(rank: int, world_size: int, port: int, backend: str, fn: Callable,
         # Where a hanging rank waits: its stack goes to stderr after that many seconds.
         faulthandler.dump_traceback_later(float(os.environ["TEST_RANK_TRACEBACK_AFTER"]), exit=True)
     try:
-        if backend == "nccl":
+        if "nccl" in backend:  # "nccl", or per device type as "cpu:gloo,cuda:nccl"
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         # Plain pickle copies tensors into the message; torch's queue pickling would share memory

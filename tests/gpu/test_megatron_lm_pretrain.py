@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -94,8 +95,10 @@ def dataset_makefile() -> None:
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.E+-]+) \|")
 
 
-def run_pretrain_gpt(package: str, flags: list[str], tmp_path: Path, name: str) -> subprocess.CompletedProcess:
-    """One torchrun of Megatron-LM's pretrain_gpt.py on `package`; its log is kept in `tmp_path`."""
+def run_pretrain_gpt(package: str, flags: list[str], tmp_path: Path, name: str, timeout: float = 420) -> subprocess.CompletedProcess:
+    """One torchrun of Megatron-LM's pretrain_gpt.py on `package`. Its log goes to `tmp_path` as
+    it runs, so a run that hangs leaves what it printed; past `timeout` seconds the whole
+    process group (torchrun and its workers) is killed and the return code is None."""
     script = str(Path(MEGATRON_LM_DIR, "pretrain_gpt.py"))
     entry = [script] if package == "bundled" else ["-m", "megatron_fsdp.integrations.launch", script]
     env = {
@@ -108,17 +111,25 @@ def run_pretrain_gpt(package: str, flags: list[str], tmp_path: Path, name: str) 
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torch.cuda.device_count()}",
         *entry, *flags,
     ]
-    result = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=420)
-    (tmp_path / f"{name}-{package}.log").write_text(result.stdout + result.stderr)
-    return result
+    log_path = tmp_path / f"{name}-{package}.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            returncode = None
+    return subprocess.CompletedProcess(command, returncode, stdout=log_path.read_text(), stderr="")
 
 
-def pretrain(package: str, flags: list[str], tmp_path: Path, name: str) -> dict[int, tuple[float, float]]:
+def pretrain(package: str, flags: list[str], tmp_path: Path, name: str, timeout: float = 420) -> dict[int, tuple[float, float]]:
     """Iteration -> (lm loss, grad norm) from Megatron-LM's log of one torchrun of pretrain_gpt.py."""
-    result = run_pretrain_gpt(package, flags, tmp_path, name)
+    result = run_pretrain_gpt(package, flags, tmp_path, name, timeout)
     log = result.stdout + result.stderr
     if result.returncode != 0:
-        pytest.fail(f"{package} pretrain_gpt.py {name} failed (exit {result.returncode}):\n{log[-8000:]}")
+        ending = "timed out" if result.returncode is None else f"failed (exit {result.returncode})"
+        pytest.fail(f"{package} pretrain_gpt.py {name} {ending}:\n{log[-8000:]}")
     rows = {int(i): (float(loss), float(norm)) for i, loss, norm in LINE.findall(log)}
     assert rows, f"{package} {name}: no iteration lines in the log:\n{log[-4000:]}"
     return rows
@@ -257,7 +268,7 @@ def test_tensor_parallel_fsdp_dtensor_checkpoints_cross_load_with_the_bundled_co
         workdir.mkdir()
         checkpoints = str(workdir / "checkpoints")
         pretrain(package, [*train, "--save", checkpoints, "--save-interval", str(half), "--exit-interval", str(half)],
-                 workdir, "first-half")
+                 workdir, "first-half", timeout=150)
         return checkpoints
 
     saved = on_both_packages(save)
@@ -266,7 +277,7 @@ def test_tensor_parallel_fsdp_dtensor_checkpoints_cross_load_with_the_bundled_co
         def resume(package: str) -> dict[int, tuple[float, float]]:
             workdir = tmp_path / f"{package}-from-{writer}"
             workdir.mkdir()
-            return pretrain(package, [*train, "--load", saved[writer]], workdir, f"resumed-from-{writer}")
+            return pretrain(package, [*train, "--load", saved[writer]], workdir, f"resumed-from-{writer}", timeout=150)
         return resume
 
     from_bundled, from_ours = on_both_packages(resume_from("bundled")), on_both_packages(resume_from("ours"))

@@ -21,6 +21,13 @@ WORLD = nccl_world()
 # bf16 trajectory (SGD with lr 0.5 and momentum 0.9 makes the losses swing) and not sharding.
 # 3x keeps a margin; a sharding bug (a gradient counted twice, a missing average) is O(1).
 ONE_GPU_SLACK = 3.0
+# At world 4 (4 x H100, 2026-11-27) the three 4-step clip setups ended 1.81e-5 off in one
+# parameter (blocks.1.qkv.weight), the same figure with torch's clip, the fused clip and
+# offloading: rounding of their shared trajectory (sums over 4 ranks, cuBLAS kernels for other
+# batch shapes) that Adam amplifies where a gradient is near zero, not the clip. Adam ignores a
+# gradient's scale, so parameters cannot show a wrong clip anyway: the norms and gradients do,
+# and keep 1e-5; parameters of the clip setups get 5e-5.
+CLIP_PARAM_RTOL = 5e-5
 SETUPS = {
     f"{dtype_name}-s{strategy}-a{accum}": Setup(
         strategy=strategy, accum=accum, dtype=dtype, optimizer="adam" if dtype == torch.float32 else "sgd"
@@ -39,7 +46,8 @@ for _strategy in (1, 3):
 SETUPS["clip-torch-s3"] = Setup(strategy=3, accum=2, clip="torch", steps=4)
 SETUPS["clip-fused-s2"] = Setup(strategy=2, accum=2, clip="fused", steps=4)
 # CPU offloading: gradients and weights cross PCIe on the offload stream, the step on the host.
-# (torch's clip of host gradients needs a CPU backend in the process group: docs/offloading.md.)
+# torch's norm of host gradients needs a CPU backend in the process group (docs/offloading.md),
+# so the ranks run as offloading users launch them: gloo for CPU tensors, NCCL for CUDA ones.
 for _strategy in range(4):
     SETUPS[f"offload-s{_strategy}"] = Setup(strategy=_strategy, accum=2, offload=True)
 SETUPS["offload-bf16-s3"] = Setup(strategy=3, accum=2, dtype=torch.bfloat16, optimizer="sgd", offload=True)
@@ -50,7 +58,9 @@ SETUPS["offload-deferred-sync-s3"] = Setup(strategy=3, accum=3, sync_each_microb
 @functools.cache
 def _results() -> dict:
     names = list(SETUPS)
-    per_rank = run_distributed(sharded_runs, WORLD, [SETUPS[n] for n in names], "cuda", backend="nccl", timeout=600)
+    per_rank = run_distributed(
+        sharded_runs, WORLD, [SETUPS[n] for n in names], "cuda", backend="cpu:gloo,cuda:nccl", timeout=600
+    )
     return dict(zip(names, per_rank[0]))
 
 
@@ -69,7 +79,7 @@ def test_nccl_run_matches_single_gpu_reference(name: str) -> None:
     got = _results()[name]
     reference = reference_run(setup, WORLD, device="cuda")
     if setup.dtype == torch.float32:
-        compare(got, reference, 1e-5, 1e-5, 1e-5, f"{name} nccl")
+        compare(got, reference, 1e-5, 1e-5, CLIP_PARAM_RTOL if setup.clip else 1e-5, f"{name} nccl")
     else:
         exact = reference_run(setup, WORLD, compute_dtype=torch.float32, device="cuda")
         compare_low_precision(got, reference, exact, f"{name} nccl", slack=ONE_GPU_SLACK if WORLD == 1 else 2.0)
