@@ -236,12 +236,13 @@ def test_pretrain_gpt_resumes_from_an_fsdp_dtensor_save_like_the_bundled_copy(tm
 
 
 # Megatron-LM's model-parallel flags, at the machine's world size (TP2 x DP2 and EP2 x DP2 at
-# world 4). Context parallelism is not among them: megatron-core's local attention refuses it
-# ("only supported by TEDotProductAttention") and Transformer Engine has no wheel for the GPU
-# machine's torch; tests/test_torchtitan.py runs FSDP with context parallelism instead.
+# world 4). Not among them, because megatron-core refuses them without Transformer Engine or Apex
+# (neither has a wheel for the GPU machine's torch), on either package: context parallelism
+# (its local attention: "only supported by TEDotProductAttention") and sequence parallelism
+# (its torch LayerNorm: "sequence parallel not supported by torch LayerNorm").
+# tests/test_torchtitan.py runs FSDP with context parallelism instead.
 MODEL_PARALLEL = [
     ("tp2", ["--tensor-model-parallel-size", "2"]),
-    ("tp2-sequence-parallel", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("ep2-moe", [*MOE, "--expert-model-parallel-size", "2"]),
 ]
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="model parallelism needs 2 GPUs")
@@ -254,35 +255,25 @@ def test_pretrain_gpt_with_model_parallelism_trains_like_the_bundled_copy(name: 
 
 
 @needs_two_gpus
-def test_tensor_parallel_fsdp_dtensor_checkpoints_cross_load_with_the_bundled_copy(tmp_path: Path) -> None:
-    """Each package saves at iteration N of 2N with --tensor-model-parallel-size 2; each resumes
-    from its own checkpoint and from the other's: all four resumed runs equal the bundled copy
-    resuming its own (fsdp_dtensor holds global shapes, so whoever wrote it, it reads the same)."""
+def test_a_tensor_parallel_fsdp_dtensor_checkpoint_of_ours_resumes_alike_on_both_packages(tmp_path: Path) -> None:
+    """Ours saves at iteration N of 2N with --tensor-model-parallel-size 2; ours and the bundled
+    copy each resume from it: their resumed iterations are equal (the checkpoint holds global
+    shapes that the bundled copy reads as ours does). The other direction cannot run: the bundled
+    copy's own fsdp_dtensor save at tensor-parallel size 2 hangs in megatron-core 0.19.2 (no output
+    after "saving checkpoint", 4 x H100, 2026-11-27), so its checkpoint is not a reference."""
     half = ITERS // 2
     model = [flag for flag in MODEL if flag != "--swiglu"]  # see the resume test above
     train = [*model, *TRAINING, "--train-iters", str(ITERS), "--data-parallel-sharding-strategy", "optim_grads_params",
              "--tensor-model-parallel-size", "2"]
+    checkpoints = str(tmp_path / "checkpoints")
+    pretrain("ours", [*train, "--save", checkpoints, "--save-interval", str(half), "--exit-interval", str(half)],
+             tmp_path, "first-half", timeout=150)
 
-    def save(package: str) -> str:
-        workdir = tmp_path / f"save-{package}"
+    def resume(package: str) -> dict[int, tuple[float, float]]:
+        workdir = tmp_path / package
         workdir.mkdir()
-        checkpoints = str(workdir / "checkpoints")
-        pretrain(package, [*train, "--save", checkpoints, "--save-interval", str(half), "--exit-interval", str(half)],
-                 workdir, "first-half", timeout=150)
-        return checkpoints
+        return pretrain(package, [*train, "--load", checkpoints], workdir, "resumed", timeout=150)
 
-    saved = on_both_packages(save)
-
-    def resume_from(writer: str) -> Callable[[str], dict[int, tuple[float, float]]]:
-        def resume(package: str) -> dict[int, tuple[float, float]]:
-            workdir = tmp_path / f"{package}-from-{writer}"
-            workdir.mkdir()
-            return pretrain(package, [*train, "--load", saved[writer]], workdir, f"resumed-from-{writer}", timeout=150)
-        return resume
-
-    from_bundled, from_ours = on_both_packages(resume_from("bundled")), on_both_packages(resume_from("ours"))
-    reference = from_bundled["bundled"]
-    assert sorted(reference) == list(range(half + 1, ITERS + 1)), sorted(reference)
-    assert_same_training(from_bundled["ours"], reference, "ours resumed from the bundled copy's checkpoint")
-    assert_same_training(from_ours["bundled"], reference, "the bundled copy resumed from our checkpoint")
-    assert_same_training(from_ours["ours"], reference, "ours resumed from our checkpoint")
+    resumed = on_both_packages(resume)
+    assert sorted(resumed["bundled"]) == list(range(half + 1, ITERS + 1)), sorted(resumed["bundled"])
+    assert_same_training(resumed["ours"], resumed["bundled"], "resumed from our tensor-parallel checkpoint")
