@@ -1,16 +1,20 @@
 """Runs PyTorch's own FSDP2 test files against megatron_fsdp.fsdp2 on the CPU over gloo.
 
 The test files are not part of this project (nor of the torch wheel): fetch
-``test/distributed/_composable/fsdp/`` of pytorch/pytorch into a directory and pass it::
+``test/distributed/_composable/fsdp/`` (or ``test_composability/test_2d_composability.py``,
+FSDP2 x TP) of pytorch/pytorch into a directory and pass it::
 
     .venv/bin/python scripts/fsdp2_upstream_tests.py /tmp/fsdp2_upstream \\
         --files test_fully_shard_training.py --report /tmp/fsdp2_upstream_report.md
 
-The files run unedited and torch is not patched. Each test module is imported, and the names it
-bound to torch's ``fully_shard`` are rebound, in that module's namespace only, to ours. Each
-test method then runs on its own gloo ranks (forked processes; the module is already imported),
-the way torch's ``FSDPTest`` runs it, but launched here: torch's launcher ties the world size to
-the number of accelerators. ``skip_if_lt_x_gpu`` gates without ``allow_cpu`` are stepped over
+The files run unedited and torch's library is not patched. Each test module is imported, and the
+names bound to torch's ``fully_shard`` are rebound to ours: in that module's namespace, and in
+torch's test helpers it uses (``torch.testing._internal.*``, where ``MLPStack.parallelize`` calls
+``fully_shard``); ``torch.distributed.fsdp.fully_shard`` itself stays torch's. Ours is rebound
+through a wrapper that counts its calls: a test that passes without one did not test ours and is
+counted apart. Each test method runs on its own gloo ranks (forked processes; the module is
+already imported), the way torch's ``FSDPTest`` (or ``MultiProcContinuousTest``) runs it, but
+launched here: torch's launchers tie the world size to the number of accelerators. ``skip_if_lt_x_gpu`` gates without ``allow_cpu`` are stepped over
 (the body underneath runs) because most of those bodies only name the device through
 ``get_devtype()``; a body that really needs CUDA then fails, and is reported as such.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import importlib.util
 import inspect
 import multiprocessing
@@ -30,7 +35,9 @@ import socket
 import sys
 import time
 import traceback
+import types
 import unittest
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,6 +45,16 @@ import torch.distributed as dist
 import torch.distributed.fsdp
 
 import megatron_fsdp.fsdp2 as ours
+
+# Failures that say this CPU build lacks what the test needs, whatever the exception's type; tried
+# first (torch's DTensor raises NotImplementedError for the CPU flash-attention op it has no
+# sharding rule for: on CUDA, SDPA takes kernels it has one for).
+CPU_BUILD_NEEDLES = (
+    "_for_cpu.default does not have a sharding strategy",
+    "FSDP needs a non-CPU accelerator device",
+    "Cannot access accelerator device when none is available",
+    "device_ids and output_device arguments only work with single-device/multiple-device GPU modules",
+)
 
 # Reason classes, tried in order on a failing rank's traceback (the first that matches wins).
 REASON_PATTERNS: list[tuple[str, tuple[str, ...]]] = [
@@ -60,6 +77,19 @@ REASON_PATTERNS: list[tuple[str, tuple[str, ...]]] = [
     ("refused by design (clear error)", ("NotImplementedError",)),
 ]
 
+# The reason of a failure that matches no class above, in a test that never called our fully_shard.
+NEVER_CALLED = "our fully_shard never called"
+
+# Calls of our fully_shard in this process (a forked rank starts at 0).
+_our_calls = 0
+
+
+@functools.wraps(ours.fully_shard)
+def _counted_fully_shard(*args, **kwargs):
+    global _our_calls
+    _our_calls += 1
+    return ours.fully_shard(*args, **kwargs)
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -67,20 +97,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def load_test_module(path: Path, rebind: bool = True):
-    """Imports one upstream test file and rebinds its torch ``fully_shard`` names to ours
-    (``rebind=False``: leaves torch's, for a baseline of torch's own FSDP2 on this machine)."""
+def load_test_module(path: Path, rebind: bool = True) -> tuple[types.ModuleType, list[str]]:
+    """Imports one upstream test file and rebinds the torch ``fully_shard`` names of it and of
+    torch's test helpers to ours (``rebind=False``: leaves torch's, for a baseline of torch's own
+    FSDP2 on this machine). Returns the module and the names rebound."""
     sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = module
     spec.loader.exec_module(module)
-    torch_fully_shard = {torch.distributed.fsdp.fully_shard}
     rebound = []
-    for name, value in list(vars(module).items()):
-        if rebind and any(value is candidate for candidate in torch_fully_shard):
-            setattr(module, name, ours.fully_shard)
-            rebound.append(name)
+    helpers = [(name, mod) for name, mod in sys.modules.items() if name.startswith("torch.testing._internal.") and mod]
+    for prefix, namespace in [("", module)] + [(f"{name.rsplit('.', 1)[-1]}.", mod) for name, mod in helpers]:
+        for name, value in list(vars(namespace).items()):
+            if rebind and value is torch.distributed.fsdp.fully_shard:
+                setattr(namespace, name, _counted_fully_shard)
+                rebound.append(prefix + name)
     return module, rebound
 
 
@@ -93,14 +125,24 @@ def test_cases(module) -> list[tuple[type, str]]:
     return cases
 
 
-def _body(cls: type, method: str):
-    """The test function, with a GPU-count gate stepped over (see the module docstring)."""
+def _qualname(fn: Callable) -> str:
+    # functools.wraps copies the test's name onto a wrapper; its code keeps the wrapper's.
+    return getattr(getattr(fn, "__code__", None), "co_qualname", "")
+
+
+def _body(cls: type, method: str) -> tuple[Callable, bool]:
+    """The test function, with a GPU-count gate stepped over (see the module docstring), and
+    whether there was one."""
     fn = getattr(cls, method)
     gated = False
-    # functools.wraps copies the test's name onto the gate's wrapper; its code keeps the gate's.
-    while "skip_if_lt_x_gpu" in getattr(getattr(fn, "__code__", None), "co_qualname", ""):
+    params: dict = {}
+    if "instantiated_test" in _qualname(fn):
+        # instantiate_parametrized_tests' wrapper calls the (gated) test with its parameters,
+        # which it holds as its default argument.
+        params, fn = fn.__defaults__[0], fn.__wrapped__
+    while "skip_if_lt_x_gpu" in _qualname(fn):
         fn, gated = fn.__wrapped__, True
-    return fn, gated
+    return (functools.partial(fn, **params) if params else fn), gated
 
 
 def _harness_class(cls: type, world_size: int) -> type:
@@ -131,25 +173,32 @@ def _rank_main(cls, method, rank, world_size, port, log_path, conn) -> None:
         set_rng_seed()
         fn, _ = _body(cls, method)
         fn(instance)
-        conn.send(("passed", ""))
+        conn.send(("passed", "", _our_calls))
     except unittest.SkipTest as skip:
-        conn.send(("skipped", str(skip)))
+        conn.send(("skipped", str(skip), _our_calls))
     except SystemExit as exit_:
-        conn.send(("skipped", f"exit code {exit_.code}"))
+        conn.send(("skipped", f"exit code {exit_.code}", _our_calls))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
-        conn.send(("failed", traceback.format_exc()))
+        conn.send(("failed", traceback.format_exc(), _our_calls))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def classify(trace: str) -> str:
+def classify(trace: str, ours_never_called: bool = False) -> str:
+    """The reason class of a failing rank's traceback. ``ours_never_called``: the test failed
+    without calling our fully_shard, so the failure is not of our FSDP2, unless a class above
+    says more."""
     last_line = trace.strip().splitlines()[-1] if trace.strip() else ""
+    if any(needle in trace for needle in CPU_BUILD_NEEDLES):
+        return "needs CUDA"
     if last_line.startswith("NotImplementedError"):
         return "refused by design (clear error)"
     for reason, needles in REASON_PATTERNS:
         if any(needle in trace for needle in needles):
             return reason
+    if ours_never_called:
+        return NEVER_CALLED
     return "assertion or error: possible defect of ours"
 
 
@@ -169,7 +218,9 @@ def _world_size(cls: type, method: str) -> int:
     return declared if own and declared >= 1 else max(declared, 2)
 
 
-def run_case(cls, method, world_size, timeout, log_dir: Path) -> tuple[str, str]:
+def run_case(cls, method, world_size, timeout, log_dir: Path) -> tuple[str, str, int]:
+    """Runs one test method on ``world_size`` forked gloo ranks: its status, the first failing
+    (or timed out, or skipped) rank's detail, and the most calls of our fully_shard on a rank."""
     context = multiprocessing.get_context("fork")
     port = _free_port()
     log_path = log_dir / f"{cls.__name__}.{method}.log"
@@ -187,19 +238,20 @@ def run_case(cls, method, world_size, timeout, log_dir: Path) -> tuple[str, str]
             try:
                 results.append(pipe.recv())
             except EOFError:
-                results.append(("failed", "rank died without a result"))
+                results.append(("failed", "rank died without a result", 0))
         else:
-            results.append(("timeout", f"no result within {timeout} s"))
+            results.append(("timeout", f"no result within {timeout} s", 0))
     for proc in procs:
         proc.join(1)
         if proc.is_alive():
             proc.kill()
             proc.join()
+    our_calls = max(calls for _, _, calls in results)
     for status in ("failed", "timeout", "skipped"):
-        for result_status, detail in results:
+        for result_status, detail, _ in results:
             if result_status == status:
-                return status, detail
-    return "passed", ""
+                return status, detail, our_calls
+    return "passed", "", our_calls
 
 
 def main() -> None:
@@ -239,9 +291,15 @@ def main() -> None:
             world_size = min(_world_size(cls, method), args.max_world_size)
             _, gated = _body(cls, method)
             start = time.monotonic()
-            status, detail = run_case(cls, method, world_size, args.timeout, log_dir)
+            status, detail, our_calls = run_case(cls, method, world_size, args.timeout, log_dir)
             seconds = time.monotonic() - start
-            reason = classify(detail) if status == "failed" else ""
+            # Under --torch-baseline nothing is rebound, so no call of ours is counted.
+            ours_never_called = our_calls == 0 and not args.torch_baseline
+            reason = classify(detail, ours_never_called) if status == "failed" else ""
+            if status == "passed" and ours_never_called:
+                status = "passed without calling our fully_shard"
+            elif status == "failed" and ours_never_called and reason != NEVER_CALLED:
+                reason += " (our fully_shard not called)"
             if detail:
                 with open(log_dir / f"{name}.log", "a") as log:
                     log.write(f"\n=== harness: {status}\n{detail}\n")

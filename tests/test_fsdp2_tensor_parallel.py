@@ -12,15 +12,22 @@ gradient reduced over the TP dim too, or not averaged, is O(1).
 Checkpoints: ours shows each TP parameter as FSDP2 does, a DTensor of the full global shape on the
 2-D (dp, tp) mesh with FSDP2's placements (``_StridedShard`` where both split dim 0), so a DCP
 checkpoint of model and AdamW state (torch's ``get_state_dict``) saved by either resumes in the
-other, the next steps as the uninterrupted run's.
+other, the next steps as the uninterrupted run's; ``copy.deepcopy`` of those state dicts (as
+PyTorch's 2-D composability tests take them) gives FSDP2's values and placements, bit for bit.
 """
 
 from __future__ import annotations
 
+import copy
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -180,3 +187,44 @@ def test_fsdp2_door_with_tensor_parallel_equals_torch_fsdp2_tp_and_checkpoints_r
     assert "Shard(d) or Replicate()" in messages["partial"], messages["partial"]
     assert "mesh=" in messages["no mesh"], messages["no mesh"]
     assert "not other dims" in messages["other mesh"], messages["other mesh"]
+
+
+def _tensors(state: dict, prefix: str = "") -> dict[str, tuple]:
+    """Every tensor of a (nested) state dict: its placements and full value."""
+    found = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            found.update(_tensors(value, f"{prefix}{key}."))
+        elif isinstance(value, torch.Tensor):
+            placements = tuple(value.placements) if isinstance(value, DTensor) else None
+            found[f"{prefix}{key}"] = (placements, _full(value).clone())
+    return found
+
+
+def _deep_copies(rank: int, world: int) -> dict:
+    """Deep copies of each implementation's model and AdamW state dicts after a step, read after
+    one more step of the originals (which a copy sharing their storage would follow)."""
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    copies = {}
+    for name, shard in (("ours", fully_shard), ("torch", torch_fully_shard)):
+        model, optimizer = _sharded_with_optimizer(shard, mesh)
+        _steps(model, optimizer, dp_rank, range(1))
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        copied = copy.deepcopy(state)
+        at_copy = _tensors(state)
+        _steps(model, optimizer, dp_rank, range(1, 2))
+        copies[name] = {"copy": _tensors(copied), "at_copy": at_copy}
+    return copies
+
+
+def test_deep_copied_tp_state_dicts_equal_torch_fsdp2s_bit_for_bit():
+    for rank, copies in enumerate(run_distributed(_deep_copies, WORLD, timeout=300)):
+        ours, theirs = copies["ours"]["copy"], copies["torch"]["copy"]
+        assert ours.keys() == theirs.keys(), f"rank {rank}: keys differ: {sorted(ours.keys() ^ theirs.keys())}"
+        for key, (placements, value) in theirs.items():
+            assert ours[key][0] == placements, f"rank {rank}: {key} placements {ours[key][0]} vs {placements}"
+            error = (ours[key][1] - value).abs().max().item() if value.numel() else 0.0
+            assert torch.equal(ours[key][1], value), f"rank {rank}: {key} differs from FSDP2's by {error:.2e}"
+            # The copy kept the values of its moment, though its source stepped on.
+            assert torch.equal(ours[key][1], copies["ours"]["at_copy"][key][1]), f"rank {rank}: {key} followed its source"

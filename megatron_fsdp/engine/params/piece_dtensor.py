@@ -14,6 +14,7 @@ values:
 - elementwise results, ``to``/``cpu``, ``detach``, ``clone`` stay flat-sharded with the layout;
 - DCP's checkpoint hooks describe the piece as the rectangles it covers;
 - pickling saves the piece alone (a copy: not the whole buffer it views) with its layout;
+- ``copy.deepcopy`` gives a clone, with the layout (as torch deep-copies a DTensor);
 - its storage (``untyped_storage()``, ``storage()``) raises :class:`ShardedSaveError`: writers
   that save one process's tensors (safetensors, and through it Trainer's and Accelerate's
   ``save_state``) look at every tensor's storage before they write anything, and would
@@ -211,6 +212,20 @@ class PieceDTensor(DTensor):
             "the storage of a megatron_fsdp-sharded tensor was asked for, as safetensors.torch.save_file (and through it "
             "transformers.Trainer's save_model and checkpoints, accelerator.save_state) does before it writes"
         )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PieceDTensor:
+        """A copy of the piece with its layout, as torch deep-copies a DTensor (a clone). torch's
+        own ``__deepcopy__`` clones only a subclass whose ``data_ptr()`` is 0, and this one's is
+        the piece's (see :meth:`data_ptr`), so it would ask for the storage, refused above."""
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            copy = self.clone()
+        copy.requires_grad_(self.requires_grad)
+        if self.grad is not None:
+            copy.grad = self.grad.__deepcopy__(memo)
+        memo[id(self)] = copy
+        return copy
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         return (
