@@ -3,7 +3,8 @@ wrapped model holds after its first optimizer step: every live tensor storage of
 appeared since before the model was built (found through the garbage collector, so a buffer the
 planner forgot cannot hide), for every strategy, precision policy, HSDP/HFSDP, CPU offload, the
 double buffer and each way of accumulating micro-batches (issue 40), on gloo at world sizes 1, 2
-and 4. The pool's blocks are not tensors Python holds; the working set is an upper bound on them
+and 4; and at world 4 under tensor parallelism (TP2 x DP2) and expert parallelism (EP2 x EDP2,
+and experts tensor-parallel). The pool's blocks are not tensors Python holds; the working set is an upper bound on them
 (the pool's high-water mark), equal to it where gradients held back are all of it."""
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import megatron_fsdp
 from _dist import run_distributed
 from megatron_fsdp.plan_memory import OptimizerSpec
 from megatron_fsdp.plan_memory.command import main
 from models import Block, make_batch, make_model
+from moe_model import MoEBlock, make_moe
 
 BF16_POLICIES = {
     "bf16 default": megatron_fsdp.MixedPrecisionPolicy(),
@@ -172,18 +175,121 @@ def test_planned_model_states_equal_what_each_rank_holds_after_the_first_step(wo
     assert not wrong, f"world {world}:\n" + "\n".join(wrong)
 
 
+def _held_after_first_step(build, batch: tuple[torch.Tensor, torch.Tensor], **shard_options) -> tuple[int, int]:
+    """The bytes of every tensor storage this rank holds after fully_shard(build()) and one
+    AdamW step on ``batch`` that it did not hold before the model was built, and the bucket
+    pool's peak."""
+    gc.collect()
+    before = _live_storages()
+    model = build()
+    model, optimizer = megatron_fsdp.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), **shard_options)
+    model(*batch).backward()
+    optimizer.step()
+    del batch
+    gc.collect()
+    held = sum(nbytes for ptr, nbytes in _live_storages().items() if ptr not in before)
+    pool_peak = model.pool.high_water_mark()
+    del model, optimizer
+    return held, pool_peak
+
+
+TP_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+# The grouped expert weights of tests/moe_model.py: (experts, hidden, ffn) and (experts, ffn, hidden).
+EXPERT_TP_PLAN = {"blocks.*.moe.w_in": 2, "blocks.*.moe.w_out": 1}
+
+
+def _meta_moe() -> nn.Module:
+    with torch.device("meta"):
+        model = make_moe()
+    for block in model.blocks:
+        block.moe.w_in.allreduce = block.moe.w_out.allreduce = False  # as fully_shard reads experts
+    return model
+
+
+def _tensor_parallel_held_and_planned(rank: int, world: int) -> list[tuple[str, int, int, int, int]]:
+    """TP2 x DP2 (a (dp, tp) mesh; parallelize_module splits each block's MLP, as
+    tests/test_tensor_parallel.py): per strategy and precision, held vs planned bytes."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def build(dtype: torch.dtype) -> nn.Module:
+        model = make_model(layers=3, dtype=dtype)
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        return model
+
+    results = []
+    for name, dtype, options in [
+        ("tp2 optim_grads_params fp32", torch.float32, dict(zero_dp_strategy="optim_grads_params")),
+        ("tp2 optim bf16 fp32 grads, bf16 comm", torch.bfloat16, dict(
+            zero_dp_strategy="optim", mixed_precision_policy=BF16_POLICIES["bf16 fp32 grads, bf16 comm"])),
+    ]:
+        with torch.device("meta"):
+            meta_model = make_model(layers=3, dtype=dtype)
+        plan = megatron_fsdp.plan_memory(meta_model, world, tensor_parallel_size=2, tensor_parallel_plan=TP_PLAN,
+                                         fsdp_unit_modules=[Block], device_type="cpu", **options)
+        held, pool_peak = _held_after_first_step(
+            lambda: build(dtype), make_batch(mesh["dp"].get_local_rank(), 2), device_mesh=mesh, dp_shard_dim="dp",
+            tp_dim="tp", fsdp_unit_modules=[Block], **options)
+        planned = plan.for_rank(rank)
+        results.append((name, held, planned.device_model_states + planned.host_model_states, pool_peak,
+                        planned.working_set))
+    return results
+
+
+def _expert_parallel_held_and_planned(rank: int, world: int) -> list[tuple[str, int, int, int, int]]:
+    """tests/test_expert_parallel.py's two layouts: experts over EP2 x EDP2 with dense FSDP over
+    4 (under optim_grads_params and optim, whose whole weights tell 2 experts a rank from 4), and
+    experts over EP2 x ETP2 (no expert data parallelism) with dense FSDP over 2."""
+    dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    experts = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "ep"))
+    dense_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    experts_tp = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ep", "etp"))
+    ep, ep_etp = dict(expert_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel_size=2,
+                                                    tensor_parallel_plan=EXPERT_TP_PLAN)
+    results = []
+    for name, mesh, dense_mesh, dp_rank, planned_sizes, strategy in [
+        ("ep2 edp2 optim_grads_params", experts["ep"], dense, rank, ep, "optim_grads_params"),
+        ("ep2 edp2 optim", experts["ep"], dense, rank, ep, "optim"),
+        ("ep2 etp2 optim", experts_tp["ep", "etp"], dense_tp, dense_tp["dp"].get_local_rank(), ep_etp, "optim"),
+    ]:
+        plan = megatron_fsdp.plan_memory(_meta_moe(), world, fsdp_unit_modules=[MoEBlock], device_type="cpu",
+                                         zero_dp_strategy=strategy, **planned_sizes)
+        expert_mesh = experts if mesh.ndim == 1 else experts_tp
+        held, pool_peak = _held_after_first_step(
+            lambda: make_moe(mesh), make_batch(dp_rank, 2), device_mesh=dense_mesh, dp_shard_dim=dense_mesh.mesh_dim_names[0],
+            expt_device_mesh=expert_mesh, fsdp_unit_modules=[MoEBlock], zero_dp_strategy=strategy)
+        planned = plan.for_rank(rank)
+        results.append((name, held, planned.device_model_states + planned.host_model_states, pool_peak,
+                        planned.working_set))
+    return results
+
+
+@pytest.mark.parametrize("run", [_tensor_parallel_held_and_planned, _expert_parallel_held_and_planned],
+                         ids=["tensor_parallel", "expert_parallel"])
+def test_planned_model_states_equal_what_each_rank_holds_under_model_parallelism(run) -> None:
+    wrong = []
+    for rank, results in enumerate(run_distributed(run, 4, timeout=300)):
+        for name, held, planned, pool_peak, working_set in results:
+            if held != planned:
+                wrong.append(f"rank {rank} {name}: holds {held} bytes, planned {planned}")
+            if pool_peak > working_set:
+                wrong.append(f"rank {rank} {name}: the pool peaked at {pool_peak} bytes, above the planned working "
+                             f"set {working_set}")
+    assert not wrong, "\n".join(wrong)
+
+
 REPO = Path(__file__).resolve().parents[1]
 GPT_KWARGS = {"layers": 3, "hidden": 64, "heads": 4, "ffn": 176, "vocab_size": 101, "seq_len": 32}
 
 
-def _meta_gpt() -> tuple[nn.Module, type]:
+def _meta_gpt(**changes: int) -> tuple[nn.Module, type]:
     sys.path.insert(0, str(REPO / "examples"))
     try:
         from gpt_model import TransformerBlock, gpt
     finally:
         sys.path.pop(0)
     with torch.device("meta"):
-        return gpt(**GPT_KWARGS).to(torch.bfloat16), TransformerBlock
+        return gpt(**GPT_KWARGS | changes).to(torch.bfloat16), TransformerBlock
 
 
 def test_the_command_prints_one_row_per_choice_with_the_functions_numbers(capsys) -> None:
@@ -224,6 +330,13 @@ def test_the_command_reads_a_hugging_face_config_and_prints_a_table(tmp_path, ca
     (dict(zero_dp_strategy="zero4"), "unknown zero_dp_strategy 'zero4'"),
     (dict(optimizer="lion"), "unknown optimizer 'lion'"),
     (dict(outer_dp_sharding_strategy="optim"), "needs dp_outer_dim"),
+    (dict(tensor_parallel_size=2, context_parallel_size=3), "world_size 8 is not divisible by tensor_parallel_size x "
+                                                            "context_parallel_size x dp_outer_size = 2 x 3 x 1 = 6"),
+    (dict(tensor_parallel_size=2, tensor_parallel_plan={"blocks.*.mlp": "colwise"}),
+     "tensor_parallel_plan key 'blocks.*.mlp' matches no module"),
+    (dict(tensor_parallel_size=2, tensor_parallel_plan={"blocks.*.attn_norm": "colwise"}),
+     "'colwise' applies to nn.Linear and nn.Embedding"),
+    (dict(expert_parallel_size=2), "expert_parallel_size=2 but the model has no expert parameter"),
 ])
 def test_bad_choices_are_named(change: dict, message: str) -> None:
     model, block = _meta_gpt()
@@ -244,6 +357,12 @@ def test_a_model_not_on_the_meta_device_is_refused() -> None:
     (["--device-memory", "-5"], "--device-memory: expected a number > 0"),
     (["--micro-batches", "0"], "--micro-batches: expected integers >= 1"),
     (["--strategies", "zero9"], "unknown zero_dp_strategy 'zero9'"),
+    (["--world-sizes", "6", "--tensor-parallel-size", "4"], "world size 6 with tp 4 (6 is not divisible by 4)"),
+    (["--world-sizes", "8", "--tensor-parallel-size", "2", "--context-parallel-size", "3"],
+     "world size 8 with tp 2 x cp 3 (8 is not divisible by 6)"),
+    (["--world-sizes", "6", "--tensor-parallel-size", "3"], "tensor_parallel_size 3 does not divide dim 0 (128) of embed.weight"),
+    (["--tensor-parallel-size", "0"], "--tensor-model-parallel-size: expected integers >= 1"),
+    (["--tensor-parallel-plan", "[1]"], "--tensor-parallel-plan: expected a JSON object"),
 ])
 def test_the_command_refuses_impossible_choices_without_a_traceback(arguments: list, message: str, capsys) -> None:
     model_arguments = ["--model", str(REPO / "examples/gpt_model.py") + ":gpt", "--units", "TransformerBlock"]
@@ -251,6 +370,47 @@ def test_the_command_refuses_impossible_choices_without_a_traceback(arguments: l
         main(model_arguments + arguments)
     printed = capsys.readouterr().err + (exit_info.value.code if isinstance(exit_info.value.code, str) else "")
     assert exit_info.value.code not in (0, None) and message in printed and "Traceback" not in printed, printed
+
+
+def test_the_command_takes_model_parallel_sizes_and_prints_them(capsys) -> None:
+    """--tensor/--context-parallel-size reach plan_memory (Megatron-LM's split by default) and the
+    table shows them; under optim (weights whole on each rank) TP2 about halves the weights."""
+    kwargs = json.dumps(GPT_KWARGS | {"vocab_size": 128})  # a vocabulary TP2 can split
+    common = ["--model", str(REPO / "examples/gpt_model.py") + ":gpt", "--model-kwargs", kwargs,
+              "--units", "TransformerBlock", "--world-sizes", "8", "--strategies", "optim"]
+    main(common + ["--tensor-parallel-size", "1,2", "--context-parallel-size", "2", "--json"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    model, block = _meta_gpt(vocab_size=128)
+    for row in rows:
+        plan = megatron_fsdp.plan_memory(model, 8, tensor_parallel_size=row["tp"], context_parallel_size=2,
+                                         fsdp_unit_modules=[block], zero_dp_strategy="optim")
+        assert (row["cp"], row["ep"], row["etp"]) == (2, 1, row["tp"]), row
+        assert row["model_states"] == plan.largest.device_model_states, row
+    whole, split = (r["weights"] for r in rows)
+    assert 0.5 * whole < split < 0.52 * whole, (whole, split)  # norms and position embeddings stay whole
+    main(common + ["--tensor-parallel-size", "2", "--expert-tensor-parallel-size", "1"])
+    out = capsys.readouterr().out
+    header, row = out.splitlines()[2:4]
+    assert "model-parallel sizes: tp, etp (world: all ranks); tensor-parallel split: Megatron-LM's" in out, out
+    assert header.split()[:6] == ["strategy", "world", "outer", "tp", "etp", "offload"], out
+    assert row.split()[:6] == ["optim", "8", "1", "2", "1", "no"], out
+
+
+def test_the_command_refuses_expert_parallel_sizes_that_do_not_divide_the_experts(tmp_path, capsys) -> None:
+    import transformers
+
+    config = transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=128, num_local_experts=4)
+    config.save_pretrained(tmp_path)
+    main(["--hf", str(tmp_path), "--world-sizes", "8", "--tensor-parallel-size", "2", "--expert-parallel-size", "2,4",
+          "--strategies", "optim", "--json"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["tp"], r["ep"], r["etp"]) for r in rows] == [(2, 2, 2), (2, 4, 2)], rows
+    assert rows[1]["weights"] < rows[0]["weights"], "4 experts over EP4 hold less than over EP2"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--hf", str(tmp_path), "--world-sizes", "24", "--expert-parallel-size", "3"])
+    assert "expert_parallel_size 3 does not divide the 4 experts of model.layers.0.mlp.experts.gate_up_proj" in str(
+        exit_info.value.code), exit_info.value.code
 
 
 def test_the_command_names_a_missing_config_file(tmp_path) -> None:

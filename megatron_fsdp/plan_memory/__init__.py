@@ -1,9 +1,10 @@
 """Know before you launch: the bytes each rank will hold, for any strategy, mesh and world size.
 
 ``plan_memory(model, world_size, ...)`` takes a model on the meta device and fully_shard's
-choices (the mesh given as sizes) and returns the largest rank's plan: model states by category
-on the device and the host, padding, and the working set's peak. Model states are exact (the
-engine's own layout); the working set is an upper bound. No GPU and no process group needed.
+choices (the mesh given as sizes, tensor-, context- and expert-parallel ones included) and
+returns the largest rank's plan: model states by category on the device and the host, padding,
+and the working set's peak. Model states are exact (the engine's own layout); the working set is
+an upper bound. No GPU and no process group needed.
 
 ``python -m megatron_fsdp.plan_memory`` prints the same as a table (command.py);
 docs/memory_planning.md explains every column.
@@ -27,6 +28,7 @@ from megatron_fsdp.engine.planning.memory_plan import (
     describe,
     plan_model,
 )
+from megatron_fsdp.engine.planning.model_parallel import ParallelSizes, TensorParallelPlan
 from megatron_fsdp.engine.planning.plan import check_outer_strategy, resolve_offload
 from megatron_fsdp.engine.step.units import resolve_unit_classes
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
@@ -35,18 +37,20 @@ from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 @dataclass(frozen=True)
 class MemoryPlan:
     """``largest``: the rank needing the most device memory; ``ranks``: every rank planned
-    (ranks that cannot differ from one of them are left out)."""
+    (ranks that cannot differ from one of them are left out); ``alike``: for each rank, the
+    planned rank it holds alike with."""
 
     options: PlanOptions
     largest: RankMemory
     ranks: list[RankMemory]
+    alike: tuple[int, ...]
 
     def for_rank(self, rank: int) -> RankMemory:
-        """Global ``rank``'s plan (under plain HSDP, an outer rank holds what the first one holds)."""
+        """Global ``rank``'s plan (the planned rank it holds alike with: under plain HSDP, an
+        outer rank holds what the first one holds; tensor-parallel ranks hold alike)."""
         if not 0 <= rank < self.options.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.options.world_size}")
-        by_rank = {memory.rank: memory for memory in self.ranks}
-        return by_rank.get(rank) or by_rank[rank % self.options.shard_size]
+        return next(memory for memory in self.ranks if memory.rank == self.alike[rank])
 
     def __str__(self) -> str:
         return describe(self.largest)
@@ -57,6 +61,11 @@ def plan_memory(
     world_size: int,
     *,
     dp_outer_size: int = 1,
+    tensor_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    tensor_parallel_plan: TensorParallelPlan | None = None,
     fsdp_unit_modules: Sequence[type | str] | None = None,
     zero_dp_strategy: int | str = "optim_grads_params",
     outer_dp_sharding_strategy: int | str = "no_shard",
@@ -83,7 +92,24 @@ def plan_memory(
     between them (2/3 reduce-scatter every micro-batch either way);
     ``"requires_gradient_sync"``: FSDP2's ``set_requires_gradient_sync(False)``
     (``megatron_fsdp.fsdp2``), under which every strategy holds them
-    (docs/sharding_strategies.md has the table)."""
+    (docs/sharding_strategies.md has the table).
+
+    Model parallelism, Megatron-LM's sizes (ranks laid out tensor-parallel fastest; the world
+    holds ``world_size / (tensor_parallel_size x context_parallel_size)`` data-parallel ranks):
+    ``tensor_parallel_size`` splits the parameters ``tensor_parallel_plan`` names, which is
+    ``{module FQN pattern: 'colwise' | 'rowwise' | ColwiseParallel() | RowwiseParallel()}`` for
+    Linear and Embedding modules, as parallelize_module takes it, or ``{parameter FQN pattern:
+    dim}``; patterns match name by name between the dots, with ``*``. Default (None):
+    Megatron-LM's split by module names (attention q/k/v and MLP gate/up column-parallel, their
+    output projections row-parallel, the token embedding and the output layer split over the
+    vocabulary, the rest whole; ``model_parallel.megatron_style_plan``). The size must divide
+    every split dim. ``context_parallel_size`` folds into the shard group (dp_shard x cp ranks
+    share each shard; the parameters are whole on every CP rank). ``expert_parallel_size``:
+    expert parameters (marked ``allreduce = False``, else those under an ``experts`` module)
+    are dealt out over it, a ModuleList of experts in blocks, a grouped weight over its dim 0,
+    and sharded over the ``world_size / (expert_parallel_size x expert_tensor_parallel_size)``
+    ranks holding the same experts; ``expert_tensor_parallel_size`` (None: the tensor-parallel
+    size, as Megatron-LM) splits the plan's expert parameters."""
     check_meta_model(module)
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     outer = check_outer_strategy(outer_dp_sharding_strategy, strategy, "dp_outer" if dp_outer_size > 1 else None)
@@ -94,10 +120,12 @@ def plan_memory(
         overlap_param_gather=overlap_param_gather, fsdp_double_buffer=fsdp_double_buffer or nccl_ub, nccl_ub=nccl_ub,
         report_nan_in_param_grad=report_nan_in_param_grad, **resolve_offload(cpu_offload, offload_policy),
     )
+    parallel = ParallelSizes(tensor_parallel_size, context_parallel_size, expert_parallel_size, expert_tensor_parallel_size)
     options = PlanOptions(
         world_size=world_size, settings=settings, outer_strategy=outer, outer_size=dp_outer_size,
+        parallel=parallel, tensor_parallel_plan=tensor_parallel_plan,
         optimizer=OptimizerSpec.parse(optimizer), micro_batches=micro_batches,
         deferred_reduction=deferred_reduction, device_type=device_type,
     )
-    largest, ranks = plan_model(module, resolve_unit_classes(fsdp_unit_modules), options)
-    return MemoryPlan(options, largest, ranks)
+    largest, ranks, alike = plan_model(module, resolve_unit_classes(fsdp_unit_modules), options)
+    return MemoryPlan(options, largest, ranks, tuple(alike))

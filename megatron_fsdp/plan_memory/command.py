@@ -1,8 +1,10 @@
 """``python -m megatron_fsdp.plan_memory``: the per-rank memory of a Hugging Face model (an id or a
 config.json) or of a model built by a Python callable, for each strategy, world size, HSDP replica
-count and offload choice, as a table in GiB (or JSON lines).
+count, tensor-, context- and expert-parallel size and offload choice, as a table in GiB (or JSON
+lines).
 
     python -m megatron_fsdp.plan_memory --hf meta-llama/Llama-3.1-8B --world-sizes 8,64 --device-memory 80
+    python -m megatron_fsdp.plan_memory --hf meta-llama/Llama-3.1-70B --world-sizes 64 --tensor-parallel-size 1,2,4,8
     python -m megatron_fsdp.plan_memory --model examples/gpt_model.py:gpt --model-kwargs '{"layers": 24}' \\
         --units TransformerBlock --world-sizes 1,2,8
 """
@@ -92,6 +94,16 @@ def _positive_int(value: str) -> int:
     return numbers[0]
 
 
+def _json_object(value: str) -> dict:
+    try:
+        loaded = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}: {error}") from error
+    if not isinstance(loaded, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return loaded
+
+
 def _positive_float(value: str) -> float:
     try:
         number = float(value)
@@ -119,6 +131,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--world-sizes", type=_positive_ints, default=[8], help="comma-separated, e.g. 8,64,1024")
     parser.add_argument("--dp-outer-sizes", type=_positive_ints, default=[1], help="HSDP replica counts to try, e.g. 1,8")
     parser.add_argument("--outer-strategy", choices=("no_shard", "optim"), default="no_shard")
+    # Megatron-LM's flags, each one size or a comma-separated list of sizes to compare.
+    parser.add_argument("--tensor-parallel-size", "--tensor-model-parallel-size", type=_positive_ints, default=[1],
+                        help="TP sizes, e.g. 1,2,8; splits what --tensor-parallel-plan names")
+    parser.add_argument("--tensor-parallel-plan", type=_json_object, default=None,
+                        help="JSON {module pattern: 'colwise'|'rowwise', parameter pattern: dim}; default: Megatron-LM's "
+                             "split (attention q/k/v and MLP gate/up colwise, o/down rowwise, token embedding and output "
+                             "layer over the vocabulary, the rest whole)")
+    parser.add_argument("--context-parallel-size", type=_positive_ints, default=[1],
+                        help="CP sizes; CP ranks join the shard group and hold whole parameters")
+    parser.add_argument("--expert-parallel-size", "--expert-model-parallel-size", type=_positive_ints, default=[1],
+                        help="EP sizes: each rank holds num_experts / EP experts")
+    parser.add_argument("--expert-tensor-parallel-size", type=_positive_ints, default=None,
+                        help="ETP sizes (default: the TP size, as Megatron-LM)")
     parser.add_argument("--strategies", default="no_shard,optim,optim_grads,optim_grads_params")
     parser.add_argument("--cpu-offload", choices=("off", "on", "both"), default="off")
     parser.add_argument("--optimizer", default="adamw", help=", ".join(OptimizerSpec.KINDS))
@@ -141,24 +166,29 @@ def _rows(model: nn.Module, units: list[type], args: argparse.Namespace) -> list
     )
     offloads = {"off": [False], "on": [True], "both": [False, True]}[args.cpu_offload]
     rows = []
-    combos = itertools.product(args.world_sizes, args.dp_outer_sizes, _csv(args.strategies), offloads)
-    impossible = [(w, o) for w in args.world_sizes for o in args.dp_outer_sizes if w % o]
+    meshes = list(itertools.product(args.world_sizes, args.tensor_parallel_size, args.context_parallel_size,
+                                    args.dp_outer_sizes))
+    impossible = [_impossible_mesh(*mesh) for mesh in meshes if mesh[0] % (mesh[1] * mesh[2] * mesh[3])]
     if impossible:
-        raise SystemExit("no (dp_outer, dp_shard) mesh for " + ", ".join(
-            f"world size {w} with dp_outer {o} ({w} is not divisible by {o})" for w, o in impossible))
-    for world, outer_size, strategy, offload in combos:
+        raise SystemExit("no (dp_outer, dp_shard, cp, tp) mesh for " + ", ".join(impossible))
+    expert_sizes = itertools.product(args.expert_parallel_size, args.expert_tensor_parallel_size or [None])
+    combos = itertools.product(meshes, list(expert_sizes), _csv(args.strategies), offloads)
+    for (world, tp, cp, outer_size), (ep, etp), strategy, offload in combos:
         outer = args.outer_strategy if outer_size > 1 else "no_shard"
         if outer == "optim" and strategy != "optim_grads_params":
             continue
         plan = plan_memory(
-            model, world, dp_outer_size=outer_size, fsdp_unit_modules=units, zero_dp_strategy=strategy,
+            model, world, dp_outer_size=outer_size, tensor_parallel_size=tp, context_parallel_size=cp,
+            expert_parallel_size=ep, expert_tensor_parallel_size=etp, tensor_parallel_plan=args.tensor_parallel_plan,
+            fsdp_unit_modules=units, zero_dp_strategy=strategy,
             outer_dp_sharding_strategy=outer, mixed_precision_policy=policy, optimizer=args.optimizer,
             fsdp_double_buffer=args.double_buffer, cpu_offload=offload, micro_batches=args.micro_batches,
             deferred_reduction=args.deferred_reduction,
         )
         memory = plan.largest
         row = {
-            "strategy": strategy, "world": world, "dp_outer": outer_size, "offload": offload,
+            "strategy": strategy, "world": world, "dp_outer": outer_size, "tp": tp, "cp": cp, "ep": ep,
+            "etp": plan.options.parallel.etp, "offload": offload,
             "weights": memory.device["compute weights"], "main_weights": memory.device["main weights"],
             "main_grads": memory.device["main grads"], "optimizer": memory.device["optimizer state"],
             "model_states": memory.device_model_states, "working_set": memory.working_set,
@@ -170,18 +200,33 @@ def _rows(model: nn.Module, units: list[type], args: argparse.Namespace) -> list
     return rows
 
 
+def _impossible_mesh(world: int, tp: int, cp: int, outer: int) -> str:
+    """Why ``world`` ranks hold no such mesh, naming only the sizes asked for."""
+    named = [f"{name} {size}" for name, size in (("tp", tp), ("cp", cp), ("dp_outer", outer)) if size > 1]
+    return f"world size {world} with {' x '.join(named)} ({world} is not divisible by {tp * cp * outer})"
+
+
 _COLUMNS = (("weights", "weights"), ("main_weights", "main w"), ("main_grads", "main g"), ("optimizer", "optim"),
             ("model_states", "states"), ("working_set", "working"), ("device_total", "device"), ("host", "host"))
 
 
+def _parallel_columns(rows: list[dict]) -> list[str]:
+    """The model-parallel sizes some row sets: tp, cp and ep when not 1, etp when not the TP size."""
+    return [key for key in ("tp", "cp", "ep", "etp")
+            if any(row[key] != (row["tp"] if key == "etp" else 1) for row in rows)]
+
+
 def format_table(rows: list[dict]) -> str:
     """One line per row, sizes in GiB."""
-    header = f"{'strategy':<19}{'world':>6}{'outer':>6}{'offload':>8}" + "".join(f"{title:>10}" for _, title in _COLUMNS)
+    parallel = _parallel_columns(rows)
+    header = f"{'strategy':<19}{'world':>6}{'outer':>6}" + "".join(f"{key:>5}" for key in parallel) + f"{'offload':>8}"
+    header += "".join(f"{title:>10}" for _, title in _COLUMNS)
     if rows and "fits" in rows[0]:
         header += "  fits"
     lines = [header]
     for row in rows:
-        line = f"{row['strategy']:<19}{row['world']:>6}{row['dp_outer']:>6}{'yes' if row['offload'] else 'no':>8}"
+        line = f"{row['strategy']:<19}{row['world']:>6}{row['dp_outer']:>6}" + "".join(f"{row[key]:>5}" for key in parallel)
+        line += f"{'yes' if row['offload'] else 'no':>8}"
         line += "".join(f"{gib(row[key]):>10.2f}" for key, _ in _COLUMNS)
         if "fits" in row:
             line += "  " + ("yes" if row["fits"] else "no")
@@ -208,4 +253,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{params / 1e9:.2f}B parameters ({args.dtype}), units: {', '.join(c.__name__ for c in units) or 'none'}; "
           f"GiB per rank (the largest); 'states' = model states held from the first step, 'working' = "
           f"gathered weights and gradient buffers at their peak, 'device' = states plus the larger of 'working' and the optimizer step's temporaries, before activations")
+    if columns := _parallel_columns(rows):
+        split = ""
+        if any(row["tp"] > 1 or row["etp"] > 1 for row in rows):
+            split = "; tensor-parallel split: " + ("--tensor-parallel-plan's" if args.tensor_parallel_plan else
+                                                   "Megatron-LM's, by module names")
+        print(f"model-parallel sizes: {', '.join(columns)} (world: all ranks){split}")
     print(format_table(rows))

@@ -20,6 +20,18 @@ from torch import nn
 from megatron_fsdp.engine.buckets.bucket_geometry import BucketGeometry
 from megatron_fsdp.engine.buckets.float8_weights import float8_gathered_weights, float8_gathers_blocked_by
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
+from megatron_fsdp.engine.params.dtensor_params import local_tensor
+from megatron_fsdp.engine.planning.model_parallel import (
+    LocalParams,
+    ParallelSizes,
+    RankPlace,
+    TensorParallelPlan,
+    expert_names,
+    local_params,
+    megatron_style_plan,
+    place_of,
+    resolve_split_dims,
+)
 from megatron_fsdp.engine.step.units import ROOT_UNIT_NAME, assign_params_to_units, bucket_groups, find_unit_modules
 
 # The CUDA caching allocator and the bucket pool hand out multiples of this many bytes.
@@ -88,12 +100,16 @@ class OptimizerSpec:
 @dataclass(frozen=True)
 class PlanOptions:
     """How the model is sharded: the settings a MegatronFSDP is built with, the mesh given as
-    sizes, and what the plan cannot learn from those (the optimizer, micro-batches, the device)."""
+    sizes, and what the plan cannot learn from those (the optimizer, micro-batches, the device).
+    ``tensor_parallel_plan``: which parameters tensor parallelism splits on which dim
+    (model_parallel.resolve_split_dims); None: Megatron-LM's split, found by module names."""
 
     world_size: int
     settings: FSDPSettings = field(default_factory=FSDPSettings)
     outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD
     outer_size: int = 1
+    parallel: ParallelSizes = field(default_factory=ParallelSizes)
+    tensor_parallel_plan: TensorParallelPlan | None = None
     optimizer: OptimizerSpec = field(default_factory=lambda: OptimizerSpec.parse("adamw"))
     micro_batches: int = 1
     # How micro-batches before the last hold back (DEFERRED_REDUCTIONS).
@@ -102,7 +118,16 @@ class PlanOptions:
 
     @property
     def shard_size(self) -> int:
-        return self.world_size // self.outer_size
+        """The group dense parameters are sharded over: dp_shard x cp."""
+        return self.parallel.data_parallel_ranks(self.world_size) // self.outer_size
+
+    @property
+    def expert_shard_size(self) -> int:
+        """The group expert parameters are sharded over: the ranks holding the same experts."""
+        return self.parallel.expert_data_parallel_size(self.world_size)
+
+    def place(self, rank: int) -> RankPlace:
+        return place_of(rank, self.world_size, self.outer_size, self.parallel)
 
     @property
     def accumulates_locally(self) -> bool:
@@ -188,14 +213,16 @@ class _BucketPlan:
     requires_grad: bool
     # torchao Float8Linear weights gathered in float8 (engine/buckets/float8_bucket.py).
     float8: bool = False
+    # Expert parameters, sharded over the expert-data-parallel group.
+    expert: bool = False
 
     @property
     def shape(self) -> _BucketShape:
         """What its geometry depends on: alike buckets (the same bucket of every layer) share it."""
-        return self.numels, self.dtype, self.requires_grad, self.float8
+        return self.numels, self.dtype, self.requires_grad, self.float8, self.expert
 
 
-_BucketShape = tuple[tuple[int, ...], torch.dtype, bool, bool]
+_BucketShape = tuple[tuple[int, ...], torch.dtype, bool, bool, bool]
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -219,6 +246,7 @@ def check_options(options: PlanOptions) -> None:
             f"world_size {options.world_size} is not divisible by dp_outer_size {options.outer_size}: the mesh is "
             "(dp_outer, dp_shard), so pick an outer size that divides the world size"
         )
+    options.parallel.check(options.world_size, options.outer_size)
     if options.outer_strategy is ShardingStrategy.OPTIM and options.outer_size == 1:
         raise ValueError("outer_dp_sharding_strategy='optim' needs dp_outer_size > 1")
     if options.micro_batches < 1:
@@ -234,29 +262,40 @@ def plan_buckets(
     unit_classes: tuple[type, ...],
     strategy: ShardingStrategy,
     float8_dtypes: Mapping[nn.Parameter, torch.dtype] | None = None,
+    local: LocalParams | None = None,
 ) -> list[_BucketPlan]:
     """The buckets fully_shard would build, unit by unit (the root unit first); ``float8_dtypes``:
-    the weights it would gather in float8 (float8_weights.float8_gathered_weights)."""
+    the weights it would gather in float8 (float8_weights.float8_gathered_weights); ``local``:
+    what one rank holds of each parameter under tensor and expert parallelism (without it, each
+    parameter's local tensor, and expert buckets planned over the dense group: the wrap-time
+    check's approximation)."""
     unit_modules = find_unit_modules(module, unit_classes, units_required=strategy.shards_weights, log_absent=False)
     assignment = assign_params_to_units(module, [m for _, m in unit_modules])
     names = {m: name for name, m in unit_modules}
     named = dict(module.named_parameters())
+    numels = local.numels if local is not None else {n: local_tensor(p).numel() for n, p in named.items()}
+    experts = {named[n] for n in local.experts} if local is not None else None
     buckets = []
     for owner, param_names in assignment.items():
         unit = ROOT_UNIT_NAME if owner is None else names[owner]
-        for key, members in bucket_groups(unit, [(n, named[n]) for n in param_names], float8_dtypes or {}).items():
-            numels = tuple(p.numel() for _, p in members)
-            buckets.append(_BucketPlan(unit, numels, key.dtype, key.requires_grad, key.float8 is not None))
+        held = [(n, named[n]) for n in param_names if n in numels]
+        for key, members in bucket_groups(unit, held, float8_dtypes or {}, experts).items():
+            sizes = tuple(numels[n] for n, _ in members)
+            expert = key.expert and local is not None
+            buckets.append(_BucketPlan(unit, sizes, key.dtype, key.requires_grad, key.float8 is not None, expert))
     return buckets
 
 
-def _geometry(shape: _BucketShape, options: PlanOptions, shard_rank: int, outer_rank: int) -> BucketGeometry:
-    numels, dtype, requires_grad, float8 = shape
+def _geometry(shape: _BucketShape, options: PlanOptions, place: RankPlace) -> BucketGeometry:
+    numels, dtype, requires_grad, float8, expert = shape
     settings = options.settings
+    rank, size, outer_size, outer_rank = place.shard_rank, options.shard_size, options.outer_size, place.outer_rank
+    if expert:  # the expert-data-parallel group, without an outer one (mesh.resolve_expert_group)
+        rank, size, outer_size, outer_rank = place.expert_shard_rank, options.expert_shard_size, 1, 0
     return BucketGeometry.build(
-        numels, dtype.itemsize, settings.alignment_bytes, shard_rank, options.shard_size, settings.strategy,
+        numels, dtype.itemsize, settings.alignment_bytes, rank, size, settings.strategy,
         settings.mixed_precision.resolve(dtype), requires_grad, settings.cpu_offload,
-        outer_size=options.outer_size, outer_rank=outer_rank,
+        outer_size=outer_size, outer_rank=outer_rank,
         outer_shards_optimizer=options.outer_strategy is ShardingStrategy.OPTIM, float8_weights=float8,
     )
 
@@ -330,7 +369,10 @@ def _working_set(memory: RankMemory, plans: list[tuple[_BucketPlan, BucketGeomet
         in_flight = 2 if options.settings.overlap_param_gather else 1
         memory.gathered_weights = root + sum(sorted(per_unit.values(), reverse=True)[:in_flight])
     pending = options.settings.max_reductions_in_flight if options.settings.overlap_grad_reduce else 0
-    reductions = [_ReductionBytes.of(geometry) for _, geometry in plans]
+    # An expert bucket's gradients are divided by the dense data-parallel size (units.py).
+    dense = options.parallel.data_parallel_ranks(options.world_size)
+    reductions = [_ReductionBytes.of(geometry, dense if bucket.expert else geometry.layout.world_size)
+                  for bucket, geometry in plans]
     if options.accumulates_locally:
         # Every bucket's un-reduced gradients stay from the first micro-batch to the last one,
         # which reduces them bucket by bucket: a reduction adds what it holds beyond them.
@@ -367,8 +409,8 @@ class _ReductionBytes:
     in_flight: int = 0
 
     @classmethod
-    def of(cls, geometry: BucketGeometry) -> _ReductionBytes:
-        if not geometry.requires_grad or geometry.reduces_in_place(grad_divisor=geometry.layout.world_size):
+    def of(cls, geometry: BucketGeometry, grad_divisor: int) -> _ReductionBytes:
+        if not geometry.requires_grad or geometry.reduces_in_place(grad_divisor):
             return cls()  # reduced in place: planned over the dense group
         dtypes, layout = geometry.dtypes, geometry.layout
         unreduced_dtype = dtypes.comm if geometry.strategy.shards_grads else dtypes.main_grads
@@ -387,20 +429,28 @@ class _ReductionBytes:
         return cls(unreduced, max(unreduced + copy, sent + received), sent + received)
 
 
-def plan_rank(buckets: Sequence[_BucketPlan], module: nn.Module, options: PlanOptions, rank: int) -> RankMemory:
-    """Global ``rank``'s bytes (ranks are laid out as the (dp_outer, dp_shard) mesh). Buckets
-    alike (the same bucket of every layer) are planned once and counted as often as they occur."""
-    outer_rank, shard_rank = divmod(rank, options.shard_size)
+def plan_rank(
+    buckets: Sequence[_BucketPlan],
+    module: nn.Module,
+    options: PlanOptions,
+    rank: int,
+    other_experts: Sequence[str] = (),
+) -> RankMemory:
+    """Global ``rank``'s bytes (ranks laid out as model_parallel.place_of says). Buckets alike (the
+    same bucket of every layer) are planned once and counted as often as they occur;
+    ``other_experts``: modules of experts this rank does not hold, nor their buffers."""
     memory = RankMemory(rank)
     counts = Counter(b.shape for b in buckets)
-    geometries = {shape: _geometry(shape, options, shard_rank, outer_rank) for shape in counts}
+    place = options.place(rank)
+    geometries = {shape: _geometry(shape, options, place) for shape in counts}
     kernel_step = _stepped_by_kernels(list(geometries.values()), options)
     for shape, count in counts.items():
         one = RankMemory(rank)
         _add_bucket(one, geometries[shape], options, kernel_step)
         memory.merge(one, count)
-    for buffer in module.buffers():
-        memory.add("device", "module buffers", buffer.numel() * buffer.element_size())
+    for name, buffer in module.named_buffers():
+        if not any(name.startswith(f"{prefix}.") for prefix in other_experts):
+            memory.add("device", "module buffers", buffer.numel() * buffer.element_size())
     plans = [(b, geometries[b.shape]) for b in buckets]
     _add_offload_staging(memory, plans, options)
     _working_set(memory, plans, options)
@@ -438,24 +488,59 @@ def _add_offload_staging(memory: RankMemory, plans: list[tuple[_BucketPlan, Buck
             memory.add("host", "offload staging", largest_grads, pinned=pinned)
 
 
-def planned_ranks(options: PlanOptions) -> list[int]:
-    """Ranks whose plans can differ: every shard rank (each holds other padding) of the first
-    outer rank; under HFSDP every rank (each outer rank steps another part of each shard). The
-    outer ranks of plain HSDP hold what the first one holds."""
-    if options.outer_strategy is ShardingStrategy.OPTIM:
-        return list(range(options.world_size))
-    return list(range(options.shard_size))
+def alike_ranks(options: PlanOptions, experts: bool) -> list[int]:
+    """For each rank, the first rank holding alike: whose shard rank (each holds other padding),
+    under HFSDP outer rank (each steps another part of each shard) and, with ``experts``,
+    expert-data-parallel rank and experts are its own. Tensor-parallel ranks hold alike (the
+    sizes divide every split dim), and so do the outer ranks of plain HSDP."""
+    hfsdp = options.outer_strategy is ShardingStrategy.OPTIM
+    first: dict[RankPlace, int] = {}
+    alike = []
+    for rank in range(options.world_size):
+        place = options.place(rank)
+        key = RankPlace(place.outer_rank if hfsdp else 0, place.shard_rank,
+                        place.expert_shard_rank if experts else 0, place.expert_rank if experts else 0)
+        alike.append(first.setdefault(key, rank))
+    return alike
 
 
-def plan_model(module: nn.Module, unit_classes: tuple[type, ...], options: PlanOptions) -> tuple[RankMemory, list[RankMemory]]:
-    """The largest rank's plan and every planned rank's (see :func:`planned_ranks`)."""
+def _split_dims(module: nn.Module, options: PlanOptions) -> dict[str, int]:
+    sizes, plan = options.parallel, options.tensor_parallel_plan
+    if plan is None and sizes.tensor == sizes.etp == 1:
+        return {}
+    dims = resolve_split_dims(module, plan if plan is not None else megatron_style_plan(module))
+    if plan is None and not dims:
+        raise ValueError(
+            "tensor parallelism was asked for, but Megatron-LM's split (by module names, model_parallel.py) finds "
+            "no module of this model to split: give tensor_parallel_plan, e.g. {'layers.*.mlp.up': 'colwise'}"
+        )
+    return dims
+
+
+def plan_model(
+    module: nn.Module, unit_classes: tuple[type, ...], options: PlanOptions,
+) -> tuple[RankMemory, list[RankMemory], list[int]]:
+    """The largest rank's plan, every planned rank's, and for each rank the planned rank it
+    holds alike with (:func:`alike_ranks`)."""
     check_options(options)
     outer_shards_optimizer = options.outer_strategy is ShardingStrategy.OPTIM and options.outer_size > 1
     float8 = float8_gathered_weights(module, float8_gathers_blocked_by(options.settings.cpu_offload, outer_shards_optimizer))
-    buckets = plan_buckets(module, unit_classes, options.settings.strategy, float8)
-    ranks = [plan_rank(buckets, module, options, rank) for rank in planned_ranks(options)]
+    split_dims, experts = _split_dims(module, options), expert_names(module, options.parallel)
+    if experts:
+        options.parallel.check_expert_groups(options.world_size)
+    # What a rank holds depends on which experts it holds, not on its tensor-parallel rank.
+    by_expert_rank: dict[int, tuple[LocalParams, list[_BucketPlan]]] = {}
+    alike = alike_ranks(options, bool(experts))
+    ranks = []
+    for rank in sorted(set(alike)):
+        expert_rank = options.place(rank).expert_rank
+        if expert_rank not in by_expert_rank:
+            local = local_params(module, options.parallel, split_dims, experts, expert_rank)
+            by_expert_rank[expert_rank] = local, plan_buckets(module, unit_classes, options.settings.strategy, float8, local)
+        local, buckets = by_expert_rank[expert_rank]
+        ranks.append(plan_rank(buckets, module, options, rank, local.other_experts))
     largest = max(ranks, key=lambda m: (m.device_total, m.host_model_states))
-    return largest, ranks
+    return largest, ranks, alike
 
 
 def gib(nbytes: int) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import importlib
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -124,19 +124,22 @@ def bucket_groups(
     unit_name: str,
     named_params: Sequence[tuple[str, nn.Parameter]],
     float8_dtypes: Mapping[nn.Parameter, torch.dtype] | None = None,
+    experts: Collection[nn.Parameter] | None = None,
 ) -> dict[BucketKey, list[tuple[str, nn.Parameter]]]:
     """A unit's parameters grouped into buckets, in order: one per dtype, trainability,
     expert-ness and float8 gathering; in the root unit also one per module. The root unit's
     parameters (embedding, head, final norm) meet backward far apart: one bucket per module lets
     the head's gradients reduce, and their buffer go back to the pool, long before the
-    embedding's arrive at the end. ``float8_dtypes``: the float8-gathered weights when they are
-    not marked yet (a plan of a model not sharded: memory_plan.py)."""
+    embedding's arrive at the end. ``float8_dtypes`` and ``experts``: the float8-gathered weights
+    and the expert parameters when they are not marked yet (a plan of a model not sharded:
+    memory_plan.py)."""
     groups: dict[BucketKey, list[tuple[str, nn.Parameter]]] = {}
     for param_name, param in named_params:
         owner = param_name.rpartition(".")[0] if unit_name == ROOT_UNIT_NAME else ""
         spec = float8_spec(param)
         float8 = float8_dtypes.get(param) if float8_dtypes is not None else spec and spec.float8_dtype
-        key = BucketKey(owner, param.dtype, param.requires_grad, is_expert_param(param), float8)
+        expert = param in experts if experts is not None else is_expert_param(param)
+        key = BucketKey(owner, param.dtype, param.requires_grad, expert, float8)
         groups.setdefault(key, []).append((param_name, param))
     return groups
 
