@@ -4,8 +4,11 @@ blocks marked ``tensor_model_parallel`` / ``partition_dim``, the vocabulary and 
 layer split by rows, its second by columns, norms and biases after a reduction duplicated),
 wrapped by :class:`MegatronCoreFSDP` over megatron-core's mesh ``(dp_cp, tp)`` and driven as
 megatron-core drives it (``finish_grad_sync``, its clip on local gradients with tensor-parallel
-duplicates left out, the fsdp_dtensor checkpoint through DCP). Compared with one process
-training the unsplit model on the same data. tests/gpu/test_megatron_lm_pretrain.py runs
+duplicates left out, the fsdp_dtensor checkpoint through DCP), with and without sequence
+parallelism (norms, position embedding and row-parallel bias on each rank's slice of the
+sequence, their gradients summed over the tensor-parallel group by megatron-core's
+``finalize_model_grads`` on the faces' local gradients). Compared with one process training the
+unsplit model on the same data. tests/gpu/test_megatron_lm_pretrain.py runs
 Megatron-LM's ``pretrain_gpt.py`` with ``--tensor-model-parallel-size 2`` itself.
 
 Tolerances: fp32 throughout. The sharded run sums the same products in another order (TP
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -33,7 +37,7 @@ from megatron_fsdp import uneven_dtensor
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
 from megatron_fsdp.integrations.piece_steps import install_piece_steps
 
-VOCAB, HIDDEN, FFN, SEQ, ROWS = 38, 20, 52, 9, 4
+VOCAB, HIDDEN, FFN, SEQ, ROWS = 38, 20, 52, 10, 4
 STEPS, SAVED_AT = 5, 3
 
 
@@ -81,31 +85,81 @@ class _GatherLastDim(torch.autograd.Function):
         return grad[..., start : start + ctx.width].contiguous(), None
 
 
+class _GatherSequence(torch.autograd.Function):
+    """Sequence parallelism's gather before a column-parallel layer: each rank's slice of the
+    sequence (dim 1) to the whole; backward sums the gradients and keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _GatherLastDim.forward(ctx, x.transpose(1, 2), group).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter_sequence(grad, ctx.group), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """After a row-parallel layer: the sum over the tensor-parallel ranks, this rank's slice of
+    the sequence; backward gathers the slices."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group, ctx.width = group, x.shape[1] // dist.get_world_size(group)
+        return _reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=1), None
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    total = x.clone()
+    dist.all_reduce(total, group=group)  # gloo has no reduce-scatter
+    return total.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+
 def _split(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
     """megatron-core's marks on a weight its tensor-parallel ranks hold a block of."""
     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, partition_dim, 1
     return param
 
 
+def _on_sequence_slices(*params: nn.Parameter) -> None:
+    """megatron-core's mark on a duplicated parameter that sequence parallelism applies to one
+    slice of the sequence per rank: its gradients are partial sums."""
+    for param in params:
+        param.sequence_parallel = True
+
+
 class TensorParallelMLPBlock(nn.Module):
     """LayerNorm, a column-parallel layer (rows of the weight and bias split), GELU, a
     row-parallel layer (columns split; its bias added after the reduction, duplicated)."""
 
-    def __init__(self, tp: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, tp: int, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.norm = nn.LayerNorm(HIDDEN)
         self.fc1_weight = _split(nn.Parameter(torch.empty(FFN // tp, HIDDEN)), 0)
         self.fc1_bias = _split(nn.Parameter(torch.empty(FFN // tp)), 0)
         self.fc2_weight = _split(nn.Parameter(torch.empty(HIDDEN, FFN // tp)), 1)
         self.fc2_bias = nn.Parameter(torch.empty(HIDDEN))
+        if sequence_parallel:
+            _on_sequence_slices(self.norm.weight, self.norm.bias, self.fc2_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: the whole sequence, or under sequence parallelism this rank's slice of it."""
         h = self.norm(x)
-        if self.group is not None:
+        if self.sequence_parallel:
+            h = _GatherSequence.apply(h, self.group)
+        elif self.group is not None:
             h = _CopyToTensorParallel.apply(h, self.group)
         partial = F.linear(F.gelu(F.linear(h, self.fc1_weight, self.fc1_bias)), self.fc2_weight)
-        if self.group is not None:
+        if self.sequence_parallel:
+            partial = _ReduceScatterSequence.apply(partial, self.group)
+        elif self.group is not None:
             partial = _ReduceFromTensorParallel.apply(partial, self.group)
         return x + partial + self.fc2_bias
 
@@ -114,15 +168,17 @@ class TensorParallelGPT(nn.Module):
     """A vocabulary-parallel embedding and output layer around tensor-parallel MLP blocks; with
     ``tp == 1`` (no group) the plain model that the one-process reference trains."""
 
-    def __init__(self, tp: int = 1, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, tp: int = 1, group: dist.ProcessGroup | None = None, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.tp, self.group = tp, group
+        self.tp, self.group, self.sequence_parallel = tp, group, sequence_parallel
         self.rank = dist.get_rank(group) if group is not None else 0
         self.embedding = _split(nn.Parameter(torch.empty(VOCAB // tp, HIDDEN)), 0)
         self.position = nn.Parameter(torch.empty(SEQ, HIDDEN))
-        self.blocks = nn.ModuleList(TensorParallelMLPBlock(tp, group) for _ in range(2))
+        self.blocks = nn.ModuleList(TensorParallelMLPBlock(tp, group, sequence_parallel) for _ in range(2))
         self.final_norm = nn.LayerNorm(HIDDEN)
         self.output = _split(nn.Parameter(torch.empty(VOCAB // tp, HIDDEN)), 0)
+        if sequence_parallel:
+            _on_sequence_slices(self.position, self.final_norm.weight, self.final_norm.bias)
         self.load_blocks_of(full_initial_weights())
 
     def load_blocks_of(self, full: dict[str, torch.Tensor]) -> None:
@@ -139,13 +195,19 @@ class TensorParallelGPT(nn.Module):
         local = tokens - self.rank * rows
         outside = (local < 0) | (local >= rows)
         x = F.embedding(local.clamp(0, rows - 1), self.embedding).masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.group is not None:
+        position = self.position[: tokens.shape[1]]
+        if self.sequence_parallel:
+            x = _ReduceScatterSequence.apply(x, self.group)
+            position = position.chunk(self.tp)[self.rank]
+        elif self.group is not None:
             x = _ReduceFromTensorParallel.apply(x, self.group)
-        x = x + self.position[: tokens.shape[1]]
+        x = x + position
         for block in self.blocks:
             x = block(x)
         h = self.final_norm(x)
-        if self.group is not None:
+        if self.sequence_parallel:
+            h = _GatherSequence.apply(h, self.group)
+        elif self.group is not None:
             h = _CopyToTensorParallel.apply(h, self.group)
         logits = F.linear(h, self.output)
         if self.group is not None:
@@ -190,7 +252,7 @@ def make_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 class _Adapter(nn.Module):
     """Stands for megatron-core's FullyShardedDataParallel over a ``(dp_cp, tp)`` mesh."""
 
-    def __init__(self, dp: int, tp: int) -> None:
+    def __init__(self, dp: int, tp: int, sequence_parallel: bool = False) -> None:
         super().__init__()
         mesh = dist.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_cp", "tp"))
         self.tp_group = mesh["tp"].get_group()
@@ -200,7 +262,8 @@ class _Adapter(nn.Module):
         config = megatron_fsdp.DistributedDataParallelConfig(
             data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, overlap_param_gather=True
         )
-        model = TensorParallelGPT(tp, self.tp_group if tp > 1 else None)
+        self.sequence_parallel = sequence_parallel
+        model = TensorParallelGPT(tp, self.tp_group if tp > 1 else None, sequence_parallel)
         self.module = MegatronCoreFSDP(model, index, config, fsdp_unit_modules=[TensorParallelMLPBlock])
 
 
@@ -230,12 +293,26 @@ def _clip(adapter: _Adapter, optimizer: torch.optim.Optimizer, max_norm: float) 
     return norm
 
 
+def _finalize_model_grads(adapter: _Adapter) -> None:
+    """megatron-core's finalize_model_grads for Megatron-FSDP: the gradient sync, then under
+    sequence parallelism the partial gradients summed over the tensor-parallel group in place,
+    through the faces' local gradients (flattened into one all-reduce, as it does)."""
+    adapter.module.finish_grad_sync()
+    if not adapter.sequence_parallel:
+        return
+    grads = [p.grad._local_tensor.data for p in adapter.parameters() if getattr(p, "sequence_parallel", False)]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=adapter.tp_group)
+    for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(summed.view_as(grad))
+
+
 def _train_step(adapter: _Adapter, optimizer: torch.optim.Optimizer, step: int) -> tuple[float, float]:
     tokens, targets = make_batch(step)
     rows = slice(adapter.dp_rank * ROWS // adapter.dp, (adapter.dp_rank + 1) * ROWS // adapter.dp)
     loss = adapter.module(tokens[rows], targets[rows])
     loss.backward()
-    adapter.module.finish_grad_sync()
+    _finalize_model_grads(adapter)
     norm = _clip(adapter, optimizer, 0.5)
     optimizer.step()
     adapter.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
@@ -251,10 +328,10 @@ def _checkpoint_state(adapter: _Adapter, optimizer: torch.optim.Optimizer) -> di
     return uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(state)
 
 
-def _resume(dp: int, tp: int, checkpoint_dir: str) -> list[tuple[float, float]]:
+def _resume(dp: int, tp: int, checkpoint_dir: str, sequence_parallel: bool = False) -> list[tuple[float, float]]:
     """Fresh objects loading the checkpoint as megatron-core does (a zero-gradient step first
     materialises the optimizer state), then the steps after the save."""
-    adapter = _Adapter(dp, tp)
+    adapter = _Adapter(dp, tp, sequence_parallel)
     optimizer = _optimizer(adapter)
     for p in adapter.parameters():
         p.grad = torch.zeros_like(p)
@@ -266,10 +343,10 @@ def _resume(dp: int, tp: int, checkpoint_dir: str) -> list[tuple[float, float]]:
     return [_train_step(adapter, optimizer, step) for step in range(SAVED_AT, STEPS)]
 
 
-def _flow(rank: int, world_size: int, checkpoint_dir: str) -> dict:
+def _flow(rank: int, world_size: int, checkpoint_dir: str, sequence_parallel: bool) -> dict:
     handles = install_piece_steps()  # what install() puts: the optimizer steps the plain pieces
     try:
-        adapter = _Adapter(2, 2)
+        adapter = _Adapter(2, 2, sequence_parallel)
         optimizer = _optimizer(adapter)
         history = [_train_step(adapter, optimizer, step) for step in range(SAVED_AT)]
         dcp.save(_checkpoint_state(adapter, optimizer), checkpoint_id=checkpoint_dir)
@@ -281,7 +358,7 @@ def _flow(rank: int, world_size: int, checkpoint_dir: str) -> dict:
             "history": history,
             "full": full,
             "placements": placements,
-            "same_sizes": _resume(2, 2, checkpoint_dir),
+            "same_sizes": _resume(2, 2, checkpoint_dir, sequence_parallel),
             "dp4": _resume(4, 1, checkpoint_dir),
         }
     finally:
@@ -304,8 +381,9 @@ def _reference() -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
     return history, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def test_tensor_parallel_blocks_train_checkpoint_and_reshard_like_one_process(tmp_path):
-    results = run_distributed(_flow, 4, str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sequence-parallel"])
+def test_tensor_parallel_blocks_train_checkpoint_and_reshard_like_one_process(sequence_parallel, tmp_path):
+    results = run_distributed(_flow, 4, str(tmp_path / "ckpt"), sequence_parallel)
     reference, reference_params = _reference()
     ours = results[0]
     assert all(r["history"] == ours["history"] for r in results), "ranks disagree on the loss or the norm"
