@@ -18,7 +18,8 @@ config and flags only: HSDP (2 replicas of 2 shards), ``llama3_debugmodel_float8
 Float8Linear, tensorwise, emulated on the CPU), per-block ``torch.compile`` (``aot_eager``), full
 activation checkpointing and two accumulated micro-batches per step (global batch twice the
 data-parallel one). A third, on 4 gloo ranks too, turns on torchtitan's tensor and context
-parallelism (2 x 2), the parameters DTensors on the "tp" dim sharded over the "fsdp" dim.
+parallelism (2 x 2), the parameters DTensors on the "tp" dim sharded over the "fsdp" dim. The
+last resumes our step checkpoints across tensor-parallel degrees, 2 -> 1 and 1 -> 2.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ FEATURES = (
 # by hand, 2.0e-4 over these 3 steps (2.5e-5 of the first loss), 3.0e-5 over 4 steps and 1.6e-4
 # over 6 of the float8 model alone at world 2 (docs/fsdp2.md). Bound: 1e-4 of the first loss.
 FLOAT8_RELATIVE_TOLERANCE = 1e-4
+# Resumed at the other tensor-parallel degree: fp32 rounding of the TP reductions, relative to
+# each loss; measured 2.5e-7.
+RESHARD_RTOL = 1e-6
 
 
 def _args(
@@ -148,3 +152,32 @@ def test_torchtitan_trainer_with_tensor_and_context_parallel_matches_fsdp2(tmp_p
     )[0]  # fmt: skip
     assert len(fsdp2) == STEPS and fsdp2[-1][1] < fsdp2[0][1]  # it trained
     _assert_losses_close(ours, fsdp2, LOSS_TOLERANCE)
+
+
+def test_torchtitan_checkpoints_reshard_between_tensor_parallel_degrees_2_and_1(tmp_path, seeded) -> None:
+    """Our module's step checkpoint saved at ``tensor_parallel_degree`` 2 (world 2) resumes at 1
+    (world 1), and one saved at 1 resumes at 2. Both layouts have data-parallel degree 1, so they
+    read the same batches and the dataloader's state carries over; after either resume the losses
+    are the uninterrupted runs' (both layouts', which agree to fp32 rounding). One world-2 launch
+    (the most costly), between the two cheap world-1 ones that 1 -> 2 and 2 -> 1 need."""
+    run_dir, from_seed = seeded
+    tp2 = ("--parallelism.tensor_parallel_degree", "2")
+    dumps = {name: str(tmp_path / name) for name in ("tp1", "tp2", "tp1_to_tp2", "tp2_to_tp1")}
+
+    def launch(world: int, *runs: list[str]) -> list[list[tuple[int, float]]]:
+        return run_distributed(train_runs, world, run_dir, list(runs), fresh_processes=True, timeout=600)[0]
+
+    (uninterrupted_tp1,) = launch(1, _args(MEGATRON_FSDP, dumps["tp1"], *from_seed))
+    _copy_step(dumps["tp1"], dumps["tp1_to_tp2"])
+    uninterrupted_tp2, tp1_to_tp2 = launch(
+        2, _args(MEGATRON_FSDP, dumps["tp2"], *from_seed, *tp2), _args(MEGATRON_FSDP, dumps["tp1_to_tp2"], *tp2)
+    )
+    _copy_step(dumps["tp2"], dumps["tp2_to_tp1"])
+    (tp2_to_tp1,) = launch(1, _args(MEGATRON_FSDP, dumps["tp2_to_tp1"]))
+    assert len(uninterrupted_tp2) == STEPS and uninterrupted_tp2[-1][1] < uninterrupted_tp2[0][1]  # it trained
+    for what, resumed in (("1 -> 2", tp1_to_tp2), ("2 -> 1", tp2_to_tp1)):
+        for uninterrupted in (uninterrupted_tp1, uninterrupted_tp2):
+            expected = uninterrupted[CHECKPOINT_STEP:]
+            assert [step for step, _ in resumed] == [step for step, _ in expected]
+            worst = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(resumed, expected))
+            assert worst <= RESHARD_RTOL, f"{what}: losses differ by {worst:.2e} relative: {resumed} vs {expected}"
