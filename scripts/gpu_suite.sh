@@ -17,6 +17,11 @@
 #                 Each test runs ours and the bundled copy side by side.
 #   train         the main job on 2 GPUs (skipped with fewer)
 #   all           every part above, one after another
+#
+# World size: every part runs on all the machine's GPUs. Tests that need 2 or more skip on one:
+# the user-buffer registrations (engine), the model-parallel pretrain_gpt.py runs (TP2, EP2 and the
+# TP2 checkpoint, the last part of megatron-lm), train. At world 4 the model-parallel runs are
+# TP2 x DP2 and EP2 x DP2 (benchmarks/results/2026-11-27_h100x4_gpu_suite_world4.txt).
 # Timed on one H100, the build (65-105 s, logged as "build") not included: ops 18 s of tests
 # (2026-11-27), engine 255 s (2026-11-25), megatron-core 79 s (2026-11-27), megatron-lm-1 to -5
 # 170, 170, 187, 171 and 130 s (2026-11-27), so every part ends within about 6 minutes.
