@@ -22,7 +22,7 @@ from models import HIDDEN, SEQ, VOCAB
 EXPERTS, EXPERT_FFN = 4, 12
 
 
-class _SumOverGroup(torch.autograd.Function):
+class SumOverGroup(torch.autograd.Function):
     """Forward: the sum of every rank's partial output; backward: the gradient as it is (each
     rank's partial output contributed to the sum once)."""
 
@@ -93,7 +93,7 @@ class ExpertParallelMoE(nn.Module):
         hidden = F.gelu(torch.einsum("nh,ehf->nef", tokens, w_in))
         every = torch.einsum("nef,efh->neh", hidden, w_out)
         chosen = every[torch.arange(tokens.shape[0]), expert]
-        return chosen if self.etp_group is None else _SumOverGroup.apply(chosen, self.etp_group)
+        return chosen if self.etp_group is None else SumOverGroup.apply(chosen, self.etp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, HIDDEN)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _dist import run_distributed
+from moe_model import SumOverGroup
 
 import megatron_fsdp
 from megatron_fsdp import uneven_dtensor
@@ -56,18 +57,6 @@ class _CopyToTensorParallel(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.clone()
         dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -160,7 +149,7 @@ class TensorParallelMLPBlock(nn.Module):
         if self.sequence_parallel:
             partial = _ReduceScatterSequence.apply(partial, self.group)
         elif self.group is not None:
-            partial = _ReduceFromTensorParallel.apply(partial, self.group)
+            partial = SumOverGroup.apply(partial, self.group)
         return x + partial + self.fc2_bias
 
 
@@ -200,7 +189,7 @@ class TensorParallelGPT(nn.Module):
             x = _ReduceScatterSequence.apply(x, self.group)
             position = position.chunk(self.tp)[self.rank]
         elif self.group is not None:
-            x = _ReduceFromTensorParallel.apply(x, self.group)
+            x = SumOverGroup.apply(x, self.group)
         x = x + position
         for block in self.blocks:
             x = block(x)
