@@ -2,14 +2,17 @@
 3.12): a model built as megatron-core's tensor-parallel layers build theirs (plain per-rank
 blocks marked ``tensor_model_parallel`` / ``partition_dim``, the vocabulary and the MLP's first
 layer split by rows, its second by columns, norms and biases after a reduction duplicated),
-wrapped by :class:`MegatronCoreFSDP` over megatron-core's mesh ``(dp_cp, tp)`` and driven as
-megatron-core drives it (``finish_grad_sync``, its clip on local gradients with tensor-parallel
-duplicates left out, the fsdp_dtensor checkpoint through DCP), with and without sequence
-parallelism (norms, position embedding and row-parallel bias on each rank's slice of the
-sequence, their gradients summed over the tensor-parallel group by megatron-core's
-``finalize_model_grads`` on the faces' local gradients). Compared with one process training the
-unsplit model on the same data. tests/gpu/test_megatron_lm_pretrain.py runs
-Megatron-LM's ``pretrain_gpt.py`` with ``--tensor-model-parallel-size 2`` itself.
+wrapped by :class:`MegatronCoreFSDP` over megatron-core's mesh ``(outer_fsdp_dp, dp_cp, tp)`` and
+driven as megatron-core drives it (``finish_grad_sync``, its clip on local gradients with
+tensor-parallel duplicates left out, the fsdp_dtensor checkpoint through DCP). Three layouts at
+world 4: TP2 x DP2; the same with sequence parallelism (norms, position embedding and
+row-parallel bias on each rank's slice of the sequence, their partial gradients summed over the
+tensor-parallel group by megatron-core's ``finalize_model_grads`` through the faces' local
+gradients); and TP2 under HFSDP (two distributed-optimizer instances, the outer sharding strategy
+``optim``). Each is compared with one process training the unsplit model on the same data, and
+its checkpoint resumed at the same layout and at TP1 x DP4.
+tests/gpu/test_megatron_lm_pretrain.py runs Megatron-LM's ``pretrain_gpt.py`` with
+``--tensor-model-parallel-size 2`` itself.
 
 Tolerances: fp32 throughout. The sharded run sums the same products in another order (TP
 all-reduces, DP reduce-scatters), so losses and norms agree to fp32 rounding (1e-5 relative);
@@ -22,6 +25,7 @@ relative when resharded to other tensor- and data-parallel sizes (the reductions
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -238,21 +242,38 @@ def make_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 # -- megatron-core's flow ---------------------------------------------------------------------
 
 
-class _Adapter(nn.Module):
-    """Stands for megatron-core's FullyShardedDataParallel over a ``(dp_cp, tp)`` mesh."""
+class Layout(NamedTuple):
+    """megatron-core's mesh: ``outer`` distributed-optimizer instances (HSDP's outer dim; with
+    ``hfsdp`` the optimizer state is sharded across them too), ``dp`` ranks in each shard group
+    (dp_cp), ``tp`` tensor-parallel ranks, tensor-parallel ranks adjacent as megatron-core lays them."""
 
-    def __init__(self, dp: int, tp: int, sequence_parallel: bool = False) -> None:
+    outer: int
+    dp: int
+    tp: int
+    sequence_parallel: bool = False
+    hfsdp: bool = False
+
+
+class _Adapter(nn.Module):
+    """Stands for megatron-core's FullyShardedDataParallel over its ``(outer_fsdp_dp, dp_cp, tp)`` mesh."""
+
+    def __init__(self, layout: Layout) -> None:
         super().__init__()
-        mesh = dist.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_cp", "tp"))
-        self.tp_group = mesh["tp"].get_group()
-        self.dp_rank = mesh.get_local_rank("dp_cp")
-        self.dp = dp
-        index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp_cp", tp_dim="tp")
-        config = megatron_fsdp.DistributedDataParallelConfig(
-            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, overlap_param_gather=True
+        mesh = dist.init_device_mesh(
+            "cpu", (layout.outer, layout.dp, layout.tp), mesh_dim_names=("outer_fsdp_dp", "dp_cp", "tp")
         )
-        self.sequence_parallel = sequence_parallel
-        model = TensorParallelGPT(tp, self.tp_group if tp > 1 else None, sequence_parallel)
+        self.tp_group = mesh["tp"].get_group()
+        self.dp_rank = mesh.get_local_rank("outer_fsdp_dp") * layout.dp + mesh.get_local_rank("dp_cp")
+        self.dp = layout.outer * layout.dp
+        outer = dict(dp_outer_dim="outer_fsdp_dp", hsdp_outer_dp_shard=layout.hfsdp) if layout.outer > 1 else {}
+        index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp_cp", tp_dim="tp", **outer)
+        config = megatron_fsdp.DistributedDataParallelConfig(
+            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, overlap_param_gather=True,
+            outer_dp_sharding_strategy="optim" if layout.hfsdp else "no_shard",
+            num_distributed_optimizer_instances=layout.outer,
+        )
+        self.sequence_parallel = layout.sequence_parallel
+        model = TensorParallelGPT(layout.tp, self.tp_group if layout.tp > 1 else None, layout.sequence_parallel)
         self.module = MegatronCoreFSDP(model, index, config, fsdp_unit_modules=[TensorParallelMLPBlock])
 
 
@@ -317,10 +338,10 @@ def _checkpoint_state(adapter: _Adapter, optimizer: torch.optim.Optimizer) -> di
     return uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(state)
 
 
-def _resume(dp: int, tp: int, checkpoint_dir: str, sequence_parallel: bool = False) -> list[tuple[float, float]]:
+def _resume(layout: Layout, checkpoint_dir: str) -> list[tuple[float, float]]:
     """Fresh objects loading the checkpoint as megatron-core does (a zero-gradient step first
     materialises the optimizer state), then the steps after the save."""
-    adapter = _Adapter(dp, tp, sequence_parallel)
+    adapter = _Adapter(layout)
     optimizer = _optimizer(adapter)
     for p in adapter.parameters():
         p.grad = torch.zeros_like(p)
@@ -332,10 +353,10 @@ def _resume(dp: int, tp: int, checkpoint_dir: str, sequence_parallel: bool = Fal
     return [_train_step(adapter, optimizer, step) for step in range(SAVED_AT, STEPS)]
 
 
-def _flow(rank: int, world_size: int, checkpoint_dir: str, sequence_parallel: bool) -> dict:
+def _flow(rank: int, world_size: int, checkpoint_dir: str, layout: Layout) -> dict:
     handles = install_piece_steps()  # what install() puts: the optimizer steps the plain pieces
     try:
-        adapter = _Adapter(2, 2, sequence_parallel)
+        adapter = _Adapter(layout)
         optimizer = _optimizer(adapter)
         history = [_train_step(adapter, optimizer, step) for step in range(SAVED_AT)]
         dcp.save(_checkpoint_state(adapter, optimizer), checkpoint_id=checkpoint_dir)
@@ -347,8 +368,8 @@ def _flow(rank: int, world_size: int, checkpoint_dir: str, sequence_parallel: bo
             "history": history,
             "full": full,
             "placements": placements,
-            "same_sizes": _resume(2, 2, checkpoint_dir, sequence_parallel),
-            "dp4": _resume(4, 1, checkpoint_dir),
+            "same_sizes": _resume(layout, checkpoint_dir),
+            "dp4": _resume(Layout(outer=1, dp=4, tp=1), checkpoint_dir),
         }
     finally:
         for handle in handles:
@@ -370,9 +391,17 @@ def _reference() -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
     return history, {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sequence-parallel"])
-def test_tensor_parallel_blocks_train_checkpoint_and_reshard_like_one_process(sequence_parallel, tmp_path):
-    results = run_distributed(_flow, 4, str(tmp_path / "ckpt"), sequence_parallel)
+LAYOUTS = {
+    "tp2-dp2": Layout(outer=1, dp=2, tp=2),
+    "tp2-dp2-sequence-parallel": Layout(outer=1, dp=2, tp=2, sequence_parallel=True),
+    # --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim with TP2.
+    "hfsdp2-tp2": Layout(outer=2, dp=1, tp=2, hfsdp=True),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_tensor_parallel_blocks_train_checkpoint_and_reshard_like_one_process(name, tmp_path):
+    results = run_distributed(_flow, 4, str(tmp_path / "ckpt"), LAYOUTS[name])
     reference, reference_params = _reference()
     ours = results[0]
     assert all(r["history"] == ours["history"] for r in results), "ranks disagree on the loss or the norm"
