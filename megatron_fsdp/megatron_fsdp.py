@@ -91,6 +91,10 @@ class MegatronFSDP(nn.Module):
     # An optimizer stepping this model's parameters must be sharded with it, or its first step
     # raises (optim/unsharded_step_guard.py); megatron-core's face installs the weights itself.
     refuses_unsharded_optimizers = True
+    # Whether the client that writes this model's checkpoints keys each plain expert parameter
+    # by its global expert index (megatron-core does); otherwise ranks holding other experts
+    # would write under the same keys, so such parameters are refused (checkpoint/state_dicts.py).
+    expert_keys_made_global = False
 
     def __init__(
         self,

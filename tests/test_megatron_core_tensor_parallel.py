@@ -35,83 +35,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from _dist import run_distributed
+from mcore_flow import (
+    CopyToTensorParallel,
+    GatherLastDim,
+    GatherSequence,
+    ReduceScatterSequence,
+    fsdp_dtensor_state,
+    megatron_core_clip,
+)
 from moe_model import SumOverGroup
 
 import megatron_fsdp
-from megatron_fsdp import uneven_dtensor
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
 from megatron_fsdp.integrations.piece_steps import install_piece_steps
 
 VOCAB, HIDDEN, FFN, SEQ, ROWS = 38, 20, 52, 10, 4
 STEPS, SAVED_AT = 5, 3
-
-
-# -- megatron-core's tensor-parallel regions, over a tensor-parallel group --------------------
-
-
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Forward: the same input on every tensor-parallel rank; backward: the sum of their grads."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _GatherLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group, ctx.width = group, x.shape[-1]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        start = dist.get_rank(ctx.group) * ctx.width
-        return grad[..., start : start + ctx.width].contiguous(), None
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Sequence parallelism's gather before a column-parallel layer: each rank's slice of the
-    sequence (dim 1) to the whole; backward sums the gradients and keeps this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _GatherLastDim.forward(ctx, x.transpose(1, 2), group).transpose(1, 2)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _reduce_scatter_sequence(grad, ctx.group), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """After a row-parallel layer: the sum over the tensor-parallel ranks, this rank's slice of
-    the sequence; backward gathers the slices."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group, ctx.width = group, x.shape[1] // dist.get_world_size(group)
-        return _reduce_scatter_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
-        return torch.cat(parts, dim=1), None
-
-
-def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    total = x.clone()
-    dist.all_reduce(total, group=group)  # gloo has no reduce-scatter
-    return total.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
 
 
 def _split(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
@@ -146,12 +85,12 @@ class TensorParallelMLPBlock(nn.Module):
         """``x``: the whole sequence, or under sequence parallelism this rank's slice of it."""
         h = self.norm(x)
         if self.sequence_parallel:
-            h = _GatherSequence.apply(h, self.group)
+            h = GatherSequence.apply(h, self.group)
         elif self.group is not None:
-            h = _CopyToTensorParallel.apply(h, self.group)
+            h = CopyToTensorParallel.apply(h, self.group)
         partial = F.linear(F.gelu(F.linear(h, self.fc1_weight, self.fc1_bias)), self.fc2_weight)
         if self.sequence_parallel:
-            partial = _ReduceScatterSequence.apply(partial, self.group)
+            partial = ReduceScatterSequence.apply(partial, self.group)
         elif self.group is not None:
             partial = SumOverGroup.apply(partial, self.group)
         return x + partial + self.fc2_bias
@@ -190,7 +129,7 @@ class TensorParallelGPT(nn.Module):
         x = F.embedding(local.clamp(0, rows - 1), self.embedding).masked_fill(outside.unsqueeze(-1), 0.0)
         position = self.position[: tokens.shape[1]]
         if self.sequence_parallel:
-            x = _ReduceScatterSequence.apply(x, self.group)
+            x = ReduceScatterSequence.apply(x, self.group)
             position = position.chunk(self.tp)[self.rank]
         elif self.group is not None:
             x = SumOverGroup.apply(x, self.group)
@@ -199,12 +138,12 @@ class TensorParallelGPT(nn.Module):
             x = block(x)
         h = self.final_norm(x)
         if self.sequence_parallel:
-            h = _GatherSequence.apply(h, self.group)
+            h = GatherSequence.apply(h, self.group)
         elif self.group is not None:
-            h = _CopyToTensorParallel.apply(h, self.group)
+            h = CopyToTensorParallel.apply(h, self.group)
         logits = F.linear(h, self.output)
         if self.group is not None:
-            logits = _GatherLastDim.apply(logits, self.group)
+            logits = GatherLastDim.apply(logits, self.group)
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
@@ -281,28 +220,6 @@ def _optimizer(adapter: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(adapter.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _clip(adapter: _Adapter, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
-    """megatron-core's clip for Megatron-FSDP: local gradients, each tensor-parallel block once
-    and each duplicated parameter from tensor-parallel rank 0 only, one all-reduce of the squares."""
-    first_tp_rank = dist.get_rank(adapter.tp_group) == 0
-    grads = [
-        p.grad._local_tensor
-        for group in optimizer.param_groups
-        for p in group["params"]
-        if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or first_tp_rank)
-    ]
-    total = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
-    dist.all_reduce(total)
-    norm = total.sqrt().item()
-    coefficient = max_norm / (norm + 1e-6)
-    if coefficient < 1:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad._local_tensor.mul_(coefficient)
-    return norm
-
-
 def _finalize_model_grads(adapter: _Adapter) -> None:
     """megatron-core's finalize_model_grads for Megatron-FSDP: the gradient sync, then under
     sequence parallelism the partial gradients summed over the tensor-parallel group in place,
@@ -323,19 +240,13 @@ def _train_step(adapter: _Adapter, optimizer: torch.optim.Optimizer, step: int) 
     loss = adapter.module(tokens[rows], targets[rows])
     loss.backward()
     _finalize_model_grads(adapter)
-    norm = _clip(adapter, optimizer, 0.5)
+    norm = megatron_core_clip(optimizer, adapter.tp_group, 0.5)
     optimizer.step()
     adapter.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
     adapter.module.zero_grad_buffer()
     total = loss.detach().clone()
     dist.all_reduce(total)  # every tensor-parallel rank holds the same loss
     return total.item() / dist.get_world_size(), norm
-
-
-def _checkpoint_state(adapter: _Adapter, optimizer: torch.optim.Optimizer) -> dict:
-    names = {p: n for n, p in adapter.named_parameters()}
-    state = {"model": adapter.module.state_dict(), "optimizer": {"state": {names[p]: s for p, s in optimizer.state.items()}}}
-    return uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(state)
 
 
 def _resume(layout: Layout, checkpoint_dir: str) -> list[tuple[float, float]]:
@@ -347,7 +258,7 @@ def _resume(layout: Layout, checkpoint_dir: str) -> list[tuple[float, float]]:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad()
-    target = _checkpoint_state(adapter, optimizer)
+    target = fsdp_dtensor_state(adapter, optimizer)
     dcp.load(target, checkpoint_id=checkpoint_dir)
     adapter.module.load_state_dict({"module." + k: v for k, v in target["model"].items()})
     return [_train_step(adapter, optimizer, step) for step in range(SAVED_AT, STEPS)]
@@ -359,7 +270,7 @@ def _flow(rank: int, world_size: int, checkpoint_dir: str, layout: Layout) -> di
         adapter = _Adapter(layout)
         optimizer = _optimizer(adapter)
         history = [_train_step(adapter, optimizer, step) for step in range(SAVED_AT)]
-        dcp.save(_checkpoint_state(adapter, optimizer), checkpoint_id=checkpoint_dir)
+        dcp.save(fsdp_dtensor_state(adapter, optimizer), checkpoint_id=checkpoint_dir)
         history += [_train_step(adapter, optimizer, step) for step in range(SAVED_AT, STEPS)]
         state = adapter.module.state_dict()
         full = {k.removeprefix("module."): v.full_tensor() for k, v in state.items()}

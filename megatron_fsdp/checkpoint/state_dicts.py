@@ -44,8 +44,9 @@ def _bucket_params(model: ShardedModel) -> Iterator[tuple[Bucket, int, nn.Parame
                 yield bucket, index, param, piece
 
 
-def _checkpointable_extent(bucket: Bucket, index: int) -> ParamExtent:
-    if is_expert_param(bucket.params[index]) and not bucket.extents[index].is_distributed:
+def _checkpointable_extent(model: ShardedModel, bucket: Bucket, index: int) -> ParamExtent:
+    plain_expert = is_expert_param(bucket.params[index]) and not bucket.extents[index].is_distributed
+    if plain_expert and not model.expert_keys_made_global:
         raise RuntimeError(
             f"expert parameter {bucket.names[index]} is a plain tensor, so where its experts sit among all "
             "experts is unknown and ranks would overwrite each other's: make it a DTensor sharded over the "
@@ -59,7 +60,7 @@ def model_state_dict(model: ShardedModel) -> dict[str, Any]:
     same storage: ``dcp.load`` fills it in place), plus persistent buffers."""
     pieces = {}
     for bucket, index, param, _ in _bucket_params(model):
-        _checkpointable_extent(bucket, index)
+        _checkpointable_extent(model, bucket, index)
         pieces[param] = bucket.faces[index].state()
     # An OrderedDict, as nn.Module.state_dict's: Accelerate's save_state checks such a dict's
     # storages on every rank, where the pieces refuse it (piece_dtensor.ShardedSaveError).

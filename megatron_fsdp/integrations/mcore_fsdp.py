@@ -66,6 +66,9 @@ class MegatronCoreFSDP(MegatronFSDP):
     _faces_registered = False
     # megatron-core's optimizer steps the faces; it installs the weights and zeroes the buffers.
     refuses_unsharded_optimizers = False
+    # Megatron-LM's fsdp_dtensor checkpointing renames each rank's local experts to their global
+    # index (handle_experts_in_state_dict), so its plain expert weights are checkpointable.
+    expert_keys_made_global = True
 
     def __init__(self, module: nn.Module, dist_index: Any = None, ddp_config: Any = None, *args: Any, **kwargs: Any) -> None:
         _check_expert_tensor_parallel(module, dist_index)

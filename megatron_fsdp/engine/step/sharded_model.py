@@ -27,6 +27,8 @@ class ShardedModel(Protocol):
     # Where the gradient norm is summed; how many optimizer steps were taken.
     compute_device: torch.device
     optimizer_steps: int
+    # Whether the checkpoint writer keys plain expert parameters by global expert index.
+    expert_keys_made_global: bool
 
     # -- state dicts (checkpoint/) -----------------------------------------------------------
 

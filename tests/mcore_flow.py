@@ -1,0 +1,109 @@
+"""What megatron-core does around a model on megatron_fsdp, for tests without megatron-core:
+its tensor- and sequence-parallel regions (autograd functions over a group), its gradient clip
+for Megatron-FSDP, and the fsdp_dtensor state it saves and loads through DCP."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_fsdp import uneven_dtensor
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """Forward: the same input on every tensor-parallel rank; backward: the sum of their grads."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group, ctx.width = group, x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        start = dist.get_rank(ctx.group) * ctx.width
+        return grad[..., start : start + ctx.width].contiguous(), None
+
+
+class GatherSequence(torch.autograd.Function):
+    """Sequence parallelism's gather before a column-parallel layer: each rank's slice of the
+    sequence (dim 1) to the whole; backward sums the gradients and keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return GatherLastDim.forward(ctx, x.transpose(1, 2), group).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter_sequence(grad, ctx.group), None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """After a row-parallel layer: the sum over the tensor-parallel ranks, this rank's slice of
+    the sequence; backward gathers the slices."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group, ctx.width = group, x.shape[1] // dist.get_world_size(group)
+        return _reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=1), None
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    total = x.clone()
+    dist.all_reduce(total, group=group)  # gloo has no reduce-scatter
+    return total.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+
+def megatron_core_clip(optimizer: torch.optim.Optimizer, tp_group: dist.ProcessGroup, max_norm: float) -> float:
+    """megatron-core's clip for Megatron-FSDP: local gradients, each tensor-parallel block once
+    and each duplicated parameter from tensor-parallel rank 0 only, one all-reduce of the squares."""
+    first_tp_rank = dist.get_rank(tp_group) == 0
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grads = [p.grad._local_tensor for p in params if getattr(p, "tensor_model_parallel", False) or first_tp_rank]
+    total = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+    dist.all_reduce(total)
+    norm = total.sqrt().item()
+    coefficient = max_norm / (norm + 1e-6)
+    if coefficient < 1:
+        for p in params:
+            p.grad._local_tensor.mul_(coefficient)
+    return norm
+
+
+def fsdp_dtensor_state(
+    adapter: nn.Module, optimizer: torch.optim.Optimizer, key: Callable[[str], str] = lambda name: name
+) -> dict:
+    """The fsdp_dtensor checkpoint as Megatron-LM writes it: the wrapped model's state dict and
+    the optimizer state keyed by parameter name, each key passed through ``key`` (Megatron-LM
+    renames local experts to their global index). The values are the model's and optimizer's
+    own tensors, so ``dcp.load`` into it loads them in place."""
+    names = {p: n for n, p in adapter.named_parameters()}
+    state = {
+        "model": {key(k): v for k, v in adapter.module.state_dict().items()},
+        "optimizer": {"state": {key(names[p]): s for p, s in optimizer.state.items()}},
+    }
+    return uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(state)
