@@ -77,6 +77,29 @@ def test_tp_with_fsdp_matches_tp_alone(strategy: int, accum: int) -> None:
         compare(got, expected, 1e-5, 1e-5, 1e-5, f"s{strategy} accum {accum} rank {rank}")
 
 
+def _seeds_mesh_runs(rank: int, world: int) -> tuple[Result, Result]:
+    """Upstream's README mesh (dp_outer, dp_shard, cp, tp) with its flattened dims: sharded over
+    dp_shard x cp, HFSDP over dp_outer (the optimizer state split across it too), TP on tp."""
+    mesh = init_device_mesh("cpu", (2, 1, 1, TP), mesh_dim_names=("dp_outer", "dp_shard", "cp", "tp"))
+    mesh[("dp_outer", "dp_shard")]._flatten("dp")
+    mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    hsdp_group = mesh[("dp_outer", "dp_shard", "cp")]._flatten("hsdp").get_group()
+    model = _tp_model(mesh["tp"])
+    model, optimizer = megatron_fsdp.fully_shard(
+        model, build_optimizer(model.parameters(), "adam"), device_mesh=mesh, dp_shard_dim="dp_shard_cp",
+        dp_outer_dim="dp_outer", tp_dim="tp", hybrid_fsdp_group=hsdp_group, zero_dp_strategy=3,
+        outer_dp_sharding_strategy=1, fsdp_unit_modules=[Block],
+    )
+    dp = mesh["dp"]
+    sharded = train_data_parallel(model, optimizer, STEPS, 2, MICRO_ROWS, dp.get_local_rank(), dp.size(), dp.get_group())
+    return sharded, _tp_alone(mesh["tp"], 2)[0]
+
+
+def test_hfsdp_with_tp_on_upstreams_mesh_matches_tp_alone() -> None:
+    for rank, (got, expected) in enumerate(run_distributed(_seeds_mesh_runs, WORLD)):
+        compare(got, expected, 1e-5, 1e-5, 1e-5, f"HFSDP x TP rank {rank}")
+
+
 def test_tp_params_are_sharded_on_their_local_tensors() -> None:
     # Each rank's pieces of an MLP weight cover its TP-local half: FFN x HIDDEN / TP elements
     # over the DP group, not the global FFN x HIDDEN.
