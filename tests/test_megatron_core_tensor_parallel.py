@@ -331,3 +331,20 @@ def test_tensor_parallel_blocks_train_checkpoint_and_reshard_like_one_process(na
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours["dp4"], continued), start=SAVED_AT):
         assert math.isclose(loss, ref_loss, rel_tol=1e-6), f"step {step} at TP1 x DP4: loss {loss} vs {ref_loss}"
         assert math.isclose(norm, ref_norm, rel_tol=1e-6), f"step {step} at TP1 x DP4: norm {norm} vs {ref_norm}"
+
+
+def _wrap_with_strided_split(rank: int, world_size: int) -> str:
+    model = TensorParallelGPT()
+    model.blocks[0].fc1_weight.partition_stride = 2
+    mesh = dist.init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp_cp", "tp"))
+    index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp_cp", tp_dim="tp")
+    try:
+        MegatronCoreFSDP(model, index, megatron_fsdp.DistributedDataParallelConfig(), fsdp_unit_modules=[TensorParallelMLPBlock])
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_strided_tensor_parallel_split_is_refused_on_every_rank():
+    for message in run_distributed(_wrap_with_strided_split, 2):
+        assert "partition_stride=2" in message and "contiguous tensor-parallel blocks" in message, message

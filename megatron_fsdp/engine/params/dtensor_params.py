@@ -128,7 +128,16 @@ def param_extent(name: str, param: torch.Tensor, tensor_parallel_mesh: DeviceMes
 
 def _mcore_tensor_parallel_extent(param: torch.Tensor, mesh: DeviceMesh) -> ParamExtent:
     """Megatron-Core splits a tensor-parallel weight into equal blocks along ``partition_dim``,
-    tensor-parallel rank r holding block r: as ``Shard(partition_dim)`` over the mesh."""
+    tensor-parallel rank r holding block r: as ``Shard(partition_dim)`` over the mesh. A strided
+    split (``partition_stride`` > 1: each rank holds every stride-th block) has no such
+    placement, so it is refused before any collective."""
+    stride = getattr(param, "partition_stride", 1)
+    if stride != 1:
+        raise ValueError(
+            f"a Megatron-Core tensor-parallel parameter of local shape {tuple(param.shape)} has partition_stride="
+            f"{stride}: megatron_fsdp places only contiguous tensor-parallel blocks (partition_stride=1), which "
+            "megatron-core's current layers make; build the layer without a strided partition"
+        )
     dim = get_mcore_tensor_parallel_partition_dim(param)
     global_shape, offset = list(param.shape), [0] * param.dim()
     global_shape[dim] *= mesh.size()
