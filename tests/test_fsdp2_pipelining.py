@@ -2,7 +2,7 @@
 megatron_fsdp.fsdp2.fully_shard, against the same run over torch's ``fully_shard``: a 4-block
 TinyGPT-like model cut into stages on a 2 x 2 ("pp", "dp") gloo mesh, each stage's blocks and the
 stage sharded over "dp", ``PipelineStage`` driven by ``ScheduleGPipe``, ``Schedule1F1B`` (2 stages,
-one a rank) and ``ScheduleInterleaved1F1B`` (4 stages, two a rank), 4 micro-batches a step, plain
+one a rank), ``ScheduleInterleaved1F1B`` and ``ScheduleLoopedBFS`` (4 stages, two a rank), 4 micro-batches a step, plain
 AdamW built after sharding, the same data and seed.
 
 Tolerance (fp32): losses and parameters after the steps within 1e-6 of each tensor's largest
@@ -11,6 +11,10 @@ two data-parallel gradients; what can differ is the order of those sums (our fla
 FSDP2's per-parameter rows), last-bit rounding. A gradient not reduced over "dp", reduced twice
 or scaled by the micro-batch count twice is O(1e-3) or more after one AdamW step. Measured: 0
 (bit-equal) for every run below.
+
+Refused: a zero-bubble schedule (backward split into input and weight steps, which set ``.grad``
+outside autograd's accumulation) raises our NotImplementedError naming the schedules that work,
+on every rank, before any gradient reduction.
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+)
 from torch.distributed.tensor import DTensor
 
 from _dist import run_distributed
@@ -33,7 +44,14 @@ from megatron_fsdp.fsdp2 import fully_shard
 WORLD, PP, DP = 4, 2, 2
 BLOCKS, MICROBATCHES, ROWS, STEPS, LR = 4, 4, 4, 2, 1e-2
 RTOL = 1e-6
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+}
+# Two stages a rank.
+MULTI_STAGE = {"interleaved_1f1b", "looped_bfs"}
 
 
 class StageModel(nn.Module):
@@ -80,7 +98,7 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _train(shard, schedule_name: str, reshard_after_forward: bool, mesh) -> tuple[list[float], dict[str, torch.Tensor]]:
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    interleaved = schedule_name == "interleaved_1f1b"
+    interleaved = schedule_name in MULTI_STAGE
     stages = PP * 2 if interleaved else PP
     models = _stage_models(stages)
     local = [index for index in range(stages) if index % PP == pp_rank]
@@ -131,7 +149,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 # Torchtitan's policy under PP (weights gathered between a stage's micro-batches) for every
 # schedule; FSDP2's default (reshard after each forward) once.
-RUNS = [("gpipe", False), ("1f1b", False), ("interleaved_1f1b", False), ("1f1b", True)]
+RUNS = [("gpipe", False), ("1f1b", False), ("interleaved_1f1b", False), ("looped_bfs", False), ("1f1b", True)]
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +171,31 @@ def test_pipeline_schedule_over_our_stages_matches_torch_fully_shard(
         errors = {name: _relative_error(our_params[name], torch_params[name]) for name in our_params}
         worst = max(errors, key=errors.get)
         assert errors[worst] <= RTOL, f"rank {rank}: {worst} differs from torch's by {errors[worst]:.3g} (relative)"
+
+
+def _split_backward_run(rank: int, world: int) -> str:
+    """A zero-bubble schedule over two stages on each rank (a pipeline group of one: no
+    point-to-point traffic to leave waiting): the error each rank raises."""
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
+    models = _stage_models(2)
+    stages = []
+    for index, model in enumerate(models):
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
+        stages.append(PipelineStage(model, index, 2, torch.device("cpu"), group=mesh["pp"].get_group()))
+    schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=2, loss_fn=_loss)
+    tokens, targets = make_batch(rank, 2)
+    try:
+        schedule.step(tokens, target=targets)
+    except NotImplementedError as error:
+        return str(error)
+    return "no error"
+
+
+def test_split_backward_schedule_is_refused_on_every_rank_before_reducing() -> None:
+    messages = run_distributed(_split_backward_run, 2)
+    for rank, message in enumerate(messages):
+        assert "gave none of its parameters a gradient" in message and "ScheduleInterleaved1F1B" in message, (
+            f"rank {rank}: {message}"
+        )

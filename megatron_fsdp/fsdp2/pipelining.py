@@ -16,6 +16,13 @@ A pipeline stage runs each micro-batch's backward with gradient sync off, then, 
 registry), so torch runs unpatched. Each ``post_backward`` starts its unit's held-back
 reductions and reshards it if told to; the final callback waits for them and shows the reduced
 gradients as ``.grad``, which the schedule then scales by the micro-batch count.
+
+Refused: schedules that split backward into an input step (``torch.autograd.grad`` for the stage
+inputs only) and a weight step that assigns ``param.grad`` itself. Neither goes through the
+gradient-accumulation hooks the engine reduces from, so a stage of such a schedule reaches
+``perform_reduce_grad`` with no gradient held: reading ``_state_ctx`` then raises, on every rank
+of the stage and before any reduction (the first stage, whose weight step is a plain backward,
+is not caught).
 """
 
 from __future__ import annotations
@@ -27,6 +34,13 @@ from torch.distributed._composable.contract import STATE_KEY
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from megatron_fsdp.fsdp2.state import ModuleShardingState, RootStep
+
+SPLIT_BACKWARD_REFUSAL = (
+    "Schedules that split backward into input and weight steps (ScheduleInterleavedZeroBubble, "
+    "ScheduleZBVZeroBubble, ScheduleDualPipeV, or a custom schedule with I/W actions) set the weight "
+    "gradients on the parameters directly, where megatron_fsdp.fsdp2 never sees them: use ScheduleGPipe, "
+    "Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS, whose backward accumulates them"
+)
 
 # The key ``fully_shard.state(module)`` reads under: the function ``@contract`` wrapped.
 _TORCH_FULLY_SHARD_KEY = torch_fully_shard.__wrapped__
@@ -62,7 +76,16 @@ class PipelineFace:
 
     @property
     def _state_ctx(self) -> _StateContext:
-        return _StateContext([PipelineFace(state) for state in self._step().states])
+        """Read first, before any reduction: where the step's backward passes gave no parameter
+        a gradient, the schedule computed them outside autograd's accumulation (module docstring)."""
+        states = self._step().states
+        buckets = [bucket for state in states for bucket in state.unit.trainable_buckets]
+        if buckets and all(bucket.unreduced_grad is None for bucket in buckets):
+            raise NotImplementedError(
+                f"fully_shard({self._state.unit.name}): this pipeline stage's backward passes gave none of its "
+                f"parameters a gradient. {SPLIT_BACKWARD_REFUSAL}"
+            )
+        return _StateContext([PipelineFace(state) for state in states])
 
     def _root_post_backward_final_callback(self) -> None:
         scheduler = self._step().scheduler
