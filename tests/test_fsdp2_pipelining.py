@@ -20,12 +20,13 @@ on every rank, before any gradient reduction.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -96,7 +97,9 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def _train(shard, schedule_name: str, reshard_after_forward: bool, mesh) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _train(
+    shard: Callable[..., nn.Module], schedule_name: str, reshard_after_forward: bool, mesh: DeviceMesh
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     interleaved = schedule_name in MULTI_STAGE
     stages = PP * 2 if interleaved else PP
