@@ -32,6 +32,7 @@ from megatron_fsdp.engine.params.registered_params import Registration
 from megatron_fsdp.engine.planning.transformer_engine_refusal import refuse_transformer_engine
 from megatron_fsdp.engine.step.units import FSDPUnit
 from megatron_fsdp.fsdp2.module import MegatronFSDPModule
+from megatron_fsdp.fsdp2.pipelining import expose_to_pipelining
 from megatron_fsdp.fsdp2.state import STATE_ATTRIBUTE, ModuleShardingState, shared_resources, state_of
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
@@ -141,6 +142,7 @@ def shard_in_place(
     post_forward = torch.compiler.disable(state.post_forward)
     for module in modules:
         module.__dict__[STATE_ATTRIBUTE] = state
+        expose_to_pipelining(module, state)
         module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(post_forward)
         module.__class__ = _sharded_class(type(module))

@@ -244,14 +244,15 @@ class StepScheduler:
         if self.state is not StepState.IDLE:
             raise RuntimeError(f"{what} was called during forward or backward; call it after backward()")
 
-    def start_grad_sync(self) -> None:
-        """Launches the reductions of gradients held back (strategies 0/1 accumulating locally)."""
+    def start_grad_sync(self, units: list[FSDPUnit] | None = None) -> None:
+        """Launches the reductions of gradients held back (strategies 0/1 accumulating locally,
+        or a unit's with gradient sync off until now): ``units``'s, or every unit's."""
         self._require_idle("start_grad_sync()")
-        self._start_held_back()
+        self._start_held_back(self.units if units is None else units)
 
-    def _start_held_back(self) -> None:
+    def _start_held_back(self, units: list[FSDPUnit]) -> None:
         # A unit with gradient sync off (FSDP2's set_requires_gradient_sync) keeps accumulating.
-        for unit in (u for u in self.units if u.requires_gradient_sync):
+        for unit in (u for u in units if u.requires_gradient_sync):
             for bucket in unit.trainable_buckets:
                 if bucket.unreduced_grad is not None:
                     self._start_reduction(bucket)
@@ -265,7 +266,7 @@ class StepScheduler:
         """Reduces everything held back, waits for every reduction and averages over dp_outer
         (HSDP): the main gradients are complete, but not yet shown as ``.grad``."""
         self._require_idle("synchronize_gradient_reduce()")
-        self._start_held_back()
+        self._start_held_back(self.units)
         self.finish_pending_reductions()
         for unit in self.units:
             for bucket in unit.trainable_buckets:
