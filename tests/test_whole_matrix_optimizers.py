@@ -1,0 +1,142 @@
+"""torch.optim.Muon (the blocks' 2-D weights) with AdamW (the rest) over a model sharded by either
+front door, against the same two optimizers in one process on the same model and data.
+
+Muon steps whole matrices (megatron_fsdp/optim/whole_tensors.py): every rank gathers each matrix
+and its reduced gradient and runs torch's own step on them. The sharded and the one-process runs
+then differ only in how the gradient was summed (per rank, then over ranks, instead of over all
+rows at once: ~1e-7 relative). Muon orthogonalises in bf16, so such a difference can flip the
+rounding of a few entries; over STEPS steps at LR the parameters stay within RTOL = 1e-5 of the
+one-process run (measured values in each case's comment). A matrix stepped on its flat piece, a
+missing gather or a piece written back to the wrong range is O(1).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_fsdp
+from _dist import run_distributed
+from models import Block, make_batch, make_model
+
+STEPS, ROWS, LR, MUON_LR, MAX_NORM = 3, 2, 1e-2, 2e-2, 0.5
+RTOL = 1e-5
+# bf16 compute (fp32 main weights and reductions) against the one-process run in fp32: the bf16
+# forward's own rounding moves Muon's matrices by up to 1.4e-2 of their largest entry after STEPS
+# steps (measured), while a matrix stepped wrongly is off by its whole update (~1e-1). AdamW's
+# parameters are left out there: bf16 noise on a near-zero gradient (a norm's bias) becomes a
+# full-size Adam update (docs/testing.md's pitfall), which says nothing about the matrices.
+BF16_RTOL = 3e-2
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12)).item()
+
+
+def _is_matrix_in_block(name: str, param: torch.Tensor) -> bool:
+    return name.startswith("blocks.") and param.dim() == 2
+
+
+def _optimizers(named_params: list[tuple[str, torch.Tensor]]) -> list[torch.optim.Optimizer]:
+    matrices = [p for n, p in named_params if _is_matrix_in_block(n, p)]
+    rest = [p for n, p in named_params if not _is_matrix_in_block(n, p)]
+    return [torch.optim.Muon(matrices, lr=MUON_LR, weight_decay=0.1), torch.optim.AdamW(rest, lr=LR)]
+
+
+def _single_process(world: int, accumulate: int, clip: bool) -> dict[str, torch.Tensor]:
+    model = make_model(seed=0)
+    optimizers = _optimizers(list(model.named_parameters()))
+    for step in range(STEPS):
+        model(*make_batch(step, world * accumulate * ROWS)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
+def _micro_batches(step: int, rank: int, world: int, accumulate: int):
+    tokens, targets = make_batch(step, world * accumulate * ROWS)
+    for micro in range(accumulate):
+        rows = slice((micro * world + rank) * ROWS, (micro * world + rank + 1) * ROWS)
+        yield tokens[rows], targets[rows]
+
+
+def _whole_model_door(rank: int, world: int, strategy: int, accumulate: int, clip: bool, bf16: bool):
+    model = make_model(seed=0, dtype=torch.bfloat16 if bf16 else torch.float32)
+    muon, adamw = _optimizers(list(model.named_parameters()))
+    model, muon = megatron_fsdp.fully_shard(model, muon, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+    adamw = megatron_fsdp.fully_shard_optimizer(adamw, model=model)
+    for step in range(STEPS):
+        for tokens, targets in _micro_batches(step, rank, world, accumulate):
+            (model(tokens, targets) / accumulate).backward()
+        if clip:
+            megatron_fsdp.clip_grad_norm_(model, MAX_NORM)
+        # Both step before either zeroes: the wrapper's zero_grad releases all main gradients.
+        for optimizer in (muon, adamw):
+            optimizer.step()
+        for optimizer in (muon, adamw):
+            optimizer.zero_grad()
+    return model, muon, {name: param.float() for name, param in model.full_parameters().items()}
+
+
+def _fsdp2_door(rank: int, world: int, accumulate: int, clip: bool, bf16: bool):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    policy = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if bf16 else {}
+    model = make_model(seed=0)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
+    optimizers = _optimizers(list(model.named_parameters()))
+    for step in range(STEPS):
+        for micro, (tokens, targets) in enumerate(_micro_batches(step, rank, world, accumulate)):
+            model.set_requires_gradient_sync(micro == accumulate - 1)
+            (model(tokens, targets) / accumulate).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return model, optimizers[0], {name: param.full_tensor() for name, param in model.named_parameters()}
+
+
+def _parity(rank: int, world: int, door: str, strategy: int, accumulate: int, clip: bool, bf16: bool) -> dict[str, float]:
+    if door == "whole-model":
+        _, _, params = _whole_model_door(rank, world, strategy, accumulate, clip, bf16)
+    else:
+        _, _, params = _fsdp2_door(rank, world, accumulate, clip, bf16)
+    expected = _single_process(world, accumulate, clip)
+    return {
+        name: _relative_error(params[name], want)
+        for name, want in expected.items()
+        if not bf16 or _is_matrix_in_block(name, want)
+    }
+
+
+# (door, strategy, world, accumulation, clipping, bf16 compute)
+CASES = [
+    ("whole-model", 3, 2, 2, True, False),
+    ("whole-model", 1, 2, 1, False, False),
+    ("whole-model", 0, 2, 1, False, False),
+    ("whole-model", 2, 4, 1, True, False),
+    ("whole-model", 3, 2, 1, False, True),
+    ("fsdp2", 3, 2, 2, True, False),
+    ("fsdp2", 3, 2, 1, False, True),
+]
+
+
+@pytest.mark.parametrize("door, strategy, world, accumulate, clip, bf16", CASES)
+def test_muon_and_adamw_step_like_one_process(door: str, strategy: int, world: int, accumulate: int, clip: bool, bf16: bool) -> None:
+    rtol = BF16_RTOL if bf16 else RTOL
+    for rank, errors in enumerate(run_distributed(_parity, world, door, strategy, accumulate, clip, bf16)):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= rtol, f"rank {rank}: {worst} differs by {errors[worst]:.2e} relative (allowed {rtol:.0e}); all: {errors}"
