@@ -140,3 +140,110 @@ def test_muon_and_adamw_step_like_one_process(door: str, strategy: int, world: i
     for rank, errors in enumerate(run_distributed(_parity, world, door, strategy, accumulate, clip, bf16)):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= rtol, f"rank {rank}: {worst} differs by {errors[worst]:.2e} relative (allowed {rtol:.0e}); all: {errors}"
+
+
+def _momentum_round_trip(rank: int, world: int, door: str) -> dict[str, float]:
+    """Muon's momentum buffers after training: whole, equal to one process's, and a fresh Muon
+    loaded from the state dict steps on exactly as the trained one."""
+    if door == "whole-model":
+        model, muon, _ = _whole_model_door(rank, world, 3, 1, False, False)
+    else:
+        model, muon, _ = _fsdp2_door(rank, world, 1, False, False)
+    reference = make_model(seed=0)
+    reference_muon = _optimizers(list(reference.named_parameters()))[0]
+    reference_adamw = _optimizers(list(reference.named_parameters()))[1]
+    for step in range(STEPS):
+        reference(*make_batch(step, world * ROWS)).backward()
+        for optimizer in (reference_muon, reference_adamw):
+            optimizer.step()
+            optimizer.zero_grad()
+    saved = muon.state_dict()
+    errors = {}
+    for index, entries in reference_muon.state_dict()["state"].items():
+        errors[f"momentum {index}"] = _relative_error(saved["state"][index]["momentum_buffer"], entries["momentum_buffer"])
+    matrices = [p for n, p in model.named_parameters() if _is_matrix_in_block(n, p)]
+    fresh = torch.optim.Muon(matrices, lr=MUON_LR, weight_decay=0.1)
+    if door == "whole-model":
+        fresh = megatron_fsdp.fully_shard_optimizer(fresh, model=model)
+    fresh.load_state_dict(saved)
+    for index, entries in fresh.state_dict()["state"].items():
+        errors[f"reloaded momentum {index}"] = _relative_error(entries["momentum_buffer"], saved["state"][index]["momentum_buffer"])
+    return errors
+
+
+@pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
+def test_muon_momentum_is_whole_and_round_trips_through_its_state_dict(door: str) -> None:
+    for rank, errors in enumerate(run_distributed(_momentum_round_trip, 2, door)):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= RTOL, f"rank {rank}: {worst} differs by {errors[worst]:.2e} relative; all: {errors}"
+
+
+class RowNormalizedSGD(torch.optim.Optimizer):
+    """A user's optimizer that needs matrices: each row of the gradient scaled to unit length."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.dim() != 2:
+                    raise ValueError(f"RowNormalizedSGD needs matrices, got a gradient of shape {tuple(param.grad.shape)}")
+                param.add_(param.grad / param.grad.norm(dim=1, keepdim=True), alpha=-group["lr"])
+
+
+@megatron_fsdp.whole_tensor_optimizer
+class DeclaredRowNormalizedSGD(RowNormalizedSGD):
+    """The same optimizer, declared to need whole tensors."""
+
+
+def _errors_on_every_rank(rank: int, world: int, door: str, case: str) -> str:
+    """The message each rank's step raised, or what it did instead."""
+    if door == "whole-model":
+        model = make_model(seed=0)
+        model = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[Block])
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from megatron_fsdp.fsdp2 import fully_shard
+
+        model = make_model(seed=0)
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    block = dict(model.named_parameters())
+    if case == "muon given a vector":
+        optimizer = torch.optim.Muon([block["blocks.0.up.weight"]], lr=MUON_LR)
+        optimizer.add_param_group({"params": [block["blocks.0.up.bias"]]})
+    else:
+        optimizer_class = RowNormalizedSGD if case == "undeclared" else DeclaredRowNormalizedSGD
+        optimizer = optimizer_class([block["blocks.0.up.weight"]], lr=0.1)
+    if door == "whole-model":
+        optimizer = megatron_fsdp.fully_shard_optimizer(optimizer, model=model)
+    model(*make_batch(0, ROWS)).backward()
+    try:
+        optimizer.step()
+    except ValueError as error:
+        return "\n".join([str(error), *getattr(error, "__notes__", [])])
+    dist.barrier()
+    return "stepped"
+
+
+@pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
+def test_muon_given_a_vector_raises_torchs_message_on_every_rank(door: str) -> None:
+    messages = run_distributed(_errors_on_every_rank, 2, door, "muon given a vector")
+    assert all("2D" in message for message in messages), messages
+
+
+def test_an_undeclared_optimizer_that_needs_matrices_fails_on_every_rank_with_the_way_out() -> None:
+    messages = run_distributed(_errors_on_every_rank, 2, "whole-model", "undeclared")
+    assert all("needs matrices" in m and "megatron_fsdp.whole_tensor_optimizer" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
+def test_a_declared_optimizer_steps_whole_matrices(door: str) -> None:
+    assert run_distributed(_errors_on_every_rank, 2, door, "declared") == ["stepped", "stepped"]
