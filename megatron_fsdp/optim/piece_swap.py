@@ -63,9 +63,7 @@ class PieceSwap:
         # face -> state name -> (the DTensor shown, the plain tensor stepped): what a swap reuses.
         self._pairs: dict[nn.Parameter, dict[str, tuple[DTensor, torch.Tensor]]] = {}
         # Optimizers that need whole tensors step them instead of the pieces (whole_tensors.py).
-        self._whole = WholeTensorSwap(
-            {param: face.source for param, face in self._faces.items()}, {param: face.name for param, face in self._faces.items()}
-        )
+        self._whole = WholeTensorSwap({param: face.source for param, face in self._faces.items()})
 
     def covers(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is one of the faces this swap steps as pieces."""

@@ -58,17 +58,16 @@ def note_flat_pieces(error: BaseException, optimizer: torch.optim.Optimizer) -> 
 
 class WholeTensorSwap:
     """The swap for one whole-tensor optimizer's step over the faces ``sources`` knows: whole
-    tensors in for the step, this rank's piece of each written back after it. ``names`` label
-    errors."""
+    tensors in for the step, this rank's piece of each written back after it."""
 
-    def __init__(self, sources: dict[nn.Parameter, FaceSource], names: dict[nn.Parameter, str]) -> None:
+    def __init__(self, sources: dict[nn.Parameter, FaceSource]) -> None:
         self._sources = sources
-        self._names = names
         self._wholes: dict[torch.Tensor, nn.Parameter] = {}  # whole tensor -> its face, during a step
 
     def swap_in(self, optimizer: torch.optim.Optimizer, strict: bool) -> list[list[torch.Tensor]]:
         """Gathers each face's main weights and gradient (two collectives per parameter, on every
         rank in the same order) and puts them, with the whole state, in ``optimizer``."""
+        self._wholes = {}
         faces_per_group = [group["params"] for group in optimizer.param_groups]
         wholes_per_group = [[self._whole(param, strict) for param in params] for params in faces_per_group]
         plain_state: defaultdict = defaultdict(dict)
