@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp.engine.buckets.faces import FaceSource, local_piece
+from megatron_fsdp.engine.groups.collectives import all_gather_shards
 from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
 
 _whole_tensor_classes: list[type] = [torch.optim.Muon] if hasattr(torch.optim, "Muon") else []
@@ -65,11 +66,25 @@ class WholeTensorSwap:
         self._wholes: dict[torch.Tensor, nn.Parameter] = {}  # whole tensor -> its face, during a step
 
     def swap_in(self, optimizer: torch.optim.Optimizer, strict: bool) -> list[list[torch.Tensor]]:
-        """Gathers each face's main weights and gradient (two collectives per parameter, on every
-        rank in the same order) and puts them, with the whole state, in ``optimizer``."""
+        """Gathers each face's main weights and gradient (one all-gather for all of them where they
+        are flat pieces of one mesh dim, on every rank in the same order) and puts them, with the
+        whole state, in ``optimizer``."""
         self._wholes = {}
         faces_per_group = [group["params"] for group in optimizer.param_groups]
-        wholes_per_group = [[self._whole(param, strict) for param in params] for params in faces_per_group]
+        faces = [param for params in faces_per_group for param in params if self._known(param, strict)]
+        with plain_attribute_access():
+            grads = [param.grad for param in faces]
+        gathered = iter(gather_whole([*faces, *(grad for grad in grads if grad is not None)]))
+        whole_of: dict[torch.Tensor, torch.Tensor] = {}
+        with torch.no_grad():
+            for param in faces:
+                whole_of[param] = nn.Parameter(next(gathered), requires_grad=False)
+                self._wholes[whole_of[param]] = param
+            for param, grad in zip(faces, grads):
+                if grad is not None:
+                    # Main gradients kept below the main weights' dtype are stepped in the weights' dtype.
+                    whole_of[param].grad = next(gathered).to(whole_of[param].dtype)
+        wholes_per_group = [[whole_of.get(param, param) for param in params] for params in faces_per_group]
         plain_state: defaultdict = defaultdict(dict)
         for key, entries in optimizer.state.items():
             plain_state[key] = entries
@@ -101,27 +116,63 @@ class WholeTensorSwap:
             group["params"] = faces
         self._wholes = {}
 
-    def _whole(self, param: torch.Tensor, strict: bool) -> torch.Tensor:
-        if param not in self._sources:
-            if not strict:
-                return param
+    def _known(self, param: torch.Tensor, strict: bool) -> bool:
+        """Whether ``param`` is a face to gather; another tensor stays in the step as it is, or
+        raises when ``strict``."""
+        if param in self._sources:
+            return True
+        if strict:
             raise ValueError(
                 "an optimizer param group holds a tensor that is not a parameter of the sharded model; add "
                 "model.parameters() (after fully_shard) to the optimizer, not other tensors"
             )
-        with plain_attribute_access():
-            grad = param.grad
-        with torch.no_grad():
-            whole = nn.Parameter(_gathered(param), requires_grad=False)
-            if grad is not None:
-                # Main gradients kept below the main weights' dtype are stepped in the weights' dtype.
-                whole.grad = _gathered(grad).to(whole.dtype)
-        self._wholes[whole] = param
-        return whole
+        return False
 
 
-def _gathered(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+def gather_whole(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor whole, as plain tensors. Flat-sharded pieces over one data-parallel mesh dim
+    go in one all-gather per (mesh, dtype), every rank sending all its pieces at once; other
+    DTensors (tensor-parallel, HFSDP's split pieces, host pieces) gather one by one
+    (``full_tensor()``). Every rank must pass the same tensors in the same order."""
+    wholes: list[torch.Tensor | None] = [None] * len(tensors)
+    batches: dict[tuple[Any, torch.dtype], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        layout = getattr(tensor, "_flat_layout", None)
+        batchable = (
+            layout is not None
+            and layout.dp_dims == 1
+            and len(tensor.placements) == 1
+            and tensor._local_tensor.device.type == tensor.device_mesh.device_type
+        )
+        if batchable:
+            batches.setdefault((tensor.device_mesh, tensor.dtype), []).append(index)
+        elif isinstance(tensor, DTensor):
+            wholes[index] = tensor.full_tensor()
+        else:
+            wholes[index] = tensor.detach().clone()
+    for (mesh, _), indices in batches.items():
+        for index, whole in zip(indices, _gather_flat_pieces([tensors[i] for i in indices], mesh)):
+            wholes[index] = whole
+    return wholes
+
+
+def _gather_flat_pieces(tensors: list[DTensor], mesh: Any) -> list[torch.Tensor]:
+    """The whole of each flat-sharded DTensor of ``mesh`` (one dim) by a single all-gather: rank i
+    sends its pieces back to back, padded to the longest rank's total."""
+    world = mesh.size(0)
+    lengths = [[tensor._flat_layout.pieces[rank][1] for tensor in tensors] for rank in range(world)]
+    longest = max(sum(row) for row in lengths)
+    local = torch.cat([tensor._local_tensor.detach().reshape(-1) for tensor in tensors])
+    padded = local.new_zeros(longest)
+    padded[: local.numel()].copy_(local)
+    gathered = local.new_empty(world * longest)
+    all_gather_shards(gathered, padded, mesh.get_group(0))
+    rows = gathered.view(world, longest)
+    per_rank = [row.split([*lengths[rank], longest - sum(lengths[rank])]) for rank, row in enumerate(rows)]
+    return [
+        torch.cat([per_rank[rank][k] for rank in range(world)]).view(tensor._flat_layout.local_shape)
+        for k, tensor in enumerate(tensors)
+    ]
 
 
 def _whole_value(value: Any) -> Any:
