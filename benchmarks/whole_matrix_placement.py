@@ -1,8 +1,9 @@
 """Where a whole-matrix optimizer's matrices meet it: the two placements docs/whole_matrix_optimizers.md
 weighs, timed on gloo over CPU ranks for one Muon step of a small transformer's block matrices.
 
-- ``replicated`` (what megatron_fsdp does): every rank all-gathers each matrix's weights and
-  gradient from the flat pieces, runs torch.optim.Muon on every matrix and keeps its own piece.
+- ``replicated`` (what megatron_fsdp does): every rank all-gathers every matrix's weights and
+  gradient from the flat pieces in one collective, runs torch.optim.Muon on every matrix and
+  keeps its own piece.
 - ``owner``: each matrix belongs to one rank (largest first, to the least loaded rank); the
   gradient pieces are gathered there, only the owner runs Muon on it, and the new weights go back
   to the ranks as their pieces (scatter).
@@ -45,13 +46,15 @@ def _whole(pieces: list[torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
 def replicated_step(weights: list[torch.Tensor], grads: list[torch.Tensor], shapes: list[tuple[int, int]], muon: dict) -> None:
     world = dist.get_world_size()
     rank = dist.get_rank()
+    # One all-gather for every weight and gradient piece, as megatron_fsdp's gather_whole does.
+    local = torch.cat([*weights, *grads])
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    sizes = [piece.numel() for piece in (*weights, *grads)]
+    per_rank = [row.split(sizes) for row in gathered]
     for index, shape in enumerate(shapes):
-        weight_pieces = [torch.empty_like(weights[index]) for _ in range(world)]
-        grad_pieces = [torch.empty_like(grads[index]) for _ in range(world)]
-        dist.all_gather(weight_pieces, weights[index])
-        dist.all_gather(grad_pieces, grads[index])
-        whole = torch.nn.Parameter(_whole(weight_pieces, shape))
-        whole.grad = _whole(grad_pieces, shape)
+        whole = torch.nn.Parameter(_whole([per_rank[r][index] for r in range(world)], shape))
+        whole.grad = _whole([per_rank[r][len(shapes) + index] for r in range(world)], shape)
         optimizer = muon.setdefault(index, torch.optim.Muon([whole], lr=0.02))
         optimizer.param_groups[0]["params"] = [whole]
         optimizer.state = {whole: optimizer.state.get(whole, next(iter(optimizer.state.values()), {}))}
