@@ -18,6 +18,7 @@ from megatron_fsdp.integrations.megatron_lm import add_megatron_fsdp_args, ddp_c
 from megatron_fsdp.megatron_fsdp import MegatronFSDP
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.optim.grad_clip import clip_grad_norm_, total_grad_norm
+from megatron_fsdp.optim.whole_tensors import whole_tensor_optimizer
 # The function: the package megatron_fsdp.plan_memory holds it and the command (python -m).
 from megatron_fsdp.plan_memory import plan_memory
 from megatron_fsdp.package_info import (
@@ -57,6 +58,7 @@ __all__ = [
     "plan_memory",
     "save_checkpoint",
     "total_grad_norm",
+    "whole_tensor_optimizer",
     "__contact_emails__",
     "__contact_names__",
     "__description__",

@@ -15,6 +15,7 @@ from megatron_fsdp.engine.step.sharded_model import ShardedModel
 from megatron_fsdp.optim.initial_state import InitialStatePlaceholders
 from megatron_fsdp.optim.kernel_step import kernel_step_for, reads_main_grads_as_they_are
 from megatron_fsdp.optim.piece_swap import PieceSwap
+from megatron_fsdp.optim.whole_tensors import needs_whole_tensors, note_flat_pieces
 
 
 def _return_cached_device_memory(model: ShardedModel) -> None:
@@ -95,7 +96,12 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: ShardedModel) 
             else:
                 if not optimizer.state:
                     _return_cached_device_memory(model)
-                result, installed = original_step(*args, **kwargs), False
+                try:
+                    result, installed = original_step(*args, **kwargs), False
+                except (ValueError, RuntimeError, IndexError) as error:
+                    if not needs_whole_tensors(optimizer):
+                        note_flat_pieces(error, optimizer)
+                    raise
         model.install_optimizer_step(install_weights=install_optimized_model_weights and not installed)
         return result
 

@@ -26,6 +26,7 @@ from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.buckets.faces import FaceSource, bucket_face_sources, holds_this_piece, to_face_layout
 from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
 from megatron_fsdp.engine.params.sharded_params import ShardedParam, sharded_dtensor
+from megatron_fsdp.optim.whole_tensors import WholeTensorSwap, needs_whole_tensors, whole_state_for_load
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class PieceSwap:
         self._face_of_piece = {face.piece: param for param, face in self._faces.items()}
         # face -> state name -> (the DTensor shown, the plain tensor stepped): what a swap reuses.
         self._pairs: dict[nn.Parameter, dict[str, tuple[DTensor, torch.Tensor]]] = {}
+        # Optimizers that need whole tensors step them instead of the pieces (whole_tensors.py).
+        self._whole = WholeTensorSwap({param: face.source for param, face in self._faces.items()})
 
     def covers(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is one of the faces this swap steps as pieces."""
@@ -72,13 +75,17 @@ class PieceSwap:
         faces_per_group = self.swap_in(optimizer)
         try:
             yield
-        finally:
-            self.swap_out(optimizer, faces_per_group)
+        except BaseException:
+            self.swap_out(optimizer, faces_per_group, raised=True)
+            raise
+        self.swap_out(optimizer, faces_per_group)
 
     def swap_in(self, optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
         """Puts the pieces, their gradients and plain state in ``optimizer``; returns what
         :meth:`swap_out` takes. Everything that can raise comes first: the optimizer is then left
         as it was."""
+        if needs_whole_tensors(optimizer):
+            return self._whole.swap_in(optimizer, self.strict)
         faces_per_group = [group["params"] for group in optimizer.param_groups]
         with plain_attribute_access():
             pieces_per_group = [[self._piece_with_grad(param) for param in params] for params in faces_per_group]
@@ -92,6 +99,9 @@ class PieceSwap:
         """Puts the faces and their DTensor state back. ``raised``: the step raised and the
         pieces stayed in; anything that cleared their ``.grad`` since (``zero_grad()``) clears the
         faces' too."""
+        if needs_whole_tensors(optimizer):
+            self._whole.swap_out(optimizer, faces_per_group, raised)
+            return
         if raised:
             with plain_attribute_access():
                 for pieces, faces in zip((group["params"] for group in optimizer.param_groups), faces_per_group):
@@ -221,6 +231,8 @@ class PieceSwap:
                 "parameters its param groups do not list)"
             )
         state = dict(state_dict["state"])
+        if needs_whole_tensors(optimizer):
+            return {**state_dict, "state": whole_state_for_load(state)}
         for key, param in zip(keys, faces):
             if key in state:
                 face = self._faces[param]

@@ -1,0 +1,333 @@
+"""torch.optim.Muon (the blocks' 2-D weights) with AdamW (the rest) over a model sharded by either
+front door, against the same two optimizers in one process on the same model and data.
+
+Muon steps whole matrices (megatron_fsdp/optim/whole_tensors.py): every rank gathers each matrix
+and its reduced gradient and runs torch's own step on them. The sharded and the one-process runs
+then differ only in how the gradient was summed (per rank, then over ranks, instead of over all
+rows at once: ~1e-7 relative). torch's Muon rounds the momentum to bf16 before Newton-Schulz, so
+such a difference can round an entry the other way, and Newton-Schulz spreads that over the matrix:
+measured at world 4, one such entry of blocks.0.proj.weight's gradient moves its first step by
+2.7e-4 (2% of the step), the same on one process given the two gradients. Where no entry rounds
+differently (the fp32 cases below, measured: at most 8e-7 after STEPS steps) the parameters are
+held to RTOL = 1e-5 of the one-process run; the others to LOOSE_RTOL on Muon's matrices. A matrix
+stepped on its flat piece, a missing gather or a piece written back to the wrong range is off by
+its whole update.
+
+Also: Muon's momentum is whole in its state dict and round-trips through it and through DCP across
+world sizes; bad input (Muon given a vector) and an undeclared optimizer that needs matrices fail
+on every rank; a declared one steps whole matrices.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_fsdp
+from _dist import run_distributed
+from models import Block, make_batch, make_model
+
+STEPS, ROWS, LR, MUON_LR, MAX_NORM = 3, 2, 1e-2, 2e-2, 0.5
+RTOL = 1e-5
+# bf16 compute (fp32 main weights and reductions) against the one-process run in fp32, and HSDP's
+# and CPU offloading's sums in another order that round one bf16 entry differently (see above):
+# Muon's matrices end up to 1.4e-2 (bf16), 6.2e-3 (HSDP) and 2.2e-3 (offload) of their largest
+# entry from one process after STEPS steps (measured; offloaded with ns_steps=0, where a rounding
+# flip cannot spread, 9e-6), while a matrix stepped wrongly is off by its whole update (~1e-1). AdamW's parameters
+# are left out there: they follow the matrices, and bf16 noise on a near-zero gradient (a norm's
+# bias) becomes a full-size Adam update (docs/testing.md's pitfall).
+LOOSE_RTOL = 3e-2
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12)).item()
+
+
+def _is_matrix_in_block(name: str, param: torch.Tensor) -> bool:
+    return name.startswith("blocks.") and param.dim() == 2
+
+
+def _optimizers(named_params: list[tuple[str, torch.Tensor]]) -> list[torch.optim.Optimizer]:
+    matrices = [p for n, p in named_params if _is_matrix_in_block(n, p)]
+    rest = [p for n, p in named_params if not _is_matrix_in_block(n, p)]
+    return [torch.optim.Muon(matrices, lr=MUON_LR, weight_decay=0.1), torch.optim.AdamW(rest, lr=LR)]
+
+
+def _single_process(world: int, accumulate: int, clip: bool) -> dict[str, torch.Tensor]:
+    model = make_model(seed=0)
+    optimizers = _optimizers(list(model.named_parameters()))
+    for step in range(STEPS):
+        model(*make_batch(step, world * accumulate * ROWS)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
+def _micro_batches(step: int, rank: int, world: int, accumulate: int):
+    tokens, targets = make_batch(step, world * accumulate * ROWS)
+    for micro in range(accumulate):
+        rows = slice((micro * world + rank) * ROWS, (micro * world + rank + 1) * ROWS)
+        yield tokens[rows], targets[rows]
+
+
+def _whole_model_door(rank: int, world: int, strategy: int, accumulate: int, clip: bool, bf16: bool, special: str = ""):
+    model = make_model(seed=0, dtype=torch.bfloat16 if bf16 else torch.float32)
+    muon, adamw = _optimizers(list(model.named_parameters()))
+    model, muon = megatron_fsdp.fully_shard(
+        model, muon, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, cpu_offload=special == "offload"
+    )
+    adamw = megatron_fsdp.fully_shard_optimizer(adamw, model=model)
+    for step in range(STEPS):
+        for tokens, targets in _micro_batches(step, rank, world, accumulate):
+            (model(tokens, targets) / accumulate).backward()
+        if clip:
+            megatron_fsdp.clip_grad_norm_(model, MAX_NORM)
+        # Both step before either zeroes: the wrapper's zero_grad releases all main gradients.
+        for optimizer in (muon, adamw):
+            optimizer.step()
+        for optimizer in (muon, adamw):
+            optimizer.zero_grad()
+    return model, muon, {name: param.float() for name, param in model.full_parameters().items()}
+
+
+def _fsdp2_door(rank: int, world: int, accumulate: int, clip: bool, bf16: bool, special: str = ""):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    # HSDP: replicated over the first dim, sharded over the second.
+    if special == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    policy = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if bf16 else {}
+    model = make_model(seed=0)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
+    optimizers = _optimizers(list(model.named_parameters()))
+    for step in range(STEPS):
+        for micro, (tokens, targets) in enumerate(_micro_batches(step, rank, world, accumulate)):
+            model.set_requires_gradient_sync(micro == accumulate - 1)
+            (model(tokens, targets) / accumulate).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return model, optimizers[0], {name: param.full_tensor() for name, param in model.named_parameters()}
+
+
+def _parity(
+    rank: int, world: int, door: str, strategy: int, accumulate: int, clip: bool, bf16: bool, special: str, loose: bool
+) -> dict[str, float]:
+    if door == "whole-model":
+        _, _, params = _whole_model_door(rank, world, strategy, accumulate, clip, bf16, special)
+    else:
+        _, _, params = _fsdp2_door(rank, world, accumulate, clip, bf16, special)
+    expected = _single_process(world, accumulate, clip)
+    return {
+        name: _relative_error(params[name], want)
+        for name, want in expected.items()
+        if not loose or _is_matrix_in_block(name, want)
+    }
+
+
+# (door, strategy, world, accumulation, clipping, bf16 compute, "offload" / "hsdp" / "")
+CASES = [
+    ("whole-model", 3, 2, 2, True, False, ""),
+    ("whole-model", 1, 2, 1, False, False, ""),
+    ("whole-model", 0, 2, 1, False, False, ""),
+    ("whole-model", 2, 4, 1, True, False, ""),
+    ("whole-model", 3, 2, 1, False, True, ""),
+    ("whole-model", 3, 2, 1, False, False, "offload"),
+    ("fsdp2", 3, 2, 2, True, False, ""),
+    ("fsdp2", 3, 2, 1, False, True, ""),
+    ("fsdp2", 3, 4, 1, False, False, "hsdp"),
+]
+
+
+@pytest.mark.parametrize("door, strategy, world, accumulate, clip, bf16, special", CASES)
+def test_muon_and_adamw_step_like_one_process(
+    door: str, strategy: int, world: int, accumulate: int, clip: bool, bf16: bool, special: str
+) -> None:
+    loose = bf16 or special in ("hsdp", "offload")
+    rtol = LOOSE_RTOL if loose else RTOL
+    for rank, errors in enumerate(run_distributed(_parity, world, door, strategy, accumulate, clip, bf16, special, loose)):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= rtol, f"rank {rank}: {worst} differs by {errors[worst]:.2e} relative (allowed {rtol:.0e}); all: {errors}"
+
+
+def _momentum_round_trip(rank: int, world: int, door: str) -> dict[str, float]:
+    """Muon's momentum buffers after training: whole, equal to one process's, and a fresh Muon
+    loaded from the state dict steps on exactly as the trained one."""
+    if door == "whole-model":
+        model, muon, _ = _whole_model_door(rank, world, 3, 1, False, False)
+    else:
+        model, muon, _ = _fsdp2_door(rank, world, 1, False, False)
+    reference = make_model(seed=0)
+    reference_muon = _optimizers(list(reference.named_parameters()))[0]
+    reference_adamw = _optimizers(list(reference.named_parameters()))[1]
+    for step in range(STEPS):
+        reference(*make_batch(step, world * ROWS)).backward()
+        for optimizer in (reference_muon, reference_adamw):
+            optimizer.step()
+            optimizer.zero_grad()
+    saved = muon.state_dict()
+    errors = {}
+    for index, entries in reference_muon.state_dict()["state"].items():
+        errors[f"momentum {index}"] = _relative_error(saved["state"][index]["momentum_buffer"], entries["momentum_buffer"])
+    matrices = [p for n, p in model.named_parameters() if _is_matrix_in_block(n, p)]
+    fresh = torch.optim.Muon(matrices, lr=MUON_LR, weight_decay=0.1)
+    if door == "whole-model":
+        fresh = megatron_fsdp.fully_shard_optimizer(fresh, model=model)
+    fresh.load_state_dict(saved)
+    for index, entries in fresh.state_dict()["state"].items():
+        errors[f"reloaded momentum {index}"] = _relative_error(entries["momentum_buffer"], saved["state"][index]["momentum_buffer"])
+    return errors
+
+
+@pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
+def test_muon_momentum_is_whole_and_round_trips_through_its_state_dict(door: str) -> None:
+    for rank, errors in enumerate(run_distributed(_momentum_round_trip, 2, door)):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= RTOL, f"rank {rank}: {worst} differs by {errors[worst]:.2e} relative; all: {errors}"
+
+
+class RowNormalizedSGD(torch.optim.Optimizer):
+    """A user's optimizer that needs matrices: each row of the gradient scaled to unit length."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.dim() != 2:
+                    raise ValueError(f"RowNormalizedSGD needs matrices, got a gradient of shape {tuple(param.grad.shape)}")
+                param.add_(param.grad / param.grad.norm(dim=1, keepdim=True), alpha=-group["lr"])
+
+
+@megatron_fsdp.whole_tensor_optimizer
+class DeclaredRowNormalizedSGD(RowNormalizedSGD):
+    """The same optimizer, declared to need whole tensors."""
+
+
+def _errors_on_every_rank(rank: int, world: int, door: str, case: str) -> str:
+    """The message each rank's step raised, or what it did instead."""
+    if door == "whole-model":
+        model = make_model(seed=0)
+        model = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[Block])
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from megatron_fsdp.fsdp2 import fully_shard
+
+        model = make_model(seed=0)
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    block = dict(model.named_parameters())
+    if case == "muon given a vector":
+        optimizer = torch.optim.Muon([block["blocks.0.up.weight"]], lr=MUON_LR)
+        optimizer.add_param_group({"params": [block["blocks.0.up.bias"]]})
+    else:
+        optimizer_class = RowNormalizedSGD if case == "undeclared" else DeclaredRowNormalizedSGD
+        optimizer = optimizer_class([block["blocks.0.up.weight"]], lr=0.1)
+    if door == "whole-model":
+        optimizer = megatron_fsdp.fully_shard_optimizer(optimizer, model=model)
+    model(*make_batch(0, ROWS)).backward()
+    try:
+        optimizer.step()
+    except ValueError as error:
+        return "\n".join([str(error), *getattr(error, "__notes__", [])])
+    dist.barrier()
+    return "stepped"
+
+
+@pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
+def test_muon_given_a_vector_raises_torchs_message_on_every_rank(door: str) -> None:
+    messages = run_distributed(_errors_on_every_rank, 2, door, "muon given a vector")
+    assert all("2D" in message for message in messages), messages
+
+
+@pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
+def test_an_undeclared_optimizer_that_needs_matrices_fails_on_every_rank(door: str) -> None:
+    """Its own error on every rank; the whole-model door's step adds the way out (torch's step
+    hooks, FSDP2's door, see no error to add it to)."""
+    messages = run_distributed(_errors_on_every_rank, 2, door, "undeclared")
+    assert all("needs matrices" in m for m in messages), messages
+    if door == "whole-model":
+        assert all("megatron_fsdp.whole_tensor_optimizer" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
+def test_a_declared_optimizer_steps_whole_matrices(door: str) -> None:
+    assert run_distributed(_errors_on_every_rank, 2, door, "declared") == ["stepped", "stepped"]
+
+
+GLOBAL_ROWS = 4  # one global batch for every world size below
+
+
+def _train_rows(model, optimizers, rank: int, world: int, steps: range) -> None:
+    for step in steps:
+        tokens, targets = make_batch(step, GLOBAL_ROWS)
+        rows = slice(rank * GLOBAL_ROWS // world, (rank + 1) * GLOBAL_ROWS // world)
+        model(tokens[rows], targets[rows]).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+
+
+def _sharded_muon_and_adamw(seed: int):
+    model = make_model(seed=seed)
+    muon, adamw = _optimizers(list(model.named_parameters()))
+    model, muon = megatron_fsdp.fully_shard(model, muon, fsdp_unit_modules=[Block])
+    return model, [muon, megatron_fsdp.fully_shard_optimizer(adamw, model=model)]
+
+
+def _checkpoint(model, optimizers) -> dict:
+    return {"model": model.state_dict(), "muon": optimizers[0].state_dict(), "adamw": optimizers[1].state_dict()}
+
+
+def _save_then_train(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizers = _sharded_muon_and_adamw(seed=0)
+    _train_rows(model, optimizers, rank, world, range(2))
+    dcp.save(_checkpoint(model, optimizers), checkpoint_id=path)
+    _train_rows(model, optimizers, rank, world, range(2, 4))
+    return model.full_parameters()
+
+
+def _load_then_train(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizers = _sharded_muon_and_adamw(seed=7)  # other weights, fresh optimizers
+    state = _checkpoint(model, optimizers)
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    optimizers[0].load_state_dict(state["muon"])
+    optimizers[1].load_state_dict(state["adamw"])
+    _train_rows(model, optimizers, rank, world, range(2, 4))
+    return model.full_parameters()
+
+
+def test_muon_resumes_from_a_dcp_checkpoint_at_another_world_size(tmp_path) -> None:
+    uninterrupted = run_distributed(_save_then_train, 2, str(tmp_path / "ckpt"))[0]
+    resumed = run_distributed(_load_then_train, 4, str(tmp_path / "ckpt"))[0]
+    errors = {name: _relative_error(resumed[name], want) for name, want in uninterrupted.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= RTOL, f"{worst} differs by {errors[worst]:.2e} relative after resuming at world 4; all: {errors}"
