@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from _dist import run_distributed
+from mcore_flow import megatron_core_clip
 from models import Block, TinyGPT, make_batch
 
 import megatron_fsdp
@@ -198,21 +199,6 @@ def _optimizer(adapter: _Adapter) -> torch.optim.Optimizer:
     return torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1)
 
 
-def _clip(optimizer: torch.optim.Optimizer, max_norm: float) -> float:
-    """megatron-core's clip for Megatron-FSDP: local gradients, one all-reduce of the squares."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    assert all(getattr(p, "__fsdp_param__", False) for p in params)
-    grads = [p.grad._local_tensor for p in params]
-    total = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
-    dist.all_reduce(total)
-    norm = total.sqrt().item()
-    coefficient = max_norm / (norm + 1e-6)
-    if coefficient < 1:
-        for grad in grads:
-            grad.mul_(coefficient)
-    return norm
-
-
 def _train_step(adapter: _Adapter, optimizer: torch.optim.Optimizer, step: int, rank: int, world_size: int) -> tuple[float, float]:
     tokens, targets = make_batch(step, 4 * world_size)
     rows = slice(4 * rank, 4 * rank + 4)
@@ -225,7 +211,7 @@ def _train_step(adapter: _Adapter, optimizer: torch.optim.Optimizer, step: int, 
     loss.backward()
     losses.append(loss.detach())
     adapter.module.finish_grad_sync()  # finalize_model_grads
-    norm = _clip(optimizer, 1.0)
+    norm = megatron_core_clip(optimizer, 1.0)
     optimizer.step()
     adapter.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
     adapter.module.zero_grad_buffer()
