@@ -21,13 +21,7 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -36,6 +30,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from _dist import run_distributed
 from models import FFN, HIDDEN, make_batch, make_model
+from state_dict_io import load_with_helpers, save_with_helpers
 from megatron_fsdp.fsdp2 import fully_shard
 
 WORLD, DP, TP = 4, 2, 2
@@ -109,18 +104,14 @@ def _sharded_with_optimizer(shard, mesh) -> tuple[torch.nn.Module, torch.optim.O
 
 
 def _save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    save_with_helpers(model, optimizer, path)
 
 
 def _resume(shard, mesh, path: str, dp_rank: int) -> dict:
     """A model and AdamW sharded by ``shard``, loaded from the DCP checkpoint at ``path`` (model
     and optimizer state, through torch's get_/set_state_dict), then trained on."""
     model, optimizer = _sharded_with_optimizer(shard, mesh)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    load_with_helpers(model, optimizer, path)
     return _steps(model, optimizer, dp_rank, range(STEPS, STEPS + RESUMED_STEPS))
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from _dist import run_distributed
-from mcore_flow import megatron_core_clip
+from mcore_flow import fsdp_dtensor_state, megatron_core_clip
 from models import Block, TinyGPT, make_batch
 
 import megatron_fsdp
@@ -241,13 +241,6 @@ def _reference_run(steps: int, world_size: int) -> tuple[list[tuple[float, float
     return history, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _fsdp_dtensor_state(adapter: _Adapter, optimizer: torch.optim.Optimizer) -> dict:
-    """The fsdp_dtensor checkpoint as megatron-core writes it: the model's state dict and the
-    optimizer state keyed by parameter name (the wrapper's named_parameters())."""
-    names = {p: n for n, p in adapter.named_parameters()}
-    return {"model": adapter.module.state_dict(), "optimizer": {"state": {names[p]: s for p, s in optimizer.state.items()}}}
-
-
 def _megatron_core_flow(rank: int, world_size: int, strategy: str, checkpoint_dir: str) -> dict:
     # What install() puts: megatron-core's optimizer steps the plain pieces under the faces.
     handles = install_piece_steps()
@@ -272,7 +265,7 @@ def _megatron_core_flow_with_piece_steps(strategy: str, rank: int, world_size: i
     assert all(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]), "faces between steps"
 
     assert all(key.startswith("module.") for key in adapter.module.state_dict())
-    dcp.save(uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(_fsdp_dtensor_state(adapter, optimizer)), checkpoint_id=checkpoint_dir)
+    dcp.save(fsdp_dtensor_state(adapter, optimizer), checkpoint_id=checkpoint_dir)
     continued = [_train_step(adapter, optimizer, step, rank, world_size) for step in range(3, 5)]
 
     # Fresh objects, other initial weights; megatron-core materialises the optimizer state with
@@ -285,7 +278,7 @@ def _megatron_core_flow_with_piece_steps(strategy: str, rank: int, world_size: i
             p.grad = torch.zeros_like(p)
     resumed_optimizer.step()
     resumed_optimizer.zero_grad()
-    target = uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(_fsdp_dtensor_state(resumed, resumed_optimizer))
+    target = fsdp_dtensor_state(resumed, resumed_optimizer)
     dcp.load(target, checkpoint_id=checkpoint_dir)
     # megatron-core's adapter prefixes each key once more; names are the optimizer's own keys.
     resumed.module.load_state_dict({"module." + k: v for k, v in target["model"].items()})

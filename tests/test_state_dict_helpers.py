@@ -18,13 +18,13 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
-    set_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
 import megatron_fsdp
 from _dist import run_distributed
 from models import Block, make_batch, make_model
+from state_dict_io import load_with_helpers, save_with_helpers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
@@ -118,17 +118,13 @@ def _save_one_way_load_the_other(rank: int, world: int, path: str) -> dict:
     model, optimizer = _shard(3)
     _train(model, optimizer, rank, world, range(2))
     megatron_fsdp.save_checkpoint(os.path.join(path, "ours"), 2, model, optimizer)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(path, "theirs", "step_00000002"))
+    save_with_helpers(model, optimizer, os.path.join(path, "theirs", "step_00000002"))
     _train(model, optimizer, rank, world, range(2, 4))
     uninterrupted = model.full_parameters()
 
     resumed = {}
     model, optimizer = _shard(3, seed=5)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=os.path.join(path, "ours", "step_00000002"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    load_with_helpers(model, optimizer, os.path.join(path, "ours", "step_00000002"))
     _train(model, optimizer, rank, world, range(2, 4))
     resumed["saved by save_checkpoint, loaded by the helpers"] = model.full_parameters()
 

@@ -20,8 +20,6 @@ import functools
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -30,6 +28,7 @@ import megatron_fsdp
 from _dist import run_distributed
 from megatron_fsdp.fsdp2 import fully_shard as fsdp2_fully_shard
 from models import Block, make_batch, make_model
+from state_dict_io import load_with_helpers, save_with_helpers
 
 GLOBAL_ROWS, STEPS, RESUMED_STEPS, LR = 4, 3, 2, 1e-2
 RTOL = 1e-6
@@ -84,8 +83,7 @@ def _save(door: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, p
     if door == "whole_model":
         megatron_fsdp.save_checkpoint(path, STEPS, model, optimizer)
         return
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    save_with_helpers(model, optimizer, path)
 
 
 def _resume(door: str, tp: int, path: str) -> dict:
@@ -95,10 +93,7 @@ def _resume(door: str, tp: int, path: str) -> dict:
     if door == "whole_model":
         assert megatron_fsdp.load_checkpoint(path, model, optimizer) is not None
     else:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        load_with_helpers(model, optimizer, path)
     return _train(model, optimizer, mesh, range(STEPS, STEPS + RESUMED_STEPS))
 
 
