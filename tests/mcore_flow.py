@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from megatron_fsdp import uneven_dtensor
@@ -98,16 +99,38 @@ def megatron_core_clip(
     return norm
 
 
-def fsdp_dtensor_state(
-    adapter: nn.Module, optimizer: torch.optim.Optimizer, key: Callable[[str], str] = lambda name: name
-) -> dict:
+def _same(name: str) -> str:
+    return name
+
+
+def fsdp_dtensor_state(adapter: nn.Module, optimizer: torch.optim.Optimizer, key: Callable[[str], str] = _same) -> dict:
     """The fsdp_dtensor checkpoint as Megatron-LM writes it: the wrapped model's state dict and
     the optimizer state keyed by parameter name, each key passed through ``key`` (Megatron-LM
     renames local experts to their global index). The values are the model's and optimizer's
     own tensors, so ``dcp.load`` into it loads them in place."""
     names = {p: n for n, p in adapter.named_parameters()}
-    state = {
-        "model": {key(k): v for k, v in adapter.module.state_dict().items()},
-        "optimizer": {"state": {key(names[p]): s for p, s in optimizer.state.items()}},
+    state = {"model": adapter.module.state_dict(), "optimizer": {"state": {names[p]: s for p, s in optimizer.state.items()}}}
+    return _renamed(uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(state), key)
+
+
+def load_fsdp_dtensor(
+    adapter: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str, key: Callable[[str], str] = _same
+) -> None:
+    """As Megatron-LM loads fsdp_dtensor into fresh objects: a zero-gradient step materialises
+    the optimizer state, DCP fills the (renamed) state's tensors in place, then the model loads
+    its state dict under its own names, which megatron-core's adapter prefixes once more."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad()
+    local = fsdp_dtensor_state(adapter, optimizer)
+    dcp.load(_renamed(local, key), checkpoint_id=checkpoint_dir)
+    adapter.module.load_state_dict({"module." + k: v for k, v in local["model"].items()})
+
+
+def _renamed(state: dict, key: Callable[[str], str]) -> dict:
+    return {
+        "model": {key(k): v for k, v in state["model"].items()},
+        "optimizer": {"state": {key(k): v for k, v in state["optimizer"]["state"].items()}},
     }
-    return uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(state)

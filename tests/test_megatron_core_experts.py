@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _dist import run_distributed
-from mcore_flow import GatherSequence, ReduceScatterSequence, fsdp_dtensor_state, megatron_core_clip
+from mcore_flow import GatherSequence, ReduceScatterSequence, fsdp_dtensor_state, load_fsdp_dtensor, megatron_core_clip
 
 import megatron_fsdp
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
@@ -179,13 +179,7 @@ def _resume(ep: int, checkpoint_dir: str) -> list[tuple[float, float]]:
     model loads its state dict under the local names."""
     adapter = _Adapter(ep)
     optimizer = _optimizer(adapter)
-    for p in adapter.module.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad()
-    local = fsdp_dtensor_state(adapter, optimizer)
-    dcp.load(fsdp_dtensor_state(adapter, optimizer, adapter.key), checkpoint_id=checkpoint_dir)
-    adapter.module.load_state_dict({"module." + k: v for k, v in local["model"].items()})
+    load_fsdp_dtensor(adapter, optimizer, checkpoint_dir, adapter.key)
     return [_train_step(adapter, optimizer, step) for step in range(SAVED_AT, STEPS)]
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from _dist import run_distributed
-from mcore_flow import fsdp_dtensor_state, megatron_core_clip
+from mcore_flow import fsdp_dtensor_state, load_fsdp_dtensor, megatron_core_clip
 from models import Block, TinyGPT, make_batch
 
 import megatron_fsdp
@@ -268,20 +268,11 @@ def _megatron_core_flow_with_piece_steps(strategy: str, rank: int, world_size: i
     dcp.save(fsdp_dtensor_state(adapter, optimizer), checkpoint_id=checkpoint_dir)
     continued = [_train_step(adapter, optimizer, step, rank, world_size) for step in range(3, 5)]
 
-    # Fresh objects, other initial weights; megatron-core materialises the optimizer state with
-    # a zero-gradient step before loading into it.
+    # Fresh objects, other initial weights.
     torch.manual_seed(1)
     resumed = _Adapter(strategy)
     resumed_optimizer = _optimizer(resumed)
-    for group in resumed_optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = torch.zeros_like(p)
-    resumed_optimizer.step()
-    resumed_optimizer.zero_grad()
-    target = fsdp_dtensor_state(resumed, resumed_optimizer)
-    dcp.load(target, checkpoint_id=checkpoint_dir)
-    # megatron-core's adapter prefixes each key once more; names are the optimizer's own keys.
-    resumed.module.load_state_dict({"module." + k: v for k, v in target["model"].items()})
+    load_fsdp_dtensor(resumed, resumed_optimizer, checkpoint_dir)
     after = [_train_step(resumed, resumed_optimizer, step, rank, world_size) for step in range(3, 5)]
     full = resumed.module.full_parameters()
     return {"history": history + continued, "resumed": after, "params": full, "names": names}

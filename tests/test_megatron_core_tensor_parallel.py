@@ -41,6 +41,7 @@ from mcore_flow import (
     GatherSequence,
     ReduceScatterSequence,
     fsdp_dtensor_state,
+    load_fsdp_dtensor,
     megatron_core_clip,
 )
 from moe_model import SumOverGroup
@@ -250,17 +251,10 @@ def _train_step(adapter: _Adapter, optimizer: torch.optim.Optimizer, step: int) 
 
 
 def _resume(layout: Layout, checkpoint_dir: str) -> list[tuple[float, float]]:
-    """Fresh objects loading the checkpoint as megatron-core does (a zero-gradient step first
-    materialises the optimizer state), then the steps after the save."""
+    """Fresh objects loading the checkpoint as megatron-core does, then the steps after the save."""
     adapter = _Adapter(layout)
     optimizer = _optimizer(adapter)
-    for p in adapter.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad()
-    target = fsdp_dtensor_state(adapter, optimizer)
-    dcp.load(target, checkpoint_id=checkpoint_dir)
-    adapter.module.load_state_dict({"module." + k: v for k, v in target["model"].items()})
+    load_fsdp_dtensor(adapter, optimizer, checkpoint_dir)
     return [_train_step(adapter, optimizer, step) for step in range(SAVED_AT, STEPS)]
 
 
