@@ -105,6 +105,15 @@ def test_few_doc_blocks_are_skipped_and_each_says_why() -> None:
     assert len(BLOCKS) - len(skipped) >= 10, "the docs should show running code"
 
 
+def test_a_block_that_makes_the_process_group_destroys_it() -> None:
+    # Left to the interpreter's teardown, gloo's threads can abort a rank after the block succeeded
+    # (fully_shard destroys the group it makes itself; tests/test_default_group.py).
+    makes_group = ("init_process_group(", "init_device_mesh(")
+    undestroyed = [b.name for b in BLOCKS if b.ranks > 1 and any(call in b.code for call in makes_group)
+                   and not b.code.rstrip().splitlines()[-1].lstrip().split("#")[0].rstrip().endswith("destroy_process_group()")]
+    assert not undestroyed, f"end these blocks with dist.destroy_process_group(): {undestroyed}"
+
+
 # A repository path in backticks, as the docs name files: `megatron_fsdp/engine/buckets/buffer.py`.
 REPO_PATH = re.compile(r"`((?:megatron_fsdp|tests|examples|benchmarks|scripts|csrc|docs)/[\w./-]+)`")
 

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from megatron_fsdp.engine.groups.process_exit import settle_gloo_at_exit, uses_gloo
+
 logger = logging.getLogger(__name__)
 
 
@@ -73,7 +75,8 @@ def init_default_group() -> None:
     """Without a default process group, creates it from the launcher's environment, as torch's
     ``fully_shard`` and ``init_device_mesh`` do (``init_process_group()``: gloo for CPU tensors,
     NCCL for CUDA ones), and, as ``init_device_mesh``, makes ``LOCAL_RANK`` the current CUDA
-    device if none was chosen. Outside a launcher, raises before any collective."""
+    device if none was chosen; the group it creates is destroyed at exit
+    (engine/groups/process_exit.py). Outside a launcher, raises before any collective."""
     if not dist.is_available():
         raise RuntimeError("megatron_fsdp needs torch.distributed, which this build of torch lacks")
     if dist.is_initialized():
@@ -87,6 +90,7 @@ def init_default_group() -> None:
             f"fully_shard (not launched so: {', '.join(missing)} unset)"
         )
     dist.init_process_group()
+    settle_gloo_at_exit(destroy_default_group=True)
     if torch.cuda.is_available() and not torch.cuda.is_initialized() and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     logger.info(
@@ -99,6 +103,8 @@ def _group_over(mesh: DeviceMesh | None, root: DeviceMesh | None = None) -> Data
     """The group of a 1-D mesh sliced from ``root`` (the default group without one), with this
     rank's place in it."""
     group = dist.group.WORLD if mesh is None else mesh.get_group()
+    if uses_gloo(group):
+        settle_gloo_at_exit()
     names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
     return DataParallelGroup(
         group=group, rank=dist.get_rank(group), size=dist.get_world_size(group), mesh=mesh, root_mesh=root, dim_names=names
