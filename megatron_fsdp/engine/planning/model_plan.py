@@ -66,11 +66,16 @@ def plan_model(
     holds alike with (:func:`alike_ranks`). Under pipeline parallelism each pipeline rank's
     ranks (a slice of ``world_size / pp`` consecutive ranks) are planned for its stages."""
     pipeline = options.pipeline
-    if pipeline is not None and options.world_size % pipeline.size:
-        raise ValueError(
-            f"world_size {options.world_size} is not divisible by pipeline_parallel_size {pipeline.size}: the mesh "
-            "is (pp, dp_outer, dp_shard, cp, tp), so pick a pipeline size that divides the world size"
-        )
+    if pipeline is not None:
+        sizes = options.parallel
+        per_pipeline_rank = sizes.tensor * sizes.context * options.outer_size
+        if options.world_size % (pipeline.size * per_pipeline_rank):
+            raise ValueError(
+                f"world_size {options.world_size} is not divisible by pipeline_parallel_size {pipeline.size} x "
+                f"tensor_parallel_size x context_parallel_size x dp_outer_size = {pipeline.size} x {sizes.tensor} x "
+                f"{sizes.context} x {options.outer_size}: the mesh is (pp, dp_outer, dp_shard, cp, tp), so pick sizes "
+                "whose product divides the world size"
+            )
     slice_options = options if pipeline is None else replace(options, world_size=options.world_size // pipeline.size)
     check_options(slice_options)
     layers = find_unit_modules(module, unit_classes, units_required=False, log_absent=False)

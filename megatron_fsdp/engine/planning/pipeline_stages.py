@@ -55,10 +55,12 @@ class PipelineSpec:
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         virtual = self.virtual_stages if self.virtual_stages is not None else (2 if multi else 1)
-        if virtual < 1 or (virtual > 1 and not multi):
+        if virtual < 1:
+            raise ValueError(f"virtual_stages must be >= 1, got {virtual}")
+        if virtual > 1 and not multi:
             raise ValueError(
-                f"virtual_stages={self.virtual_stages}: Schedule{name} runs one stage a rank; give 1, or use "
-                "Interleaved1F1B or LoopedBFS for several" if virtual > 1 else f"virtual_stages must be >= 1, got {virtual}"
+                f"virtual_stages={virtual}: Schedule{name} runs one stage a rank; give 1, or use Interleaved1F1B or "
+                "LoopedBFS for several"
             )
         if name == "1F1B" and self.micro_batches < self.size:
             raise ValueError(
