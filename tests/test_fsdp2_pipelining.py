@@ -12,6 +12,10 @@ FSDP2's per-parameter rows), last-bit rounding. A gradient not reduced over "dp"
 or scaled by the micro-batch count twice is O(1e-3) or more after one AdamW step. Measured: 0
 (bit-equal) for every run below.
 
+reshard_after_forward as torch's fully_shard honours it under pipelining: at the end of every stage
+forward the same parameters are gathered (plain tensors, not DTensor shards) as under torch's,
+all of the stage's under False and none under True.
+
 Refused: a zero-bubble schedule (backward split into input and weight steps, which set ``.grad``
 outside autograd's accumulation) raises our NotImplementedError naming the schedules that work,
 on every rank, before any gradient reduction.
