@@ -26,7 +26,7 @@ from megatron_fsdp.engine.planning.model_parallel import (
     megatron_style_plan,
     resolve_split_dims,
 )
-from megatron_fsdp.engine.planning.pipeline_stages import StageContents, split_stages
+from megatron_fsdp.engine.planning.pipeline_stages import StageContents, outermost_layers, split_stages
 from megatron_fsdp.engine.step.units import ROOT_UNIT_NAME, find_unit_modules
 
 
@@ -80,7 +80,7 @@ def plan_model(
     check_options(slice_options)
     layers = find_unit_modules(module, unit_classes, units_required=False, log_absent=False)
     if pipeline is None:
-        ranks, alike = _plan_slice(module, unit_classes, slice_options, None, len(layers))
+        ranks, alike = _plan_slice(module, unit_classes, slice_options, None, len(outermost_layers(layers)))
     else:
         ranks, alike = [], []
         for pp_rank, held in enumerate(split_stages(module, layers, pipeline)):

@@ -113,7 +113,8 @@ class StageContents:
     buffers: frozenset[str]
 
 
-def _outermost(layers: Sequence[tuple[str, nn.Module]]) -> list[str]:
+def outermost_layers(layers: Sequence[tuple[str, nn.Module]]) -> list[str]:
+    """The names of the unit modules no other unit module holds: the model's layers."""
     names = [name for name, _ in layers]
     return [n for n in names if not any(n.startswith(f"{other}.") for other in names)]
 
@@ -121,7 +122,7 @@ def _outermost(layers: Sequence[tuple[str, nn.Module]]) -> list[str]:
 def split_stages(module: nn.Module, layers: Sequence[tuple[str, nn.Module]], spec: PipelineSpec) -> list[StageContents]:
     """Each pipeline rank's share of ``module`` (module docstring); ``layers``: the unit modules
     found in it (units.find_unit_modules), of which the outermost are the layers dealt out."""
-    names = _outermost(layers)
+    names = outermost_layers(layers)
     if not names:
         raise ValueError(
             "pipeline parallelism deals the model's layers out to its stages, and fsdp_unit_modules names none of "
