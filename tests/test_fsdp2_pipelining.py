@@ -12,6 +12,10 @@ FSDP2's per-parameter rows), last-bit rounding. A gradient not reduced over "dp"
 or scaled by the micro-batch count twice is O(1e-3) or more after one AdamW step. Measured: 0
 (bit-equal) for every run below.
 
+reshard_after_forward as torch's fully_shard honours it under pipelining: at the end of every stage
+forward the same parameters are gathered (plain tensors, not DTensor shards) as under torch's,
+all of the stage's under False and none under True.
+
 Refused: a zero-bubble schedule (backward split into input and weight steps, which set ``.grad``
 outside autograd's accumulation) raises our NotImplementedError naming the schedules that work,
 on every rank, before any gradient reduction.
@@ -99,18 +103,22 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _train(
     shard: Callable[..., nn.Module], schedule_name: str, reshard_after_forward: bool, mesh: DeviceMesh
-) -> tuple[list[float], dict[str, torch.Tensor]]:
+) -> tuple[list[float], dict[str, torch.Tensor], list[tuple]]:
+    """Losses, parameters after the steps, and at the end of each stage forward, which of the
+    stage's parameters are gathered (plain tensors, not their DTensor shards)."""
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     interleaved = schedule_name in MULTI_STAGE
     stages = PP * 2 if interleaved else PP
     models = _stage_models(stages)
     local = [index for index in range(stages) if index % PP == pp_rank]
-    pipeline_stages, optimizers = [], []
+    pipeline_stages, optimizers, gathered = [], [], []
     for index in local:
         model = models[index]
         for block in model.blocks:
             shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
         shard(model, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+        model.register_forward_hook(lambda module, *_, index=index: gathered.append(
+            (index, tuple(name for name, p in module.named_parameters() if not isinstance(p, DTensor)))))
         pipeline_stages.append(PipelineStage(model, index, stages, torch.device("cpu"), group=mesh["pp"].get_group()))
         optimizers.append(torch.optim.AdamW(model.parameters(), lr=LR))
     schedule_cls = SCHEDULES[schedule_name]
@@ -134,7 +142,7 @@ def _train(
         for name, param in models[index].named_parameters():
             assert isinstance(param, DTensor), f"stage {index}'s {name} left unsharded after the step"
             params[f"{index}.{name}"] = param.full_tensor()
-    return losses, params
+    return losses, params, gathered
 
 
 def _pipelined_runs(rank: int, world: int, runs: list[tuple[str, bool]]) -> dict:
@@ -165,8 +173,15 @@ def test_pipeline_schedule_over_our_stages_matches_torch_fully_shard(
     pipelined: list[dict], schedule_name: str, reshard_after_forward: bool
 ) -> None:
     for rank, results in enumerate(pipelined):
-        our_losses, our_params = results[(schedule_name, reshard_after_forward, "ours")]
-        torch_losses, torch_params = results[(schedule_name, reshard_after_forward, "torch")]
+        our_losses, our_params, our_gathered = results[(schedule_name, reshard_after_forward, "ours")]
+        torch_losses, torch_params, torch_gathered = results[(schedule_name, reshard_after_forward, "torch")]
+        # reshard_after_forward as FSDP2 honours it under pipelining: the same parameters
+        # gathered at the end of every stage forward (False: all of them from the first on).
+        assert our_gathered == torch_gathered, f"rank {rank}: gathered after forwards {our_gathered} vs {torch_gathered}"
+        expected = {(index, () if reshard_after_forward else tuple(
+            n.partition(".")[2] for n in our_params if n.startswith(f"{index}."))) for index, _ in our_gathered}
+        assert len(our_gathered) >= MICROBATCHES and set(our_gathered) == expected, (
+            f"rank {rank}: gathered after forwards {our_gathered}")
         assert len(our_losses) == len(torch_losses)
         loss_error = _relative_error(torch.tensor(our_losses), torch.tensor(torch_losses)) if our_losses else 0.0
         assert loss_error <= RTOL, f"rank {rank}: losses {our_losses} vs torch's {torch_losses}"

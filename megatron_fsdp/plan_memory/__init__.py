@@ -1,10 +1,11 @@
 """Know before you launch: the bytes each rank will hold, for any strategy, mesh and world size.
 
 ``plan_memory(model, world_size, ...)`` takes a model on the meta device and fully_shard's
-choices (the mesh given as sizes, tensor-, context- and expert-parallel ones included) and
-returns the largest rank's plan: model states by category on the device and the host, padding,
-and the working set's peak. Model states are exact (the engine's own layout); the working set is
-an upper bound. No GPU and no process group needed.
+choices (the mesh given as sizes, tensor-, context-, expert- and pipeline-parallel ones included)
+and returns the largest rank's plan: model states by category on the device and the host,
+padding, the working set's peak and, given the activations a layer keeps, an estimate of the
+step's peak. Model states are exact (the engine's own layout); the working set is an upper
+bound. No GPU and no process group needed.
 
 ``python -m megatron_fsdp.plan_memory`` prints the same as a table (command.py);
 docs/memory_planning.md explains every column.
@@ -26,9 +27,10 @@ from megatron_fsdp.engine.planning.memory_plan import (
     RankMemory,
     check_meta_model,
     describe,
-    plan_model,
 )
 from megatron_fsdp.engine.planning.model_parallel import ParallelSizes, TensorParallelPlan
+from megatron_fsdp.engine.planning.model_plan import plan_model
+from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec
 from megatron_fsdp.engine.planning.plan import check_outer_strategy, resolve_offload
 from megatron_fsdp.engine.step.units import resolve_unit_classes
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
@@ -36,7 +38,7 @@ from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """``largest``: the rank needing the most device memory; ``ranks``: every rank planned
+    """``largest``: the rank needing the most device memory (``step_peak``); ``ranks``: every rank planned
     (ranks that cannot differ from one of them are left out); ``alike``: for each rank, the
     planned rank it holds alike with."""
 
@@ -79,6 +81,11 @@ def plan_memory(
     report_nan_in_param_grad: bool = False,
     micro_batches: int = 1,
     deferred_reduction: bool | str = False,
+    pipeline_parallel_size: int = 1,
+    pipeline_schedule: str = "1F1B",
+    virtual_stages: int | None = None,
+    reshard_after_forward: bool | None = None,
+    activation_bytes_per_layer: int | None = None,
     device_type: str = "cuda",
 ) -> MemoryPlan:
     """The bytes each rank holds when ``module`` (on the meta device) is sharded by
@@ -109,7 +116,26 @@ def plan_memory(
     are dealt out over it, a ModuleList of experts in blocks, a grouped weight over its dim 0,
     and sharded over the ``world_size / (expert_parallel_size x expert_tensor_parallel_size)``
     ranks holding the same experts; ``expert_tensor_parallel_size`` (None: the tensor-parallel
-    size, as Megatron-LM) splits the plan's expert parameters."""
+    size, as Megatron-LM) splits the plan's expert parameters.
+
+    Pipeline parallelism, as torch.distributed.pipelining runs it over stage modules each sharded
+    by ``megatron_fsdp.fsdp2.fully_shard`` (pipeline ranks slowest: the world is pp x the mesh
+    above): ``pipeline_parallel_size`` > 1 splits the layers (the outermost modules of
+    ``fsdp_unit_modules``) evenly over ``pipeline_parallel_size x virtual_stages`` stages, what
+    comes before the first layer going to the first stage and what comes after the last to the
+    last (engine/planning/pipeline_stages.py); ``pipeline_schedule``: ``"GPipe"``, ``"1F1B"``
+    (default), ``"Interleaved1F1B"`` or ``"LoopedBFS"`` (torch's ``Schedule<name>``) over
+    ``micro_batches`` micro-batches; ``virtual_stages``: stages a rank (None: 1, or 2 for the
+    interleaved schedules). Each planned rank holds its stages' model states (exact); every
+    backward keeps the un-reduced gradients until the step's reduction, as PipelineStage asks.
+    ``reshard_after_forward``: FSDP2's, for every unit (None: False under pipeline parallelism,
+    as torchtitan passes it, else the door's default); False keeps a stage's weights gathered
+    between its micro-batches. ``activation_bytes_per_layer``: what one micro-batch's
+    activations take in one layer; given, each rank's plan estimates the activations the
+    schedule keeps in flight and the step's peak (``RankMemory.activations``, ``step_peak``)."""
+    pipeline = None
+    if pipeline_parallel_size != 1 or virtual_stages not in (None, 1) or pipeline_schedule != "1F1B":
+        pipeline = PipelineSpec(pipeline_parallel_size, pipeline_schedule, micro_batches, virtual_stages)
     check_meta_model(module)
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     outer = check_outer_strategy(outer_dp_sharding_strategy, strategy, "dp_outer" if dp_outer_size > 1 else None)
@@ -125,7 +151,8 @@ def plan_memory(
         world_size=world_size, settings=settings, outer_strategy=outer, outer_size=dp_outer_size,
         parallel=parallel, tensor_parallel_plan=tensor_parallel_plan,
         optimizer=OptimizerSpec.parse(optimizer), micro_batches=micro_batches,
-        deferred_reduction=deferred_reduction, device_type=device_type,
+        deferred_reduction=deferred_reduction, device_type=device_type, pipeline=pipeline,
+        reshard_after_forward=reshard_after_forward, activation_bytes_per_layer=activation_bytes_per_layer,
     )
     largest, ranks, alike = plan_model(module, resolve_unit_classes(fsdp_unit_modules), options)
     return MemoryPlan(options, largest, ranks, tuple(alike))

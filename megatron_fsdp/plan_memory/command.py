@@ -1,12 +1,14 @@
 """``python -m megatron_fsdp.plan_memory``: the per-rank memory of a Hugging Face model (an id or a
 config.json) or of a model built by a Python callable, for each strategy, world size, HSDP replica
-count, tensor-, context- and expert-parallel size and offload choice, as a table in GiB (or JSON
-lines).
+count, tensor-, context-, expert- and pipeline-parallel size and offload choice, as a table in GiB
+(or JSON lines).
 
     python -m megatron_fsdp.plan_memory --hf meta-llama/Llama-3.1-8B --world-sizes 8,64 --device-memory 80
     python -m megatron_fsdp.plan_memory --hf meta-llama/Llama-3.1-70B --world-sizes 64 --tensor-parallel-size 1,2,4,8
     python -m megatron_fsdp.plan_memory --model examples/gpt_model.py:gpt --model-kwargs '{"layers": 24}' \\
         --units TransformerBlock --world-sizes 1,2,8
+    python -m megatron_fsdp.plan_memory --hf meta-llama/Llama-3.1-8B --world-sizes 16 --pipeline-parallel-size 2,4 \\
+        --pipeline-schedule Interleaved1F1B --micro-batches 8 --activation-mib-per-layer 256
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from megatron_fsdp.engine.planning.memory_plan import OptimizerSpec, gib
+from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.plan_memory import plan_memory
 
@@ -144,6 +147,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="EP sizes: each rank holds num_experts / EP experts")
     parser.add_argument("--expert-tensor-parallel-size", type=_positive_ints, default=None,
                         help="ETP sizes (default: the TP size, as Megatron-LM)")
+    parser.add_argument("--pipeline-parallel-size", "--pipeline-model-parallel-size", type=_positive_ints, default=[1],
+                        help="PP sizes: the layers (--units) split evenly over PP x --virtual-stages stages, what comes "
+                             "before the first on the first stage, after the last on the last")
+    parser.add_argument("--pipeline-schedule", default="1F1B",
+                        help="torch.distributed.pipelining's schedule: GPipe, 1F1B, Interleaved1F1B or LoopedBFS "
+                             "(--micro-batches a step)")
+    parser.add_argument("--virtual-stages", type=_positive_int, default=None,
+                        help="stages a pipeline rank (default: 1, or 2 for the interleaved schedules)")
+    parser.add_argument("--reshard-after-forward", choices=("true", "false"), default=None,
+                        help="FSDP2's, for every unit (default: false under pipeline parallelism, as torchtitan)")
+    parser.add_argument("--activation-mib-per-layer", type=_positive_float, default=None,
+                        help="MiB one micro-batch's activations take in one layer: adds the activation estimate and "
+                             "the step's estimated peak")
     parser.add_argument("--strategies", default="no_shard,optim,optim_grads,optim_grads_params")
     parser.add_argument("--cpu-offload", choices=("off", "on", "both"), default="off")
     parser.add_argument("--optimizer", default="adamw", help=", ".join(OptimizerSpec.KINDS))
@@ -167,13 +183,15 @@ def _rows(model: nn.Module, units: list[type], args: argparse.Namespace) -> list
     offloads = {"off": [False], "on": [True], "both": [False, True]}[args.cpu_offload]
     rows = []
     meshes = list(itertools.product(args.world_sizes, args.tensor_parallel_size, args.context_parallel_size,
-                                    args.dp_outer_sizes))
-    impossible = [_impossible_mesh(*mesh) for mesh in meshes if mesh[0] % (mesh[1] * mesh[2] * mesh[3])]
+                                    args.dp_outer_sizes, args.pipeline_parallel_size))
+    impossible = [_impossible_mesh(*mesh) for mesh in meshes if mesh[0] % (mesh[1] * mesh[2] * mesh[3] * mesh[4])]
     if impossible:
-        raise SystemExit("no (dp_outer, dp_shard, cp, tp) mesh for " + ", ".join(impossible))
+        raise SystemExit("no (pp, dp_outer, dp_shard, cp, tp) mesh for " + ", ".join(impossible))
     expert_sizes = itertools.product(args.expert_parallel_size, args.expert_tensor_parallel_size or [None])
     combos = itertools.product(meshes, list(expert_sizes), _csv(args.strategies), offloads)
-    for (world, tp, cp, outer_size), (ep, etp), strategy, offload in combos:
+    reshard = None if args.reshard_after_forward is None else args.reshard_after_forward == "true"
+    activations = None if args.activation_mib_per_layer is None else round(args.activation_mib_per_layer * 2**20)
+    for (world, tp, cp, outer_size, pp), (ep, etp), strategy, offload in combos:
         outer = args.outer_strategy if outer_size > 1 else "no_shard"
         if outer == "optim" and strategy != "optim_grads_params":
             continue
@@ -183,27 +201,33 @@ def _rows(model: nn.Module, units: list[type], args: argparse.Namespace) -> list
             fsdp_unit_modules=units, zero_dp_strategy=strategy,
             outer_dp_sharding_strategy=outer, mixed_precision_policy=policy, optimizer=args.optimizer,
             fsdp_double_buffer=args.double_buffer, cpu_offload=offload, micro_batches=args.micro_batches,
-            deferred_reduction=args.deferred_reduction,
+            deferred_reduction=args.deferred_reduction, pipeline_parallel_size=pp, pipeline_schedule=args.pipeline_schedule,
+            virtual_stages=args.virtual_stages, reshard_after_forward=reshard, activation_bytes_per_layer=activations,
         )
         memory = plan.largest
         row = {
             "strategy": strategy, "world": world, "dp_outer": outer_size, "tp": tp, "cp": cp, "ep": ep,
-            "etp": plan.options.parallel.etp, "offload": offload,
+            "etp": plan.options.parallel.etp, "pp": pp, "offload": offload,
             "weights": memory.device["compute weights"], "main_weights": memory.device["main weights"],
             "main_grads": memory.device["main grads"], "optimizer": memory.device["optimizer state"],
             "model_states": memory.device_model_states, "working_set": memory.working_set,
             "device_total": memory.device_total, "host": memory.host_model_states, "pinned_host": memory.pinned_host,
         }
+        if plan.options.pipeline is not None:
+            row |= {"schedule": plan.options.pipeline.schedule, "virtual_stages": plan.options.pipeline.virtual_stages,
+                    "stages": list(memory.stages), "gathered_between_micro_batches": memory.gathered_between_micro_batches}
+        if activations is not None:
+            row |= {"activations": memory.activations, "peak": memory.step_peak}
         if args.device_memory is not None:
-            row["fits"] = gib(memory.device_total) <= args.device_memory
+            row["fits"] = gib(row.get("peak", memory.device_total)) <= args.device_memory
         rows.append(row)
     return rows
 
 
-def _impossible_mesh(world: int, tp: int, cp: int, outer: int) -> str:
+def _impossible_mesh(world: int, tp: int, cp: int, outer: int, pp: int) -> str:
     """Why ``world`` ranks hold no such mesh, naming only the sizes asked for."""
-    named = [f"{name} {size}" for name, size in (("tp", tp), ("cp", cp), ("dp_outer", outer)) if size > 1]
-    return f"world size {world} with {' x '.join(named)} ({world} is not divisible by {tp * cp * outer})"
+    named = [f"{name} {size}" for name, size in (("pp", pp), ("tp", tp), ("cp", cp), ("dp_outer", outer)) if size > 1]
+    return f"world size {world} with {' x '.join(named)} ({world} is not divisible by {tp * cp * outer * pp})"
 
 
 _COLUMNS = (("weights", "weights"), ("main_weights", "main w"), ("main_grads", "main g"), ("optimizer", "optim"),
@@ -211,31 +235,49 @@ _COLUMNS = (("weights", "weights"), ("main_weights", "main w"), ("main_grads", "
 
 
 def _parallel_columns(rows: list[dict]) -> list[str]:
-    """The model-parallel sizes some row sets: tp, cp and ep when not 1, etp when not the TP size."""
-    return [key for key in ("tp", "cp", "ep", "etp")
+    """The model-parallel sizes some row sets: tp, cp, ep and pp when not 1, etp when not the TP size."""
+    return [key for key in ("tp", "cp", "ep", "etp", "pp")
             if any(row[key] != (row["tp"] if key == "etp" else 1) for row in rows)]
+
+
+def _columns(rows: list[dict]) -> tuple[tuple[str, str], ...]:
+    """The size columns: with the activation estimate also it and the step's estimated peak."""
+    estimated = (("activations", "activ."), ("peak", "peak")) if rows and "peak" in rows[0] else ()
+    return _COLUMNS + estimated
 
 
 def format_table(rows: list[dict]) -> str:
     """One line per row, sizes in GiB."""
     parallel = _parallel_columns(rows)
     header = f"{'strategy':<19}{'world':>6}{'outer':>6}" + "".join(f"{key:>5}" for key in parallel) + f"{'offload':>8}"
-    header += "".join(f"{title:>10}" for _, title in _COLUMNS)
+    columns = _columns(rows)
+    header += "".join(f"{title:>10}" for _, title in columns)
     if rows and "fits" in rows[0]:
         header += "  fits"
     lines = [header]
     for row in rows:
         line = f"{row['strategy']:<19}{row['world']:>6}{row['dp_outer']:>6}" + "".join(f"{row[key]:>5}" for key in parallel)
         line += f"{'yes' if row['offload'] else 'no':>8}"
-        line += "".join(f"{gib(row[key]):>10.2f}" for key, _ in _COLUMNS)
+        line += "".join(f"{gib(row[key]):>10.2f}" for key, _ in columns)
         if "fits" in row:
             line += "  " + ("yes" if row["fits"] else "no")
         lines.append(line)
     return "\n".join(lines)
 
 
+def _check_pipelines(args: argparse.Namespace) -> None:
+    """The pipeline choices, before a model is loaded: an unknown schedule, or one that cannot
+    run these micro-batches or virtual stages, stops here with what to change."""
+    for size in args.pipeline_parallel_size:
+        try:
+            PipelineSpec(size, args.pipeline_schedule, args.micro_batches, args.virtual_stages)
+        except ValueError as error:
+            raise SystemExit(f"error: {error}") from error
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    _check_pipelines(args)
     dtype = _DTYPES[args.dtype]
     if args.hf:
         model, default_units = _load_hf_model(args.hf, dtype)
@@ -258,5 +300,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if any(row["tp"] > 1 or row["etp"] > 1 for row in rows):
             split = "; tensor-parallel split: " + ("--tensor-parallel-plan's" if args.tensor_parallel_plan else
                                                    "Megatron-LM's, by module names")
+        if any(row["pp"] > 1 for row in rows):
+            first = next(row for row in rows if row["pp"] > 1)
+            split += (f"; pipeline: {first['schedule']}, {args.micro_batches} micro-batches, {first['virtual_stages']} "
+                      f"stage(s) a rank, layers split evenly, the largest rank's stages shown")
         print(f"model-parallel sizes: {', '.join(columns)} (world: all ranks){split}")
+    if any("peak" in row for row in rows):
+        print("'activ.' = activations the schedule keeps in flight (an estimate from --activation-mib-per-layer, layers "
+              "only), 'peak' = the step's estimated peak with them")
     print(format_table(rows))

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from megatron_fsdp.engine.buckets.bucket_geometry import BucketGeometry
-from megatron_fsdp.engine.buckets.float8_weights import float8_gathered_weights, float8_gathers_blocked_by
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.params.dtensor_params import local_tensor
 from megatron_fsdp.engine.planning.model_parallel import (
@@ -26,16 +25,17 @@ from megatron_fsdp.engine.planning.model_parallel import (
     ParallelSizes,
     RankPlace,
     TensorParallelPlan,
-    expert_names,
-    local_params,
-    megatron_style_plan,
     place_of,
-    resolve_split_dims,
 )
+from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec
 from megatron_fsdp.engine.step.units import ROOT_UNIT_NAME, assign_params_to_units, bucket_groups, find_unit_modules
 
 # The CUDA caching allocator and the bucket pool hand out multiples of this many bytes.
 ALLOCATION_GRANULE = 512
+
+# The root unit of a pipeline stage module sharded by FSDP2's door (megatron_fsdp.fsdp2): its
+# parameters outside the layers make one bucket per dtype, not one per module as the wrapper's.
+STAGE_ROOT_UNIT_NAME = "<stage root>"
 
 DEVICE_CATEGORIES = ("compute weights", "main weights", "main grads", "optimizer state", "module buffers", "bookkeeping")
 HOST_CATEGORIES = ("main weights", "main grads", "optimizer state", "offload staging")
@@ -115,6 +115,14 @@ class PlanOptions:
     # How micro-batches before the last hold back (DEFERRED_REDUCTIONS).
     deferred_reduction: bool | str = False
     device_type: str = "cuda"
+    # Pipeline parallelism (pipeline_stages.py): the world is pp x the mesh above, pp slowest.
+    pipeline: PipelineSpec | None = None
+    # FSDP2's reshard_after_forward for every unit; None: the door's default (units True, the
+    # root False), except under pipeline parallelism: False, as torchtitan passes it there.
+    reshard_after_forward: bool | None = None
+    # What one micro-batch's activations take in one layer (kept for backward): the activation
+    # estimate's unit. None: no estimate.
+    activation_bytes_per_layer: int | None = None
 
     @property
     def shard_size(self) -> int:
@@ -130,8 +138,19 @@ class PlanOptions:
         return place_of(rank, self.world_size, self.outer_size, self.parallel)
 
     @property
+    def stays_gathered(self) -> bool:
+        """Whether units keep their weights gathered from forward into backward."""
+        if self.reshard_after_forward is None:
+            return self.pipeline is not None
+        return not self.reshard_after_forward
+
+    @property
     def accumulates_locally(self) -> bool:
-        """Whether every bucket's un-reduced gradients stay between micro-batches."""
+        """Whether every bucket's un-reduced gradients stay between micro-batches. A pipeline
+        stage (torch's PipelineStage) turns gradient sync off for every backward and reduces
+        once a step, in ``perform_reduce_grad``."""
+        if self.pipeline is not None:
+            return True
         if self.micro_batches == 1 or not self.deferred_reduction:
             return False
         return self.deferred_reduction == "requires_gradient_sync" or not self.settings.strategy.shards_grads
@@ -162,6 +181,16 @@ class RankMemory:
     # What the optimizer step allocates on top while it runs: torch's foreach Adam keeps one
     # temporary the size of its state (the square roots of the second moments).
     optimizer_step: int = 0
+    # Pipeline stages this rank holds (empty without pipeline parallelism).
+    stages: tuple[int, ...] = ()
+    # Gathered weights held from one micro-batch to the next (reshard_after_forward=False:
+    # every unit's; exact), and at the activations' peak, the end of a forward (an upper bound).
+    gathered_between_micro_batches: int = 0
+    gathered_at_activation_peak: int = 0
+    # The activation estimate (activation_bytes_per_layer x layers x micro-batches in flight),
+    # and one stage micro-batch's share of it; None: not estimated.
+    activations: int | None = None
+    stage_micro_batch_activations: int = 0
 
     @property
     def device_model_states(self) -> int:
@@ -181,6 +210,17 @@ class RankMemory:
         temporaries: what the device needs besides activations (which the working set meets,
         in forward and backward)."""
         return self.allocator_bytes + max(self.working_set, self.optimizer_step)
+
+    @property
+    def step_peak(self) -> int:
+        """An estimate of the step's peak with activations (``device_total`` when they are not
+        estimated): model states, gradient buffers, and the larger of the activations' peak with
+        the weights gathered then, and the whole gathered set once a backward has gathered it
+        (one stage micro-batch's activations already freed)."""
+        activations = self.activations or 0
+        forward = activations + self.gathered_at_activation_peak
+        backward = max(0, activations - self.stage_micro_batch_activations) + self.gathered_weights
+        return self.allocator_bytes + max(self.optimizer_step, self.grad_buffers + max(forward, backward))
 
     def merge(self, other: RankMemory, times: int) -> None:
         """Adds ``times`` copies of ``other``'s model states (a bucket repeated in every layer)."""
@@ -251,6 +291,8 @@ def check_options(options: PlanOptions) -> None:
         raise ValueError("outer_dp_sharding_strategy='optim' needs dp_outer_size > 1")
     if options.micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {options.micro_batches}")
+    if options.activation_bytes_per_layer is not None and options.activation_bytes_per_layer < 0:
+        raise ValueError(f"activation_bytes_per_layer must be >= 0, got {options.activation_bytes_per_layer}")
     if not (isinstance(options.deferred_reduction, bool) or options.deferred_reduction in DEFERRED_REDUCTIONS):
         raise ValueError(
             f"deferred_reduction must be one of {', '.join(map(repr, DEFERRED_REDUCTIONS))}, got {options.deferred_reduction!r}"
@@ -263,12 +305,14 @@ def plan_buckets(
     strategy: ShardingStrategy,
     float8_dtypes: Mapping[nn.Parameter, torch.dtype] | None = None,
     local: LocalParams | None = None,
+    root_unit: str = ROOT_UNIT_NAME,
 ) -> list[_BucketPlan]:
     """The buckets fully_shard would build, unit by unit (the root unit first); ``float8_dtypes``:
     the weights it would gather in float8 (float8_weights.float8_gathered_weights); ``local``:
     what one rank holds of each parameter under tensor and expert parallelism (without it, each
     parameter's local tensor, and expert buckets planned over the dense group: the wrap-time
-    check's approximation)."""
+    check's approximation); ``root_unit``: the root unit's name (STAGE_ROOT_UNIT_NAME: FSDP2's
+    door's buckets)."""
     unit_modules = find_unit_modules(module, unit_classes, units_required=strategy.shards_weights, log_absent=False)
     assignment = assign_params_to_units(module, [m for _, m in unit_modules])
     names = {m: name for name, m in unit_modules}
@@ -277,7 +321,7 @@ def plan_buckets(
     experts = {named[n] for n in local.experts} if local is not None else None
     buckets = []
     for owner, param_names in assignment.items():
-        unit = ROOT_UNIT_NAME if owner is None else names[owner]
+        unit = root_unit if owner is None else names[owner]
         held = [(n, named[n]) for n in param_names if n in numels]
         for key, members in bucket_groups(unit, held, float8_dtypes or {}, experts).items():
             sizes = tuple(numels[n] for n, _ in members)
@@ -358,16 +402,24 @@ def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptio
 def _working_set(memory: RankMemory, plans: list[tuple[_BucketPlan, BucketGeometry]], options: PlanOptions) -> None:
     """The transient peak: gathered units (optim_grads_params) and gradient buffers in flight."""
     if options.settings.strategy.shards_weights:
-        per_unit: dict[str, int] = defaultdict(int)
+        held: dict[str, int] = defaultdict(int)  # each unit's gathered buckets
+        copies: dict[str, int] = defaultdict(int)  # the shard copies its gathers start from, freed after
         for bucket, geometry in plans:
             compute = _compute_itemsize(geometry)
-            gathered = _round_up(geometry.layout.padded_numel * compute, ALLOCATION_GRANULE)
+            held[bucket.unit] += _round_up(geometry.layout.padded_numel * compute, ALLOCATION_GRANULE)
             if geometry.gathers_from_main and geometry.layout.world_size > 1:
-                gathered += _round_up(geometry.layout.shard_numel * compute, ALLOCATION_GRANULE)
-            per_unit[bucket.unit] += gathered
-        root = per_unit.pop(ROOT_UNIT_NAME, 0)
+                copies[bucket.unit] += _round_up(geometry.layout.shard_numel * compute, ALLOCATION_GRANULE)
+        per_unit = {unit: held[unit] + copies[unit] for unit in held}
+        root = per_unit.pop(ROOT_UNIT_NAME, 0) + per_unit.pop(STAGE_ROOT_UNIT_NAME, 0)
         in_flight = 2 if options.settings.overlap_param_gather else 1
-        memory.gathered_weights = root + sum(sorted(per_unit.values(), reverse=True)[:in_flight])
+        forward = root + sum(sorted(per_unit.values(), reverse=True)[:in_flight])
+        everything = sum(held.values()) + max(copies.values(), default=0)
+        # A pipeline stage leaves its units gathered after each backward but the step's last
+        # (set_reshard_after_backward(False)), whatever reshard_after_forward says.
+        memory.gathered_weights = everything if options.stays_gathered or options.pipeline else forward
+        memory.gathered_at_activation_peak = everything if options.stays_gathered else forward
+        if options.stays_gathered and options.pipeline:
+            memory.gathered_between_micro_batches = sum(held.values())
     pending = options.settings.max_reductions_in_flight if options.settings.overlap_grad_reduce else 0
     # An expert bucket's gradients are divided by the dense data-parallel size (units.py).
     dense = options.parallel.data_parallel_ranks(options.world_size)
@@ -435,10 +487,12 @@ def plan_rank(
     options: PlanOptions,
     rank: int,
     other_experts: Sequence[str] = (),
+    buffers: frozenset[str] | None = None,
 ) -> RankMemory:
     """Global ``rank``'s bytes (ranks laid out as model_parallel.place_of says). Buckets alike (the
     same bucket of every layer) are planned once and counted as often as they occur;
-    ``other_experts``: modules of experts this rank does not hold, nor their buffers."""
+    ``other_experts``: modules of experts this rank does not hold, nor their buffers;
+    ``buffers``: the module buffers it holds (None: all but those)."""
     memory = RankMemory(rank)
     counts = Counter(b.shape for b in buckets)
     place = options.place(rank)
@@ -449,7 +503,8 @@ def plan_rank(
         _add_bucket(one, geometries[shape], options, kernel_step)
         memory.merge(one, count)
     for name, buffer in module.named_buffers():
-        if not any(name.startswith(f"{prefix}.") for prefix in other_experts):
+        held = buffers is None or name in buffers
+        if held and not any(name.startswith(f"{prefix}.") for prefix in other_experts):
             memory.add("device", "module buffers", buffer.numel() * buffer.element_size())
     plans = [(b, geometries[b.shape]) for b in buckets]
     _add_offload_staging(memory, plans, options)
@@ -486,61 +541,6 @@ def _add_offload_staging(memory: RankMemory, plans: list[tuple[_BucketPlan, Buck
     if options.micro_batches > 1:
         for _ in range(2):
             memory.add("host", "offload staging", largest_grads, pinned=pinned)
-
-
-def alike_ranks(options: PlanOptions, experts: bool) -> list[int]:
-    """For each rank, the first rank holding alike: whose shard rank (each holds other padding),
-    under HFSDP outer rank (each steps another part of each shard) and, with ``experts``,
-    expert-data-parallel rank and experts are its own. Tensor-parallel ranks hold alike (the
-    sizes divide every split dim), and so do the outer ranks of plain HSDP."""
-    hfsdp = options.outer_strategy is ShardingStrategy.OPTIM
-    first: dict[RankPlace, int] = {}
-    alike = []
-    for rank in range(options.world_size):
-        place = options.place(rank)
-        key = RankPlace(place.outer_rank if hfsdp else 0, place.shard_rank,
-                        place.expert_shard_rank if experts else 0, place.expert_rank if experts else 0)
-        alike.append(first.setdefault(key, rank))
-    return alike
-
-
-def _split_dims(module: nn.Module, options: PlanOptions) -> dict[str, int]:
-    sizes, plan = options.parallel, options.tensor_parallel_plan
-    if plan is None and sizes.tensor == sizes.etp == 1:
-        return {}
-    dims = resolve_split_dims(module, plan if plan is not None else megatron_style_plan(module))
-    if plan is None and not dims:
-        raise ValueError(
-            "tensor parallelism was asked for, but Megatron-LM's split (by module names, model_parallel.py) finds "
-            "no module of this model to split: give tensor_parallel_plan, e.g. {'layers.*.mlp.up': 'colwise'}"
-        )
-    return dims
-
-
-def plan_model(
-    module: nn.Module, unit_classes: tuple[type, ...], options: PlanOptions,
-) -> tuple[RankMemory, list[RankMemory], list[int]]:
-    """The largest rank's plan, every planned rank's, and for each rank the planned rank it
-    holds alike with (:func:`alike_ranks`)."""
-    check_options(options)
-    outer_shards_optimizer = options.outer_strategy is ShardingStrategy.OPTIM and options.outer_size > 1
-    float8 = float8_gathered_weights(module, float8_gathers_blocked_by(options.settings.cpu_offload, outer_shards_optimizer))
-    split_dims, experts = _split_dims(module, options), expert_names(module, options.parallel)
-    if experts:
-        options.parallel.check_expert_groups(options.world_size)
-    # What a rank holds depends on which experts it holds, not on its tensor-parallel rank.
-    by_expert_rank: dict[int, tuple[LocalParams, list[_BucketPlan]]] = {}
-    alike = alike_ranks(options, bool(experts))
-    ranks = []
-    for rank in sorted(set(alike)):
-        expert_rank = options.place(rank).expert_rank
-        if expert_rank not in by_expert_rank:
-            local = local_params(module, options.parallel, split_dims, experts, expert_rank)
-            by_expert_rank[expert_rank] = local, plan_buckets(module, unit_classes, options.settings.strategy, float8, local)
-        local, buckets = by_expert_rank[expert_rank]
-        ranks.append(plan_rank(buckets, module, options, rank, local.other_experts))
-    largest = max(ranks, key=lambda m: (m.device_total, m.host_model_states))
-    return largest, ranks, alike
 
 
 def gib(nbytes: int) -> float:

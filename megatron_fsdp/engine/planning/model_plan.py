@@ -1,0 +1,140 @@
+"""The plan of every rank of the mesh: which ranks can differ, what each holds under tensor,
+expert and pipeline parallelism, and the activation estimate (memory_plan.py plans one rank's
+bytes; pipeline_stages.py splits the model into stages)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+
+from megatron_fsdp.engine.buckets.float8_weights import float8_gathered_weights, float8_gathers_blocked_by
+from megatron_fsdp.engine.config import ShardingStrategy
+from megatron_fsdp.engine.planning.memory_plan import (
+    STAGE_ROOT_UNIT_NAME,
+    PlanOptions,
+    RankMemory,
+    check_options,
+    plan_buckets,
+    plan_rank,
+)
+from megatron_fsdp.engine.planning.model_parallel import (
+    LocalParams,
+    RankPlace,
+    expert_names,
+    local_params,
+    megatron_style_plan,
+    resolve_split_dims,
+)
+from megatron_fsdp.engine.planning.pipeline_stages import StageContents, outermost_layers, split_stages
+from megatron_fsdp.engine.step.units import ROOT_UNIT_NAME, find_unit_modules
+
+
+def alike_ranks(options: PlanOptions, experts: bool) -> list[int]:
+    """For each rank, the first rank holding alike: whose shard rank (each holds other padding),
+    under HFSDP outer rank (each steps another part of each shard) and, with ``experts``,
+    expert-data-parallel rank and experts are its own. Tensor-parallel ranks hold alike (the
+    sizes divide every split dim), and so do the outer ranks of plain HSDP."""
+    hfsdp = options.outer_strategy is ShardingStrategy.OPTIM
+    first: dict[RankPlace, int] = {}
+    alike = []
+    for rank in range(options.world_size):
+        place = options.place(rank)
+        key = RankPlace(place.outer_rank if hfsdp else 0, place.shard_rank,
+                        place.expert_shard_rank if experts else 0, place.expert_rank if experts else 0)
+        alike.append(first.setdefault(key, rank))
+    return alike
+
+
+def _split_dims(module: nn.Module, options: PlanOptions) -> dict[str, int]:
+    sizes, plan = options.parallel, options.tensor_parallel_plan
+    if plan is None and sizes.tensor == sizes.etp == 1:
+        return {}
+    dims = resolve_split_dims(module, plan if plan is not None else megatron_style_plan(module))
+    if plan is None and not dims:
+        raise ValueError(
+            "tensor parallelism was asked for, but Megatron-LM's split (by module names, model_parallel.py) finds "
+            "no module of this model to split: give tensor_parallel_plan, e.g. {'layers.*.mlp.up': 'colwise'}"
+        )
+    return dims
+
+
+def plan_model(
+    module: nn.Module, unit_classes: tuple[type, ...], options: PlanOptions,
+) -> tuple[RankMemory, list[RankMemory], list[int]]:
+    """The largest rank's plan, every planned rank's, and for each rank the planned rank it
+    holds alike with (:func:`alike_ranks`). Under pipeline parallelism each pipeline rank's
+    ranks (a slice of ``world_size / pp`` consecutive ranks) are planned for its stages."""
+    pipeline = options.pipeline
+    if pipeline is not None:
+        sizes = options.parallel
+        per_pipeline_rank = sizes.tensor * sizes.context * options.outer_size
+        if options.world_size % (pipeline.size * per_pipeline_rank):
+            raise ValueError(
+                f"world_size {options.world_size} is not divisible by pipeline_parallel_size {pipeline.size} x "
+                f"tensor_parallel_size x context_parallel_size x dp_outer_size = {pipeline.size} x {sizes.tensor} x "
+                f"{sizes.context} x {options.outer_size}: the mesh is (pp, dp_outer, dp_shard, cp, tp), so pick sizes "
+                "whose product divides the world size"
+            )
+    slice_options = options if pipeline is None else replace(options, world_size=options.world_size // pipeline.size)
+    check_options(slice_options)
+    layers = find_unit_modules(module, unit_classes, units_required=False, log_absent=False)
+    if pipeline is None:
+        ranks, alike = _plan_slice(module, unit_classes, slice_options, None, len(outermost_layers(layers)))
+    else:
+        ranks, alike = [], []
+        for pp_rank, held in enumerate(split_stages(module, layers, pipeline)):
+            offset = pp_rank * slice_options.world_size
+            stage_ranks, stage_alike = _plan_slice(module, unit_classes, slice_options, held, len(held.layers), pp_rank)
+            for memory in stage_ranks:
+                memory.rank += offset
+            ranks += stage_ranks
+            alike += [rank + offset for rank in stage_alike]
+    largest = max(ranks, key=lambda m: (m.step_peak, m.host_model_states))
+    return largest, ranks, alike
+
+
+def _plan_slice(
+    module: nn.Module, unit_classes: tuple[type, ...], options: PlanOptions, held: StageContents | None,
+    layers: int, pp_rank: int = 0,
+) -> tuple[list[RankMemory], list[int]]:
+    """The planned ranks of one pipeline rank's slice of the world (the whole world without
+    pipeline parallelism), holding ``held`` (None: the whole model), and its ``alike`` list."""
+    outer_shards_optimizer = options.outer_strategy is ShardingStrategy.OPTIM and options.outer_size > 1
+    float8 = float8_gathered_weights(module, float8_gathers_blocked_by(options.settings.cpu_offload, outer_shards_optimizer))
+    split_dims, experts = _split_dims(module, options), expert_names(module, options.parallel)
+    if experts:
+        options.parallel.check_expert_groups(options.world_size)
+    # What a rank holds depends on which experts it holds, not on its tensor-parallel rank.
+    by_expert_rank: dict[int, tuple[LocalParams, list]] = {}
+    alike = alike_ranks(options, bool(experts))
+    ranks = []
+    for rank in sorted(set(alike)):
+        expert_rank = options.place(rank).expert_rank
+        if expert_rank not in by_expert_rank:
+            local = local_params(module, options.parallel, split_dims, experts, expert_rank)
+            if held is not None:
+                local = replace(local, numels={n: k for n, k in local.numels.items() if n in held.params})
+            # A stage module is sharded by FSDP2's door, which torch's pipelining runs over.
+            root = ROOT_UNIT_NAME if held is None else STAGE_ROOT_UNIT_NAME
+            by_expert_rank[expert_rank] = local, plan_buckets(
+                module, unit_classes, options.settings.strategy, float8, local, root)
+        local, buckets = by_expert_rank[expert_rank]
+        memory = plan_rank(buckets, module, options, rank, local.other_experts, held.buffers if held else None)
+        _add_activations(memory, options, layers, pp_rank)
+        if held is not None:
+            memory.stages = held.stages
+        ranks.append(memory)
+    return ranks, alike
+
+
+def _add_activations(memory: RankMemory, options: PlanOptions, layers: int, pp_rank: int) -> None:
+    """The activation estimate: ``layers`` layers' worth a micro-batch, over the stage
+    micro-batches the schedule keeps in flight (one micro-batch without pipeline parallelism)."""
+    per_layer = options.activation_bytes_per_layer
+    if per_layer is None:
+        return
+    pipeline = options.pipeline
+    stages = pipeline.virtual_stages if pipeline else 1
+    memory.stage_micro_batch_activations = per_layer * (layers // stages)
+    memory.activations = memory.stage_micro_batch_activations * (pipeline.in_flight(pp_rank) if pipeline else 1)

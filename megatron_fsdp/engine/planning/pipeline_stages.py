@@ -1,0 +1,157 @@
+"""Pipeline parallelism for the memory plan (pure arithmetic, for memory_plan.py): which
+parameters each pipeline rank holds, and how many micro-batches' activations torch's schedules
+keep in flight on it.
+
+The split, as torch.distributed.pipelining's manual split and torchtitan cut a model into stage
+modules: the layers (the outermost modules of the unit classes, in registration order) are
+dealt out evenly, ``layers / (pp x virtual stages)`` consecutive ones a stage. What lies outside
+the layers goes to the first stage when registered before the first layer (token and position
+embeddings, and the root module's own parameters) and to the last stage when registered after
+the last one (final norm, output layer); a module registered between two layers goes with the
+layer before it. A weight tied across the first and last stage (a head tied to the embedding)
+is held by both, as each stage module holds its own copy. Stage ``s`` runs on pipeline rank
+``s % pp`` (the "loop" order of torch's interleaved schedules), so rank ``r`` holds stages
+``r, r + pp, r + 2 pp, ...``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+# torch.distributed.pipelining's schedule classes (``Schedule<name>``) the plan knows, keyed by
+# a lower-case name; the value says whether a rank runs several stages (a list of stages).
+SCHEDULES = {"gpipe": ("GPipe", False), "1f1b": ("1F1B", False), "interleaved1f1b": ("Interleaved1F1B", True),
+             "loopedbfs": ("LoopedBFS", True)}
+
+
+def _schedule_key(name: str) -> str:
+    key = name.lower().replace("_", "").replace("-", "")
+    return key.removeprefix("schedule")
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Pipeline parallelism as torch.distributed.pipelining runs it: ``size`` pipeline ranks,
+    ``schedule`` (``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS``: torch's class names,
+    with or without ``Schedule``, any case), ``micro_batches`` a step and ``virtual_stages``
+    stage modules a rank (None: 1 for GPipe and 1F1B, 2 for the interleaved schedules)."""
+
+    size: int
+    schedule: str = "1F1B"
+    micro_batches: int = 1
+    virtual_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        key = _schedule_key(self.schedule)
+        if key not in SCHEDULES:
+            known = ", ".join(name for name, _ in SCHEDULES.values())
+            raise ValueError(f"unknown pipeline schedule {self.schedule!r}: use one of {known} (torch's Schedule<name>)")
+        name, multi = SCHEDULES[key]
+        if self.size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.size}")
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        virtual = self.virtual_stages if self.virtual_stages is not None else (2 if multi else 1)
+        if virtual < 1:
+            raise ValueError(f"virtual_stages must be >= 1, got {virtual}")
+        if virtual > 1 and not multi:
+            raise ValueError(
+                f"virtual_stages={virtual}: Schedule{name} runs one stage a rank; give 1, or use Interleaved1F1B or "
+                "LoopedBFS for several"
+            )
+        if name == "1F1B" and self.micro_batches < self.size:
+            raise ValueError(
+                f"Schedule1F1B needs at least as many micro-batches as stages: {self.micro_batches} micro-batches "
+                f"for {self.size} stages; raise micro_batches to {self.size} or more"
+            )
+        rounds = max(1, self.micro_batches // self.size)
+        if name == "Interleaved1F1B" and self.micro_batches % rounds:
+            raise ValueError(
+                f"ScheduleInterleaved1F1B runs micro-batches in rounds of {self.size} (pipeline_parallel_size): "
+                f"{self.micro_batches} is not a multiple of its {rounds} rounds; use a multiple of {self.size}"
+            )
+        object.__setattr__(self, "schedule", name)
+        object.__setattr__(self, "virtual_stages", virtual)
+
+    @property
+    def stages(self) -> int:
+        return self.size * self.virtual_stages
+
+    def stages_of(self, pp_rank: int) -> tuple[int, ...]:
+        return tuple(range(pp_rank, self.stages, self.size))
+
+    def in_flight(self, pp_rank: int) -> int:
+        """The most stage micro-batches (one stage module's forward of one micro-batch) whose
+        activations pipeline rank ``pp_rank`` holds at once under this schedule, as torch orders
+        its actions: GPipe runs every forward before any backward; 1F1B runs ``size - pp_rank``
+        forwards before its first backward; Interleaved1F1B ``(virtual - 1) x micro-batches a
+        round + 2 (size - 1 - pp_rank)`` (at most all of them), then one more forward before each
+        backward; LoopedBFS every forward of every local stage first."""
+        total = self.micro_batches * self.virtual_stages
+        if self.schedule == "GPipe":
+            return self.micro_batches
+        if self.schedule == "1F1B":
+            return min(self.micro_batches, self.size - pp_rank)
+        if self.schedule == "LoopedBFS":
+            return total
+        per_round = self.micro_batches // max(1, self.micro_batches // self.size)
+        warmup = min((self.virtual_stages - 1) * per_round + 2 * (self.size - 1 - pp_rank), total)
+        return warmup + 1 if warmup < total else warmup
+
+
+@dataclass(frozen=True)
+class StageContents:
+    """What one pipeline rank holds: its stages, their layers (module names), the canonical
+    names of its parameters and the names of its buffers."""
+
+    stages: tuple[int, ...]
+    layers: tuple[str, ...]
+    params: frozenset[str]
+    buffers: frozenset[str]
+
+
+def outermost_layers(layers: Sequence[tuple[str, nn.Module]]) -> list[str]:
+    """The names of the unit modules no other unit module holds: the model's layers."""
+    names = [name for name, _ in layers]
+    return [n for n in names if not any(n.startswith(f"{other}.") for other in names)]
+
+
+def split_stages(module: nn.Module, layers: Sequence[tuple[str, nn.Module]], spec: PipelineSpec) -> list[StageContents]:
+    """Each pipeline rank's share of ``module`` (module docstring); ``layers``: the unit modules
+    found in it (units.find_unit_modules), of which the outermost are the layers dealt out."""
+    names = outermost_layers(layers)
+    if not names:
+        raise ValueError(
+            "pipeline parallelism deals the model's layers out to its stages, and fsdp_unit_modules names none of "
+            "its modules: name its block class (e.g. fsdp_unit_modules=[TransformerBlock])"
+        )
+    if len(names) % spec.stages:
+        raise ValueError(
+            f"pipeline_parallel_size x virtual_stages = {spec.size} x {spec.virtual_stages} = {spec.stages} stages do "
+            f"not divide the model's {len(names)} layers evenly: pick sizes whose product divides {len(names)}"
+        )
+    per_stage = len(names) // spec.stages
+    stage_of_layer = {name: index // per_stage for index, name in enumerate(names)}
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    params: list[set[str]] = [set() for _ in range(spec.stages)]
+    buffers: list[set[str]] = [set() for _ in range(spec.stages)]
+    stage = 0  # the root's own parameters, and what comes before the first layer: the first stage
+    for name, child in module.named_modules(remove_duplicate=False):
+        layer = next((n for n in names if name == n or name.startswith(f"{n}.")), None)
+        if layer is not None:
+            stage = stage_of_layer[layer]  # outside the layers, ``stage`` stays the last layer's
+        params[stage].update(canonical[id(p)] for p in child._parameters.values() if p is not None)
+        buffers[stage].update(f"{name}.{b}" if name else b for b, t in child._buffers.items() if t is not None)
+    return [
+        StageContents(
+            spec.stages_of(rank),
+            tuple(n for n in names if stage_of_layer[n] in spec.stages_of(rank)),
+            frozenset().union(*(params[s] for s in spec.stages_of(rank))),
+            frozenset().union(*(buffers[s] for s in spec.stages_of(rank))),
+        )
+        for rank in range(spec.size)
+    ]
+
