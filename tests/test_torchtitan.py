@@ -33,7 +33,7 @@ import pytest
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (scripts/setup.sh installs 0.3.0)")
 
 from _dist import run_distributed  # noqa: E402
-from torchtitan_cpu import REPO, train_runs  # noqa: E402
+from torchtitan_cpu import REPO, train, train_runs  # noqa: E402
 
 sys.path.insert(0, str(REPO / "examples"))
 from torchtitan_offline_assets import write_offline_assets  # noqa: E402
@@ -181,3 +181,35 @@ def test_torchtitan_checkpoints_reshard_between_tensor_parallel_degrees_2_and_1(
             assert [step for step, _ in resumed] == [step for step, _ in expected]
             worst = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(resumed, expected))
             assert worst <= RESHARD_RTOL, f"{what}: losses differ by {worst:.2e} relative: {resumed} vs {expected}"
+
+
+def _error_of_each_run(rank: int, world_size: int, run_dir: str, runs: list[list[str]]) -> list[tuple[str, str] | None]:
+    """For each run, the type and message of what torchtitan's trainer raised (None: it trained)."""
+    errors: list[tuple[str, str] | None] = []
+    for args in runs:
+        try:
+            train(run_dir, args)
+            errors.append(None)
+        except Exception as error:  # noqa: BLE001 - the test compares what each module raised
+            errors.append((type(error).__name__, str(error)))
+    return errors
+
+
+def test_torchtitan_pipeline_parallel_is_refused_naming_the_torch_api_it_needs(tmp_path, seeded) -> None:
+    """``--parallelism.pipeline_parallel_degree 2`` at world 2: torchtitan 0.3.0 calls
+    ``schedule.step(arg_mbs=..., kwarg_mbs=...)``, which torch 2.13's schedules do not take.
+    FSDP2's own run stops there, at its first step; ours refuses at the wrap, on every rank alike,
+    naming that call. A torch whose schedules take ``arg_mbs`` fails this test: then ours runs and
+    is compared with FSDP2 here."""
+    run_dir, from_seed = seeded
+    pipeline = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B")
+    per_rank = run_distributed(
+        _error_of_each_run, 2, run_dir,
+        [_args(module, str(tmp_path / name), *from_seed, *pipeline) for name, module in (("fsdp2", TORCH_FSDP2), ("ours", MEGATRON_FSDP))],
+        fresh_processes=True, timeout=600,
+    )  # fmt: skip
+    for fsdp2, ours in per_rank:
+        assert fsdp2 is not None and fsdp2[0] == "ValueError" and "arg_mbs" in fsdp2[1], fsdp2
+        assert ours is not None and ours[0] == "NotImplementedError", ours
+        assert "step(arg_mbs=..., kwarg_mbs=...)" in ours[1] and "pipeline_parallel_degree 1" in ours[1], ours
+    assert per_rank[0][1] == per_rank[1][1]  # the same refusal on both ranks

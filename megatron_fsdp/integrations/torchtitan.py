@@ -16,21 +16,27 @@ after parallelize, chunked loss, float8 Linear, DCP checkpoints, gradient accumu
 context parallelism from ``context_parallel_degree``, applied before sharding as torchtitan
 applies them) is torchtitan's. See docs/fsdp2.md, "torchtitan".
 
-Pipeline and expert parallelism are refused with a clear error, and so are tensor and context
-parallelism under an SPMD backend other than ``partial_dtensor`` (whose FSDP mesh is torchtitan's
-flattened "fsdp" dim, data-parallel shards and context-parallel ranks together).
+Pipeline parallelism (``pipeline_parallel_degree``) shards each stage torchtitan's pipeline split
+makes as it shards the whole model, ZeRO-3 weights kept gathered between micro-batches as
+torchtitan's default policy keeps them under PP; it is refused, naming the reason, on a torch
+whose pipeline schedules lack the ``step(arg_mbs=...)`` torchtitan calls (torch 2.13 does: its
+FSDP2 run stops there too). Expert parallelism is refused with a clear error, and so are tensor
+and context parallelism under an SPMD backend other than ``partial_dtensor`` (whose FSDP mesh is
+torchtitan's flattened "fsdp" dim, data-parallel shards and context-parallel ranks together).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from megatron_fsdp.fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -62,14 +68,16 @@ def _refuse_unsupported(parallel_dims: Any, model: nn.Module, spmd_backend: str)
             f"--parallelism.spmd_backend partial_dtensor, not {spmd_backend!r}: pass --parallelism.spmd_backend "
             "partial_dtensor"
         )
-    unsupported = [
-        name
-        for name, enabled in (
-            ("pipeline parallelism", parallel_dims.pp_enabled),
-            ("expert parallelism", parallel_dims.ep_enabled),
+    if parallel_dims.pp_enabled and not _schedules_take_torchtitans_step():
+        raise NotImplementedError(
+            "megatron_fsdp.integrations.torchtitan: torchtitan's pipeline path calls its schedule's "
+            f"step(arg_mbs=..., kwarg_mbs=...), which torch {torch.__version__}'s pipeline schedules do not take "
+            "(torch's own FSDP2 run stops there: ValueError 'Expecting N arg_mbs but got 1'). Pipeline parallelism "
+            "through torchtitan needs a torch whose PipelineSchedule.step takes arg_mbs; until then use "
+            "--parallelism.pipeline_parallel_degree 1, or drive torch.distributed.pipelining over stages sharded by "
+            "megatron_fsdp.fsdp2.fully_shard yourself (docs/fsdp2.md, 'Pipeline parallelism')"
         )
-        if enabled
-    ]
+    unsupported = ["expert parallelism"] if parallel_dims.ep_enabled else []
     if any(getattr(block, "moe_enabled", False) for block in model.layers.values()):
         unsupported.append("mixture-of-experts blocks")
     if unsupported:
@@ -77,6 +85,12 @@ def _refuse_unsupported(parallel_dims: Any, model: nn.Module, spmd_backend: str)
             f"megatron_fsdp.integrations.torchtitan shards with data, tensor and context parallelism; this job asks for "
             f"{', '.join(unsupported)}. Use torchtitan's own module for it."
         )
+
+
+def _schedules_take_torchtitans_step() -> bool:
+    """Whether torch's pipeline schedules take the micro-batch lists torchtitan passes to step."""
+    return all("arg_mbs" in inspect.signature(schedule.step).parameters
+               for schedule in (PipelineScheduleSingle, PipelineScheduleMulti))
 
 
 def _data_parallel_mesh(parallel_dims: Any, spmd_backend: str) -> Any:
@@ -95,20 +109,22 @@ def shard_decoder(
     cpu_offload: bool = False,
     reshard_after_forward_policy: str = "default",
     enable_symm_mem: bool = False,
+    pp_enabled: bool = False,
 ) -> None:
     """Shards a torchtitan decoder in place with megatron_fsdp's ``fully_shard``, in the units
     torchtitan's ``apply_fsdp_to_decoder`` makes for a dense model: the embedding (with the norm
     and head when weights are tied), the final norm and head as one group kept gathered after
     forward unless the policy is ``"always"``, each transformer block, then the root. Gradients
     are not divided by the group size: torchtitan's loss already divides by the global token
-    count."""
+    count. ``model`` may be one pipeline stage of it (``pp_enabled``), missing the embedding or the
+    norm and head; the ``"default"`` policy then keeps the weights gathered between micro-batches."""
     fsdp_kwargs: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False),
     }
     if cpu_offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
-    reshard_after_forward = get_fsdp_reshard_after_forward_policy(reshard_after_forward_policy, pp_enabled=False)
+    reshard_after_forward = get_fsdp_reshard_after_forward_policy(reshard_after_forward_policy, pp_enabled=pp_enabled)
     keep_head_gathered = reshard_after_forward_policy == "always"
     head = [m for m in (model.norm, model.lm_head) if m is not None]
     if model.enable_weight_tying:
@@ -162,6 +178,7 @@ def parallelize_llama(
         cpu_offload=training.enable_cpu_offload,
         reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
         enable_symm_mem=parallelism.enable_fsdp_symm_mem,
+        pp_enabled=parallel_dims.pp_enabled,
     )
     return model
 
