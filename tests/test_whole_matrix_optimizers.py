@@ -1,8 +1,9 @@
 """torch.optim.Muon (the blocks' 2-D weights) with AdamW (the rest) over a model sharded by either
 front door, against the same two optimizers in one process on the same model and data.
 
-Muon steps whole matrices (megatron_fsdp/optim/whole_tensors.py): every rank gathers each matrix
-and its reduced gradient and runs torch's own step on them. The sharded and the one-process runs
+Muon steps whole matrices (megatron_fsdp/optim/whole_tensors.py): each matrix's owner rank
+receives it and its reduced gradient whole and runs torch's own step on it, and every rank gets its
+piece of the new weights back. The sharded and the one-process runs
 then differ only in how the gradient was summed (per rank, then over ranks, instead of over all
 rows at once: ~1e-7 relative). torch's Muon rounds the momentum to bf16 before Newton-Schulz, so
 such a difference can round an entry the other way, and Newton-Schulz spreads that over the matrix:
@@ -13,9 +14,10 @@ held to RTOL = 1e-5 of the one-process run; the others to LOOSE_RTOL on Muon's m
 stepped on its flat piece, a missing gather or a piece written back to the wrong range is off by
 its whole update.
 
-Also: Muon's momentum is whole in its state dict and round-trips through it and through DCP across
-world sizes; bad input (Muon given a vector) and an undeclared optimizer that needs matrices fail
-on every rank; a declared one steps whole matrices.
+Also: each matrix's momentum lives whole on its owner only, shows in the state dict as pieces of
+its global shape and round-trips through it and through DCP across world sizes (both doors); bad
+input (Muon given a vector), a step that raises on one owner only and an undeclared optimizer that
+needs matrices fail on every rank; a declared one steps whole matrices.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch.distributed as dist
 
 import megatron_fsdp
 from _dist import run_distributed
-from models import Block, make_batch, make_model
+from models import HIDDEN, Block, make_batch, make_model
+from state_dict_io import load_with_helpers, save_with_helpers
 
 STEPS, ROWS, LR, MUON_LR, MAX_NORM = 3, 2, 1e-2, 2e-2, 0.5
 RTOL = 1e-5
@@ -96,11 +99,22 @@ def _whole_model_door(rank: int, world: int, strategy: int, accumulate: int, cli
     return model, muon, {name: param.float() for name, param in model.full_parameters().items()}
 
 
+def _fsdp2_muon_and_adamw(seed: int, mesh=None, **policy):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    mesh = mesh if mesh is not None else init_device_mesh("cpu", (dist.get_world_size(),))
+    model = make_model(seed=seed)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
+    return model, _optimizers(list(model.named_parameters()))
+
+
 def _fsdp2_door(rank: int, world: int, accumulate: int, clip: bool, bf16: bool, special: str = ""):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from megatron_fsdp.fsdp2 import fully_shard
 
     # HSDP: replicated over the first dim, sharded over the second.
     if special == "hsdp":
@@ -108,11 +122,7 @@ def _fsdp2_door(rank: int, world: int, accumulate: int, clip: bool, bf16: bool, 
     else:
         mesh = init_device_mesh("cpu", (world,))
     policy = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if bf16 else {}
-    model = make_model(seed=0)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, **policy)
-    fully_shard(model, mesh=mesh, **policy)
-    optimizers = _optimizers(list(model.named_parameters()))
+    model, optimizers = _fsdp2_muon_and_adamw(0, mesh, **policy)
     for step in range(STEPS):
         for micro, (tokens, targets) in enumerate(_micro_batches(step, rank, world, accumulate)):
             model.set_requires_gradient_sync(micro == accumulate - 1)
@@ -165,13 +175,16 @@ def test_muon_and_adamw_step_like_one_process(
         assert errors[worst] <= rtol, f"rank {rank}: {worst} differs by {errors[worst]:.2e} relative (allowed {rtol:.0e}); all: {errors}"
 
 
-def _momentum_round_trip(rank: int, world: int, door: str) -> dict[str, float]:
-    """Muon's momentum buffers after training: whole, equal to one process's, and a fresh Muon
-    loaded from the state dict steps on exactly as the trained one."""
+def _momentum_round_trip(rank: int, world: int, door: str) -> tuple[dict[str, float], dict[str, int]]:
+    """Muon's momentum buffers after training: each held whole by one rank only (its owner), in
+    the state dict as pieces of the global shape equal to one process's buffers, and a fresh Muon
+    loaded from the state dict holds them as they were. Returns the errors and the matrices whose
+    momentum this rank holds (name -> values)."""
     if door == "whole-model":
         model, muon, _ = _whole_model_door(rank, world, 3, 1, False, False)
     else:
         model, muon, _ = _fsdp2_door(rank, world, 1, False, False)
+    held = {name: param.numel() for name, param in model.named_parameters() if "momentum_buffer" in muon.state.get(param, {})}
     reference = make_model(seed=0)
     reference_muon = _optimizers(list(reference.named_parameters()))[0]
     reference_adamw = _optimizers(list(reference.named_parameters()))[1]
@@ -183,24 +196,35 @@ def _momentum_round_trip(rank: int, world: int, door: str) -> dict[str, float]:
     saved = muon.state_dict()
     errors = {}
     for index, entries in reference_muon.state_dict()["state"].items():
-        errors[f"momentum {index}"] = _relative_error(saved["state"][index]["momentum_buffer"], entries["momentum_buffer"])
+        momentum = saved["state"][index]["momentum_buffer"]
+        assert momentum.shape == entries["momentum_buffer"].shape, (index, momentum.shape)
+        errors[f"momentum {index}"] = _relative_error(momentum.full_tensor(), entries["momentum_buffer"])
     matrices = [p for n, p in model.named_parameters() if _is_matrix_in_block(n, p)]
     fresh = torch.optim.Muon(matrices, lr=MUON_LR, weight_decay=0.1)
     if door == "whole-model":
         fresh = megatron_fsdp.fully_shard_optimizer(fresh, model=model)
     fresh.load_state_dict(saved)
     for index, entries in fresh.state_dict()["state"].items():
-        errors[f"reloaded momentum {index}"] = _relative_error(entries["momentum_buffer"], saved["state"][index]["momentum_buffer"])
-    return errors
+        errors[f"reloaded momentum {index}"] = _relative_error(
+            entries["momentum_buffer"].full_tensor(), saved["state"][index]["momentum_buffer"].full_tensor()
+        )
+    return errors, held
 
 
 @pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
-def test_muon_momentum_is_whole_and_round_trips_through_its_state_dict(door: str) -> None:
-    for rank, errors in enumerate(run_distributed(_momentum_round_trip, 2, door)):
+def test_muon_momentum_lives_on_its_owner_and_round_trips_through_its_state_dict(door: str) -> None:
+    """Each matrix's momentum on exactly one rank; the 8 block matrices balance to half of their
+    values on each of the 2 ranks (largest Newton-Schulz cost first: qkv, up and down of each
+    block, then proj, alternate), so Muon's state per rank is 1/world of the whole as Adam's is."""
+    results = run_distributed(_momentum_round_trip, 2, door)
+    for rank, (errors, _) in enumerate(results):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= RTOL, f"rank {rank}: {worst} differs by {errors[worst]:.2e} relative; all: {errors}"
-
-
+    held = [set(names) for _, names in results]
+    matrices = {name for name, param in make_model(seed=0).named_parameters() if _is_matrix_in_block(name, param)}
+    assert held[0].isdisjoint(held[1]) and held[0] | held[1] == matrices, held
+    values = [sum(names.values()) for _, names in results]
+    assert values[0] == values[1], f"momentum values per rank: {values}"
 class RowNormalizedSGD(torch.optim.Optimizer):
     """A user's optimizer that needs matrices: each row of the gradient scaled to unit length."""
 
@@ -223,6 +247,16 @@ class DeclaredRowNormalizedSGD(RowNormalizedSGD):
     """The same optimizer, declared to need whole tensors."""
 
 
+class RefusesQkv(DeclaredRowNormalizedSGD):
+    """Raises on one matrix only, so only the rank that owns it raises in its step."""
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        if any(param.shape == (3 * HIDDEN, HIDDEN) for group in self.param_groups for param in group["params"]):
+            raise ValueError("RefusesQkv refuses a qkv matrix")
+        super().step(closure)
+
+
 def _errors_on_every_rank(rank: int, world: int, door: str, case: str) -> str:
     """The message each rank's step raised, or what it did instead."""
     if door == "whole-model":
@@ -242,6 +276,9 @@ def _errors_on_every_rank(rank: int, world: int, door: str, case: str) -> str:
     if case == "muon given a vector":
         optimizer = torch.optim.Muon([block["blocks.0.up.weight"]], lr=MUON_LR)
         optimizer.add_param_group({"params": [block["blocks.0.up.bias"]]})
+    elif case == "raises on its owner":
+        # Two matrices of about the same cost: one owner each at world 2.
+        optimizer = RefusesQkv([block["blocks.0.qkv.weight"], block["blocks.0.up.weight"]], lr=0.1)
     else:
         optimizer_class = RowNormalizedSGD if case == "undeclared" else DeclaredRowNormalizedSGD
         optimizer = optimizer_class([block["blocks.0.up.weight"]], lr=0.1)
@@ -250,16 +287,28 @@ def _errors_on_every_rank(rank: int, world: int, door: str, case: str) -> str:
     model(*make_batch(0, ROWS)).backward()
     try:
         optimizer.step()
-    except ValueError as error:
-        return "\n".join([str(error), *getattr(error, "__notes__", [])])
+    except (ValueError, RuntimeError) as error:
+        return "\n".join([f"{type(error).__name__}: {error}", *getattr(error, "__notes__", [])])
     dist.barrier()
     return "stepped"
 
 
 @pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
 def test_muon_given_a_vector_raises_torchs_message_on_every_rank(door: str) -> None:
+    """torch's check runs inside Muon's step, on the owner only; megatron_fsdp makes it on every
+    rank before any collective, with torch's type and text."""
     messages = run_distributed(_errors_on_every_rank, 2, door, "muon given a vector")
-    assert all("2D" in message for message in messages), messages
+    assert messages == ["ValueError: Param gradient must be a 2D matrix"] * 2, messages
+
+
+def test_a_step_that_raises_on_one_owner_raises_on_every_rank() -> None:
+    """The owner of qkv raises its own error; the other rank, whose step passed, learns of it
+    before the exchange back and raises too; neither changes its weights. (On FSDP2's door torch
+    runs no hook after a step that raised: the other ranks wait until the raising rank's next
+    step, state_dict() or forward, docs/whole_matrix_optimizers.md.)"""
+    messages = sorted(run_distributed(_errors_on_every_rank, 2, "whole-model", "raises on its owner"))
+    assert messages[0].startswith("RuntimeError: RefusesQkv's step raised on another rank"), messages
+    assert messages[1] == "ValueError: RefusesQkv refuses a qkv matrix", messages
 
 
 @pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
@@ -331,3 +380,40 @@ def test_muon_resumes_from_a_dcp_checkpoint_at_another_world_size(tmp_path) -> N
     errors = {name: _relative_error(resumed[name], want) for name, want in uninterrupted.items()}
     worst = max(errors, key=errors.get)
     assert errors[worst] <= RTOL, f"{worst} differs by {errors[worst]:.2e} relative after resuming at world 4; all: {errors}"
+
+
+def _fsdp2_save_then_train(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    model, optimizers = _fsdp2_muon_and_adamw(seed=0)
+    _train_rows(model, optimizers, rank, world, range(2))
+    save_with_helpers(model, optimizers, path)
+    _train_rows(model, optimizers, rank, world, range(2, 4))
+    return {name: param.full_tensor() for name, param in model.named_parameters()}
+
+
+def _fsdp2_load_then_train(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    model, optimizers = _fsdp2_muon_and_adamw(seed=7)  # other weights, fresh optimizers
+    load_with_helpers(model, optimizers, path)
+    _train_rows(model, optimizers, rank, world, range(2, 4))
+    return {name: param.full_tensor() for name, param in model.named_parameters()}
+
+
+def test_fsdp2_muon_resumes_through_torchs_state_dict_helpers_at_another_world_size(tmp_path) -> None:
+    """Saved at world 4 (other owners, pieces a quarter long) through get_state_dict, loaded at
+    world 2 through set_state_dict: the resumed run continues the uninterrupted one."""
+    uninterrupted = run_distributed(_fsdp2_save_then_train, 4, str(tmp_path / "ckpt"))[0]
+    resumed = run_distributed(_fsdp2_load_then_train, 2, str(tmp_path / "ckpt"))[0]
+    errors = {name: _relative_error(resumed[name], want) for name, want in uninterrupted.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= RTOL, f"{worst} differs by {errors[worst]:.2e} relative after resuming at world 2; all: {errors}"
+
+
+def test_owners_are_balanced_by_newton_schulz_cost_and_the_same_on_every_call() -> None:
+    from megatron_fsdp.optim.owner_placement import assign_owners, step_cost
+
+    shapes = [(60, 20), (20, 20), (52, 20), (20, 52)] * 2 + [(512, 512), (7,)]
+    owners = assign_owners(shapes, 4)
+    assert owners == assign_owners(list(shapes), 4)
+    assert owners[8] not in owners[:8], "the largest matrix should have a rank to itself"
+    load = [sum(step_cost(shape) for shape, owner in zip(shapes, owners) if owner == rank) for rank in range(4)]
+    small = sorted(load)[:3]
+    assert max(small) - min(small) <= step_cost((60, 20)), load
