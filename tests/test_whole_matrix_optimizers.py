@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import megatron_fsdp
 from _dist import run_distributed
-from models import HIDDEN, Block, make_batch, make_model
+from models import HIDDEN, Block, make_batch, make_model, train_steps
 from state_dict_io import load_with_helpers, save_with_helpers
 
 STEPS, ROWS, LR, MUON_LR, MAX_NORM = 3, 2, 1e-2, 2e-2, 0.5
@@ -283,6 +283,50 @@ class RefusesQkv(DeclaredRowNormalizedSGD):
         if any(param.shape == (3 * HIDDEN, HIDDEN) for group in self.param_groups for param in group["params"]):
             raise ValueError("RefusesQkv refuses a qkv matrix")
         super().step(closure)
+
+
+class GlobalNormSGD(torch.optim.Optimizer):
+    """A step that couples its tensors: every gradient divided by the norm over all of them, which
+    an owner seeing only its own tensors would get wrong; declared with the replicated placement."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad / norm, alpha=-group["lr"])
+
+
+megatron_fsdp.whole_tensor_optimizer(GlobalNormSGD, placement="replicated")
+
+
+def _coupled_step(rank: int, world: int) -> float:
+    """The largest relative error of the block matrices after two steps against one process."""
+    reference = make_model(seed=0)
+    model = megatron_fsdp.fully_shard_model(make_model(seed=0), fsdp_unit_modules=[Block])
+    optimizers = []
+    for net in (reference, model):
+        optimizer = GlobalNormSGD([p for n, p in net.named_parameters() if _is_matrix_in_block(n, p)], lr=0.1)
+        optimizers.append(optimizer if net is reference else megatron_fsdp.fully_shard_optimizer(optimizer, model=model))
+    for step in range(2):  # train_steps' batches, all rows in one process
+        reference(*make_batch(step, 2 * world)).backward()
+        optimizers[0].step()
+        optimizers[0].zero_grad()
+    train_steps(model, optimizers[1], rank, world, range(2))
+    params = model.full_parameters()
+    return max(_relative_error(params[n], p) for n, p in reference.named_parameters() if _is_matrix_in_block(n, p))
+
+
+def test_a_declared_coupled_optimizer_steps_every_tensor_on_every_rank() -> None:
+    """placement="replicated": each rank steps all tensors, so the norm over all of them is the
+    one-process norm (fp32, summed in another order: RTOL)."""
+    errors = run_distributed(_coupled_step, 2)
+    assert max(errors) <= RTOL, errors
 
 
 def _errors_on_every_rank(rank: int, world: int, door: str, case: str) -> str:
