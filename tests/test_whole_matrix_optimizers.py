@@ -28,6 +28,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
 import megatron_fsdp
 from _dist import run_distributed
 from models import HIDDEN, Block, make_batch, make_model, train_steps
@@ -205,7 +207,8 @@ def test_muon_and_adamw_step_like_one_process(
 
 def _momentum_round_trip(rank: int, world: int, door: str) -> tuple[dict[str, float], dict[str, int]]:
     """Muon's momentum buffers after training: each held whole by one rank only (its owner), in
-    the state dict as pieces of the global shape equal to one process's buffers, and a fresh Muon
+    the state dict as pieces of the global shape equal to one process's buffers (and whole, by
+    name, in torch's get_optimizer_state_dict with full_state_dict=True), and a fresh Muon
     loaded from the state dict holds them as they were. Returns the errors and the matrices whose
     momentum this rank holds (name -> values)."""
     if door == "whole-model":
@@ -222,8 +225,12 @@ def _momentum_round_trip(rank: int, world: int, door: str) -> tuple[dict[str, fl
             optimizer.step()
             optimizer.zero_grad()
     saved = muon.state_dict()
+    # torch's helper gathers the pieces into whole tensors keyed by name.
+    full = get_optimizer_state_dict(model, muon, options=StateDictOptions(full_state_dict=True))["state"]
+    names = [name for name, param in reference.named_parameters() if _is_matrix_in_block(name, param)]
     errors = {}
     for index, entries in reference_muon.state_dict()["state"].items():
+        errors[f"full momentum {names[index]}"] = _relative_error(full[names[index]]["momentum_buffer"], entries["momentum_buffer"])
         momentum = saved["state"][index]["momentum_buffer"]
         assert momentum.shape == entries["momentum_buffer"].shape, (index, momentum.shape)
         errors[f"momentum {index}"] = _relative_error(momentum.full_tensor(), entries["momentum_buffer"])
