@@ -1,12 +1,14 @@
 """Where a whole-matrix optimizer's matrices meet it: the two placements docs/whole_matrix_optimizers.md
 weighs, timed on gloo over CPU ranks for one Muon step of a small transformer's block matrices.
 
-- ``replicated`` (what megatron_fsdp does): every rank all-gathers every matrix's weights and
-  gradient from the flat pieces in one collective, runs torch.optim.Muon on every matrix and
-  keeps its own piece.
-- ``owner``: each matrix belongs to one rank (largest first, to the least loaded rank); the
-  gradient pieces are gathered there, only the owner runs Muon on it, and the new weights go back
-  to the ranks as their pieces (scatter).
+- ``replicated`` (``whole_tensor_optimizer(cls, placement="replicated")``, and faces without an
+  owner route): every rank all-gathers every matrix's weights and gradient from the flat pieces in
+  one collective, runs torch.optim.Muon on every matrix and keeps its own piece.
+- ``owner`` (megatron_fsdp's default): each matrix belongs to one rank (megatron_fsdp's
+  ``assign_owners``: largest Newton-Schulz cost first, to the least loaded rank); the weight and
+  gradient pieces go to the owners in one all-to-all, only the owner runs Muon on a matrix, and
+  the new weights go back to the ranks as their pieces in a second all-to-all
+  (``gather_to_owners`` / ``scatter_from_owners``, as the engine's step does).
 
 Run: ``torchrun --nproc-per-node 2 benchmarks/whole_matrix_placement.py [--hidden 256 --layers 4]``
 (rank 0 prints one line per placement: the median step time over the timed steps).
@@ -20,6 +22,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from megatron_fsdp.optim.owner_placement import Route, assign_owners, gather_to_owners, scatter_from_owners
 
 
 def block_shapes(hidden: int, layers: int) -> list[tuple[int, int]]:
@@ -62,35 +67,33 @@ def replicated_step(weights: list[torch.Tensor], grads: list[torch.Tensor], shap
         weights[index].copy_(_piece(whole.detach(), rank, world))
 
 
-def owners(shapes: list[tuple[int, int]], world: int) -> list[int]:
-    """Each matrix's rank, balanced by size: largest first, to the least loaded rank."""
-    load = [0] * world
-    owner = [0] * len(shapes)
-    for index in sorted(range(len(shapes)), key=lambda i: -shapes[i][0] * shapes[i][1]):
-        owner[index] = min(range(world), key=load.__getitem__)
-        load[owner[index]] += shapes[index][0] * shapes[index][1]
-    return owner
-
-
 def owner_step(weights: list[torch.Tensor], grads: list[torch.Tensor], shapes: list[tuple[int, int]], muon: dict) -> None:
-    world = dist.get_world_size()
-    rank = dist.get_rank()
-    for index, (shape, owner) in enumerate(zip(shapes, owners(shapes, world))):
-        mine = rank == owner
-        weight_pieces = [torch.empty_like(weights[index]) for _ in range(world)] if mine else None
-        grad_pieces = [torch.empty_like(grads[index]) for _ in range(world)] if mine else None
-        dist.gather(weights[index], weight_pieces, dst=owner)
-        dist.gather(grads[index], grad_pieces, dst=owner)
-        new_pieces = None
-        if mine:
-            whole = torch.nn.Parameter(_whole(weight_pieces, shape))
-            whole.grad = _whole(grad_pieces, shape)
-            optimizer = muon.setdefault(index, torch.optim.Muon([whole], lr=0.02))
-            optimizer.param_groups[0]["params"] = [whole]
-            optimizer.state = {whole: optimizer.state.get(whole, next(iter(optimizer.state.values()), {}))}
-            optimizer.step()
-            new_pieces = [_piece(whole.detach(), r, world) for r in range(world)]
-        dist.scatter(weights[index], new_pieces, src=owner)
+    if "mesh" not in muon:
+        muon["mesh"] = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = muon["mesh"]
+    world = mesh.size(0)
+    owners = assign_owners(shapes, world)
+    routes = [Route(mesh, torch.Size(shape), _pieces(shape[0] * shape[1], world), owner) for shape, owner in zip(shapes, owners)]
+    wholes = gather_to_owners(routes + routes, weights + grads)
+    new_wholes: list[torch.Tensor | None] = [None] * len(shapes)
+    for index, shape in enumerate(shapes):
+        if wholes[index] is None:
+            continue
+        whole = torch.nn.Parameter(wholes[index].view(shape))
+        whole.grad = wholes[len(shapes) + index].view(shape)
+        optimizer = muon.setdefault(index, torch.optim.Muon([whole], lr=0.02))
+        optimizer.param_groups[0]["params"] = [whole]
+        optimizer.state = {whole: optimizer.state.get(whole, next(iter(optimizer.state.values()), {}))}
+        optimizer.step()
+        new_wholes[index] = whole.detach()
+    for weight, piece in zip(weights, scatter_from_owners(routes, new_wholes, like=weights[0])):
+        weight[: piece.numel()].copy_(piece)
+
+
+def _pieces(numel: int, world: int) -> tuple[tuple[int, int], ...]:
+    """Where each rank's piece (``_piece``, unpadded) lies in the flattened matrix."""
+    size = _chunk(numel, world)
+    return tuple((min(rank * size, numel), max(0, min(size, numel - rank * size))) for rank in range(world))
 
 
 def main() -> None:

@@ -9,12 +9,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 
-def save_with_helpers(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+def save_with_helpers(model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer], path: str) -> None:
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
 
 
-def load_with_helpers(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+def load_with_helpers(model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer], path: str) -> None:
     """DCP fills the helpers' state dicts in place; ``set_state_dict`` then loads them."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}

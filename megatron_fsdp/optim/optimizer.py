@@ -119,6 +119,8 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: ShardedModel) 
     # Bound methods, as LR schedulers re-wrap ``optimizer.step`` through its ``__func__``.
     optimizer.step = types.MethodType(step, optimizer)
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+    # Before the placeholders' post-hook, which notes the tensors the state dict hands out.
+    optimizer.register_state_dict_post_hook(swap.shown_state_dict)
     placeholders = InitialStatePlaceholders()
     if model.settings.preproc_state_dict_for_dcp_ckpt:
         # A fresh optimizer's state dict then holds tensors dcp.load fills in place (initial_state.py).

@@ -140,12 +140,18 @@ def _swap_for(optimizer: torch.optim.Optimizer) -> _OptimizerSwap:
     if swap is not None and optimizer not in _watched:
         _watched.add(optimizer)
         optimizer.register_state_dict_pre_hook(_end_raised_step, prepend=True)
+        optimizer.register_state_dict_post_hook(_shown_state_dict)
         optimizer.register_load_state_dict_pre_hook(_end_raised_step_before_load, prepend=True)
     return entry
 
 
 def _end_raised_step(optimizer: torch.optim.Optimizer) -> None:
     _end_step(optimizer, raised=True)
+
+
+def _shown_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    entry = _swaps.get(optimizer)
+    return state_dict if entry is None or entry.swap is None else entry.swap.shown_state_dict(optimizer, state_dict)
 
 
 def _end_raised_step_before_load(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:

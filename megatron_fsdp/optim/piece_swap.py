@@ -26,7 +26,7 @@ from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.buckets.faces import FaceSource, bucket_face_sources, holds_this_piece, to_face_layout
 from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
 from megatron_fsdp.engine.params.sharded_params import ShardedParam, sharded_dtensor
-from megatron_fsdp.optim.whole_tensors import WholeTensorSwap, needs_whole_tensors, whole_state_for_load
+from megatron_fsdp.optim.whole_tensors import WholeTensorSwap, needs_whole_tensors
 
 
 @dataclass(frozen=True)
@@ -195,6 +195,13 @@ class PieceSwap:
         self._pairs = pairs_now
         return shown
 
+    def shown_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A state-dict post-hook: a whole-tensor optimizer's owner-held state as every rank's
+        piece of it (whole_tensors.py); any other optimizer's state dict as it is."""
+        if needs_whole_tensors(optimizer):
+            return self._whole.shown_state_dict(optimizer, state_dict)
+        return state_dict
+
     def take_zero_step(self, optimizer: torch.optim.Optimizer, unwrapped_step: Any) -> None:
         """One step of zero gradients at zero learning rate on the pieces, as torch's distributed
         state-dict helpers take: it creates the optimizer's state and moves no weight."""
@@ -232,7 +239,8 @@ class PieceSwap:
             )
         state = dict(state_dict["state"])
         if needs_whole_tensors(optimizer):
-            return {**state_dict, "state": whole_state_for_load(state)}
+            # Loaded as it is; the next step brings it to the tensors' owners (owner_state.py).
+            return {**state_dict, "state": state}
         for key, param in zip(keys, faces):
             if key in state:
                 face = self._faces[param]

@@ -3,48 +3,69 @@ preconditioners) step whole parameters and whole gradients, not the flat pieces 
 
 A rank's piece of a parameter is a contiguous range of its flattened values, which is no matrix.
 For an optimizer that needs whole tensors (``torch.optim.Muon``, and any class declared with
-:func:`whole_tensor_optimizer`), the swap around its step puts in, in place of each face, a plain
-tensor of the parameter's global shape holding the gathered main weights, its ``.grad`` the
-gathered reduced gradient; its state is whole too. Every rank of the parameter's mesh gathers and
-steps every one of the optimizer's tensors (replicated), then keeps its own piece of the result:
-the update is then the one-process update on every rank alike, and so is any error torch raises
-(a tensor Muon refuses fails on every rank). docs/whole_matrix_optimizers.md has the cost and
-why this placement rather than one owner rank per matrix.
+:func:`whole_tensor_optimizer`), the swap around its step puts in, in place of the faces, plain
+tensors of the parameters' global shapes holding the main weights, their ``.grad`` the reduced
+gradients. Each tensor has one *owner* rank of its shard group (owner_placement.py): only the
+owner receives it whole, steps it with the optimizer's own step and keeps its state (whole), and
+every rank gets its piece of the new weights back. ``optimizer.state_dict()`` shows that state as
+the same flat-piece DTensors as Adam's (owner_state.py). Faces the exchanges do not cover
+(tensor- or expert-parallel meshes, HFSDP's split pieces), and every face of an optimizer declared
+with ``placement="replicated"``, are gathered and stepped on every rank instead.
+docs/whole_matrix_optimizers.md has the costs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp.engine.buckets.faces import FaceSource, local_piece
 from megatron_fsdp.engine.groups.collectives import all_gather_shards
 from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
+from megatron_fsdp.optim.owner_placement import Route, any_rank_failed, assign_owners, gather_to_owners, route_of, scatter_from_owners
+from megatron_fsdp.optim.owner_state import show_owner_state, state_to_owners
 
-_whole_tensor_classes: list[type] = [torch.optim.Muon] if hasattr(torch.optim, "Muon") else []
+Placement = Literal["owner", "replicated"]
+# Declared classes and how their tensors are placed; a subclass takes its nearest declared base's.
+_whole_tensor_classes: dict[type, Placement] = {torch.optim.Muon: "owner"} if hasattr(torch.optim, "Muon") else {}
 
 OptimizerClass = TypeVar("OptimizerClass", bound=type)
 
 
-def whole_tensor_optimizer(optimizer_class: OptimizerClass) -> OptimizerClass:
+def whole_tensor_optimizer(optimizer_class: OptimizerClass, placement: Placement = "owner") -> OptimizerClass:
     """Declares that ``optimizer_class`` (and its subclasses) must step whole parameters and whole
     gradients; returns the class, so it also serves as a class decorator. ``torch.optim.Muon`` is
     declared already. Declare before the first step; an optimizer declared after it went on
-    stepping pieces keeps flat state that no longer fits."""
+    stepping pieces keeps flat state that no longer fits.
+
+    ``placement``: ``"owner"`` (default) steps each tensor on one rank of its shard group, for a
+    step that treats each tensor on its own (Muon, Shampoo); ``"replicated"`` gathers every tensor
+    on every rank and steps them all there, for a step that couples tensors (a norm over all of
+    them, say), which an owner seeing only its own tensors would compute wrongly."""
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"whole_tensor_optimizer takes a torch.optim.Optimizer subclass, not {optimizer_class!r}")
-    if optimizer_class not in _whole_tensor_classes:
-        _whole_tensor_classes.append(optimizer_class)
+    if placement not in ("owner", "replicated"):
+        raise ValueError(f"whole_tensor_optimizer's placement is 'owner' or 'replicated', not {placement!r}")
+    _whole_tensor_classes[optimizer_class] = placement
     return optimizer_class
 
 
 def needs_whole_tensors(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer``'s class was declared to need whole tensors."""
     return isinstance(optimizer, tuple(_whole_tensor_classes))
+
+
+def _placement(optimizer: torch.optim.Optimizer) -> Placement:
+    for cls in type(optimizer).__mro__:
+        if cls in _whole_tensor_classes:
+            return _whole_tensor_classes[cls]
+    raise AssertionError(f"{type(optimizer).__name__} was not declared to need whole tensors")
 
 
 def note_flat_pieces(error: BaseException, optimizer: torch.optim.Optimizer) -> None:
@@ -57,64 +78,188 @@ def note_flat_pieces(error: BaseException, optimizer: torch.optim.Optimizer) -> 
     )
 
 
+def _refuse_before_exchange(optimizer: torch.optim.Optimizer, faces: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+    """torch's Muon checks each gradient's shape inside its step, which runs on the owner only:
+    the same check, with torch's message, on every rank before any collective."""
+    if isinstance(optimizer, getattr(torch.optim, "Muon", ())):
+        if any(grad is not None and face.dim() != 2 for face, grad in zip(faces, grads)):
+            raise ValueError("Param gradient must be a 2D matrix")  # torch.optim._muon's text
+
+
+@dataclasses.dataclass
+class _Held:
+    """What one step's swap put in: each face's route (None: gathered on every rank), the whole
+    tensor stepped for each face this rank steps, and the faces another rank stepped."""
+
+    routes: dict[nn.Parameter, Route | None]
+    whole_of: dict[nn.Parameter, nn.Parameter]
+    stepped_elsewhere: list[nn.Parameter]
+
+
 class WholeTensorSwap:
     """The swap for one whole-tensor optimizer's step over the faces ``sources`` knows: whole
-    tensors in for the step, this rank's piece of each written back after it."""
+    tensors in for the step (on their owners), this rank's piece of each written back after it."""
 
     def __init__(self, sources: dict[nn.Parameter, FaceSource]) -> None:
         self._sources = sources
-        self._wholes: dict[torch.Tensor, nn.Parameter] = {}  # whole tensor -> its face, during a step
+        self._held: _Held | None = None
+        self._routes_cache: tuple[tuple, dict[nn.Parameter, Route | None]] | None = None
+
+    def routes(self, optimizer: torch.optim.Optimizer, faces: list[nn.Parameter]) -> dict[nn.Parameter, Route | None]:
+        """Each face's route with its owner, from metadata alone (the same on every rank); the
+        owners are balanced over all of ``optimizer``'s faces of one mesh, so they stay put."""
+        key = (_placement(optimizer), tuple(id(face) for face in faces))
+        if self._routes_cache is not None and self._routes_cache[0] == key:
+            return self._routes_cache[1]
+        routes: dict[nn.Parameter, Route | None] = {}
+        per_mesh: dict[DeviceMesh, list[nn.Parameter]] = {}
+        for face in faces:
+            source = self._sources[face]
+            route = route_of(source.spec, source.piece) if key[0] == "owner" else None
+            routes[face] = route
+            if route is not None:
+                per_mesh.setdefault(route.mesh, []).append(face)
+        for mesh, members in per_mesh.items():
+            owners = assign_owners([routes[face].shape for face in members], mesh.size(0))
+            for face, owner in zip(members, owners):
+                routes[face] = dataclasses.replace(routes[face], owner=owner)
+        self._routes_cache = (key, routes)
+        return routes
 
     def swap_in(self, optimizer: torch.optim.Optimizer, strict: bool) -> list[list[torch.Tensor]]:
-        """Gathers each face's main weights and gradient (one all-gather for all of them where they
-        are flat pieces of one mesh dim, on every rank in the same order) and puts them, with the
-        whole state, in ``optimizer``."""
-        self._wholes = {}
+        """Brings each face's main weights and gradient whole to its owner (one all-to-all per mesh
+        and dtype) or, without a route, to every rank (gather_whole), and puts the tensors this
+        rank steps, with their whole state, in ``optimizer``. Shapes torch would refuse raise
+        first, on every rank."""
         faces_per_group = [group["params"] for group in optimizer.param_groups]
         faces = [param for params in faces_per_group for param in params if self._known(param, strict)]
         with plain_attribute_access():
             grads = [param.grad for param in faces]
-        gathered = iter(gather_whole([*faces, *(grad for grad in grads if grad is not None)]))
-        whole_of: dict[torch.Tensor, torch.Tensor] = {}
+        _refuse_before_exchange(optimizer, faces, grads)
+        routes = self.routes(optimizer, faces)
+        state_to_owners(optimizer.state, routes, self._sources)
+        whole_of: dict[nn.Parameter, nn.Parameter] = {}
         with torch.no_grad():
-            for param in faces:
-                whole_of[param] = nn.Parameter(next(gathered), requires_grad=False)
-                self._wholes[whole_of[param]] = param
-            for param, grad in zip(faces, grads):
-                if grad is not None:
-                    # Main gradients kept below the main weights' dtype are stepped in the weights' dtype.
-                    whole_of[param].grad = next(gathered).to(whole_of[param].dtype)
-        wholes_per_group = [[whole_of.get(param, param) for param in params] for params in faces_per_group]
+            self._gather_routed(faces, grads, routes, whole_of)
+            self._gather_everywhere(faces, grads, routes, whole_of)
+        stepped_elsewhere = [face for face in faces if routes[face] is not None and face not in whole_of]
+        # A set: ``in`` on a list of tensors would compare them elementwise.
+        elsewhere = set(stepped_elsewhere)
+        wholes_per_group = [[whole_of.get(param, param) for param in params if param not in elsewhere] for params in faces_per_group]
         plain_state: defaultdict = defaultdict(dict)
         for key, entries in optimizer.state.items():
-            plain_state[key] = entries
-        for whole, param in self._wholes.items():
-            if param in optimizer.state:
-                plain_state[whole] = {name: _whole_value(value) for name, value in plain_state.pop(param).items()}
+            if key in whole_of:
+                plain_state[whole_of[key]] = {name: _whole_value(value) for name, value in entries.items()}
+            elif key not in routes:
+                plain_state[key] = entries
         for group, wholes in zip(optimizer.param_groups, wholes_per_group):
             group["params"] = wholes
         optimizer.state = plain_state
+        self._held = _Held(routes, whole_of, stepped_elsewhere)
         return faces_per_group
 
+    def _gather_routed(
+        self, faces: list[nn.Parameter], grads: list[torch.Tensor | None], routes: dict, whole_of: dict[nn.Parameter, nn.Parameter]
+    ) -> None:
+        """Weights and gradients of the routed faces to their owners, one exchange per mesh and
+        weight dtype (gradients kept below the weights' dtype are stepped in the weights' dtype)."""
+        batches: dict[tuple[DeviceMesh, torch.dtype], list[tuple[nn.Parameter, torch.Tensor | None]]] = {}
+        for face, grad in zip(faces, grads):
+            if routes[face] is not None:
+                batches.setdefault((routes[face].mesh, self._sources[face].piece.dtype), []).append((face, grad))
+        for members in batches.values():
+            with_grad = [(face, grad) for face, grad in members if grad is not None]
+            exchanged = gather_to_owners(
+                [routes[face] for face, _ in members] + [routes[face] for face, _ in with_grad],
+                [self._sources[face].piece for face, _ in members] + [self._grad_piece(face, grad) for face, grad in with_grad],
+            )
+            grad_wholes = dict(zip((face for face, _ in with_grad), exchanged[len(members) :]))
+            for (face, _), weight in zip(members, exchanged):
+                if weight is None:
+                    continue
+                whole_of[face] = nn.Parameter(weight.view(routes[face].shape), requires_grad=False)
+                if face in grad_wholes:
+                    whole_of[face].grad = grad_wholes[face].view(routes[face].shape)
+
+    def _grad_piece(self, face: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        source = self._sources[face]
+        return local_piece(grad, source.piece, source.start, source.extent, source.spec).to(source.piece.dtype)
+
+    def _gather_everywhere(
+        self, faces: list[nn.Parameter], grads: list[torch.Tensor | None], routes: dict, whole_of: dict[nn.Parameter, nn.Parameter]
+    ) -> None:
+        """The faces without a route, whole on every rank."""
+        others = [(face, grad) for face, grad in zip(faces, grads) if routes[face] is None]
+        gathered = iter(gather_whole([face for face, _ in others] + [grad for _, grad in others if grad is not None]))
+        for face, _ in others:
+            whole_of[face] = nn.Parameter(next(gathered), requires_grad=False)
+        for face, grad in others:
+            if grad is not None:
+                whole_of[face].grad = next(gathered).to(whole_of[face].dtype)
+
     def swap_out(self, optimizer: torch.optim.Optimizer, faces_per_group: list[list[torch.Tensor]], raised: bool) -> None:
-        """Writes this rank's piece of each stepped whole tensor into the main weights (not after
-        a step that raised: every rank raised alike and keeps its weights), and puts the faces
-        back with the whole state keyed by them."""
+        """Sends each rank its piece of every stepped tensor and writes it into the main weights,
+        unless the step raised on any rank (then every rank keeps its weights, and a rank whose
+        own step passed raises too), and puts the faces back with the state keyed by them."""
+        held, self._held = self._held, None
+        meshes = list(dict.fromkeys(route.mesh for route in held.routes.values() if route is not None))
+        # An owner's step may raise where the others' did not: all agree before the exchange back.
+        failed = any_rank_failed(meshes, raised) if meshes else raised
         with torch.no_grad():
-            for whole, param in self._wholes.items():
-                source = self._sources[param]
-                if not raised:
-                    source.piece.copy_(local_piece(whole.detach(), source.piece, source.start, source.extent, source.spec))
+            if not failed:
+                self._scatter_back(held)
+            for face, whole in held.whole_of.items():
                 if raised and whole.grad is None:
                     with plain_attribute_access():
-                        param.grad = None
+                        face.grad = None
+        face_of = {whole: face for face, whole in held.whole_of.items()}
+        by_key = {face_of.get(key, key): entries for key, entries in optimizer.state.items()}
+        with plain_attribute_access():
+            # Its owner made state for it: every rank then holds state (torch's distributed
+            # state-dict helpers take a step on a rank whose state is empty).
+            for face in held.stepped_elsewhere:
+                if face.grad is not None:
+                    by_key[face] = {}
+        # In the faces' order on every rank: state_dict() packs it in this order, and every rank
+        # must meet the entries' collectives (a full_tensor(), a load) in the same order.
         shown: defaultdict = defaultdict(dict)
-        for key, entries in optimizer.state.items():
-            shown[self._wholes.get(key, key)] = entries
+        for face in held.routes:
+            if face in by_key:
+                shown[face] = by_key.pop(face)
+        shown.update(by_key)
         optimizer.state = shown
         for group, faces in zip(optimizer.param_groups, faces_per_group):
             group["params"] = faces
-        self._wholes = {}
+        if failed and not raised:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}'s step raised on another rank, which steps some of its whole tensors "
+                "(see that rank's error); no rank changed its weights"
+            )
+
+    def _scatter_back(self, held: _Held) -> None:
+        batches: dict[tuple[DeviceMesh, torch.dtype], list[nn.Parameter]] = {}
+        for face, route in held.routes.items():
+            if route is not None:
+                batches.setdefault((route.mesh, self._sources[face].piece.dtype), []).append(face)
+            elif face in held.whole_of:
+                source = self._sources[face]
+                whole = held.whole_of[face].detach()
+                source.piece.copy_(local_piece(whole, source.piece, source.start, source.extent, source.spec))
+        for members in batches.values():
+            wholes = [held.whole_of[face].detach() if face in held.whole_of else None for face in members]
+            pieces = scatter_from_owners([held.routes[face] for face in members], wholes, like=self._sources[members[0]].piece)
+            for face, piece in zip(members, pieces):
+                self._sources[face].piece.copy_(piece.view(self._sources[face].piece.shape))
+
+    def shown_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A state-dict post-hook: each owner-held state entry as every rank's piece of it
+        (owner_state.py), so the state dict holds global shapes on every rank."""
+        faces = [param for group in optimizer.param_groups for param in group["params"]]
+        keys = [key for group in state_dict["param_groups"] for key in group["params"]]
+        known = [(key, face) for key, face in zip(keys, faces) if face in self._sources]
+        routes = self.routes(optimizer, [face for _, face in known])
+        show_owner_state(state_dict["state"], known, routes, self._sources)
+        return state_dict
 
     def _known(self, param: torch.Tensor, strict: bool) -> bool:
         """Whether ``param`` is a face to gather; another tensor stays in the step as it is, or
@@ -179,9 +324,3 @@ def _whole_value(value: Any) -> Any:
     """A state entry as the whole-tensor step keeps it: plain and whole (a loaded checkpoint may
     hold DTensors)."""
     return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def whole_state_for_load(state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
-    """A whole-tensor optimizer's state dict entries as its step keeps them (plain, whole)."""
-    return {key: {name: _whole_value(value) for name, value in entries.items()} for key, entries in state.items()}
-

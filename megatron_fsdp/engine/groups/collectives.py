@@ -55,6 +55,16 @@ def all_to_all(received: torch.Tensor, sent: torch.Tensor, group: dist.ProcessGr
     return dist.all_to_all_single(received, sent, group=group, async_op=async_op)
 
 
+def all_to_all_uneven(
+    received: torch.Tensor, sent: torch.Tensor, received_splits: list[int], sent_splits: list[int], group: dist.ProcessGroup
+):
+    """``sent_splits[r]`` values of ``sent`` (in rank order) go to rank r; ``received`` holds
+    ``received_splits[r]`` values from each rank r, in rank order."""
+    if _one_rank(group):
+        return _copy_unless_same(received, sent)
+    return dist.all_to_all_single(received, sent, received_splits, sent_splits, group=group)
+
+
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A uint8 view of an 8-bit float tensor (float8 weights, a frozen float8 parameter): gloo
     has no float8 type, and a gather only moves bytes. Other tensors as they are."""
