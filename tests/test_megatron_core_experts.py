@@ -168,30 +168,36 @@ def make_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:, :-1], data[:, 1:]
 
 
+def _meshes(layout: Layout) -> tuple[megatron_fsdp.FSDPDistributedIndex, ExpertGroups]:
+    """megatron-core's meshes: the dense ``(dp_cp, tp)`` over every rank, the expert
+    ``(dp_cp, tp)`` over the ranks holding the same experts (its ``tp`` the expert-tensor-parallel
+    ranks), ranks laid out ``(expert dp, ep, etp)`` as megatron-core's."""
+    world = dist.get_world_size()
+    dense = dist.init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_cp", "tp"))
+    expert = dist.init_device_mesh(
+        "cpu", (world // (layout.ep * layout.etp), layout.ep, layout.etp), mesh_dim_names=("dp_cp", "ep", "tp")
+    )
+    index = megatron_fsdp.FSDPDistributedIndex(
+        device_mesh=dense, dp_shard_dim="dp_cp", tp_dim="tp", expt_device_mesh=expert["dp_cp", "tp"]
+    )
+    split = layout.ep * layout.etp > 1
+    groups = ExpertGroups(
+        layout.ep, expert.get_local_rank("ep"), layout.etp, expert.get_local_rank("tp"),
+        expert["ep", "tp"]._flatten("ep_tp").get_group() if split else None,
+    )
+    return index, groups
+
+
 class _Adapter(nn.Module):
-    """megatron-core's FullyShardedDataParallel with its meshes: the dense ``(dp_cp, tp)`` over
-    every rank, the expert ``(dp_cp, tp)`` over the ranks holding the same experts (its ``tp``
-    the expert-tensor-parallel ranks), ranks laid out ``(expert dp, ep, etp)`` as megatron-core's."""
+    """megatron-core's FullyShardedDataParallel over its meshes (:func:`_meshes`)."""
 
     def __init__(self, layout: Layout) -> None:
         super().__init__()
-        world = dist.get_world_size()
-        dense = dist.init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_cp", "tp"))
-        expert = dist.init_device_mesh(
-            "cpu", (world // (layout.ep * layout.etp), layout.ep, layout.etp), mesh_dim_names=("dp_cp", "ep", "tp")
-        )
-        self.tp_group = dense["tp"].get_group()
+        index, groups = _meshes(layout)
+        self.tp_group = index.device_mesh["tp"].get_group()
         self.dp_rank = dist.get_rank()
-        index = megatron_fsdp.FSDPDistributedIndex(
-            device_mesh=dense, dp_shard_dim="dp_cp", tp_dim="tp", expt_device_mesh=expert["dp_cp", "tp"]
-        )
         config = megatron_fsdp.DistributedDataParallelConfig(
             data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, overlap_param_gather=True
-        )
-        split = layout.ep * layout.etp > 1
-        groups = ExpertGroups(
-            layout.ep, expert.get_local_rank("ep"), layout.etp, expert.get_local_rank("tp"),
-            expert["ep", "tp"]._flatten("ep_tp").get_group() if split else None,
         )
         model = MoEGPT(groups)
         self.first_expert = model.first_expert
@@ -303,3 +309,19 @@ def test_local_experts_train_checkpoint_under_global_names_and_reshard_like_one_
     for step, ((loss, norm, _), (ref_loss, ref_norm, _)) in enumerate(zip(ours["resharded"], continued), start=SAVED_AT):
         assert math.isclose(loss, ref_loss, rel_tol=1e-6), f"step {step} at {resharded}: loss {loss} vs {ref_loss}"
         assert math.isclose(norm, ref_norm, rel_tol=1e-6), f"step {step} at {resharded}: norm {norm} vs {ref_norm}"
+
+
+def _wrap_with_strided_expert_split(rank: int, world_size: int) -> str:
+    index, groups = _meshes(Layout(ep=1, etp=world_size))
+    model = MoEGPT(groups)
+    model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.weight.partition_stride = 2
+    try:
+        MegatronCoreFSDP(model, index, megatron_fsdp.DistributedDataParallelConfig(), fsdp_unit_modules=[MoELayer])
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_strided_expert_tensor_parallel_split_is_refused_on_every_rank():
+    for message in run_distributed(_wrap_with_strided_expert_split, 2):
+        assert "partition_stride=2" in message and "contiguous tensor-parallel blocks" in message, message
