@@ -3,24 +3,36 @@ its ``EXPERTS / ep`` local experts as plain modules ``mlp.experts.local_experts.
 ``allreduce = False`` (megatron-core's SequentialMLP), wrapped by :class:`MegatronCoreFSDP` with
 megatron-core's dense and expert meshes, and checkpointed as Megatron-LM writes fsdp_dtensor: its
 local experts renamed to their global index (``handle_experts_in_state_dict``). Training against
-one process holding every expert; the checkpoint resumed at EP2 x EDP2 and resharded to EP1 x DP4.
+one process holding every expert; the checkpoint resumed at the same sizes and resharded.
 
-Experts see the tokens of their expert-parallel group: gathered along the sequence, every local
-expert runs on the tokens routed to it, and the outputs are summed and scattered back.
+With expert tensor parallelism (``--expert-tensor-parallel-size``) each expert's ``linear_fc1``
+is column-parallel and its ``linear_fc2`` row-parallel over the expert mesh's ``tp`` dim, as
+megatron-core's expert layers build them: plain per-rank blocks marked
+``tensor_model_parallel`` / ``partition_dim`` (0 and 1). Their checkpoint shows the whole expert.
+
+Experts see the tokens of their expert-model-parallel group (expert-parallel x expert-tensor-
+parallel ranks, megatron-core's dispatcher): gathered along the sequence, every local expert
+(or its tensor-parallel block) runs on the tokens routed to it, and the outputs, partial sums
+under expert tensor parallelism, are summed and scattered back.
 Tolerances as in tests/test_megatron_core_tensor_parallel.py (fp32: 1e-5 against one process,
-a resume bit-equal at the same sizes, 1e-6 resharded).
+parameters also 1e-5 absolute for Adam's near-zero gradients, a resume bit-equal at the same
+sizes, 1e-6 resharded); megatron_fsdp's own norm (``total_grad_norm``: fp32 per piece) within
+1e-6 of megatron-core's clip (fp64 sums) over the same gradients.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from typing import NamedTuple
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from _dist import run_distributed
 from mcore_flow import GatherSequence, ReduceScatterSequence, fsdp_dtensor_state, load_fsdp_dtensor, megatron_core_clip
@@ -34,12 +46,24 @@ STEPS, SAVED_AT = 5, 3
 LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
 
 
+class Layout(NamedTuple):
+    """Expert-parallel and expert-tensor-parallel sizes at world 4 (dense: DP4); the experts are
+    sharded over the remaining ``4 / (ep * etp)`` expert-data-parallel ranks."""
+
+    ep: int
+    etp: int
+
+
 class Expert(nn.Module):
-    def __init__(self) -> None:
+    """megatron-core's expert MLP: ``linear_fc1`` column-parallel, ``linear_fc2`` row-parallel
+    over ``etp`` ranks (whole at 1, marked all the same, as megatron-core's layers do)."""
+
+    def __init__(self, etp: int) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(HIDDEN, FFN, bias=False)
-        self.linear_fc2 = nn.Linear(FFN, HIDDEN, bias=False)
-        for param in self.parameters():
+        self.linear_fc1 = nn.Linear(HIDDEN, FFN // etp, bias=False)
+        self.linear_fc2 = nn.Linear(FFN // etp, HIDDEN, bias=False)
+        for param, partition_dim in ((self.linear_fc1.weight, 0), (self.linear_fc2.weight, 1)):
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, partition_dim, 1
             param.allreduce = False  # megatron-core's mark: reduced over the expert data-parallel group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,54 +71,68 @@ class Expert(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, etp: int) -> None:
         super().__init__()
-        self.local_experts = nn.ModuleList(Expert() for _ in range(count))
+        self.local_experts = nn.ModuleList(Expert(etp) for _ in range(count))
+
+
+class ExpertGroups(NamedTuple):
+    """This rank's place among the experts: ``ep_rank`` of ``ep`` expert-parallel ranks,
+    ``etp_rank`` of ``etp``, and the group of both whose tokens its experts see."""
+
+    ep: int = 1
+    ep_rank: int = 0
+    etp: int = 1
+    etp_rank: int = 0
+    tokens: dist.ProcessGroup | None = None
 
 
 class MoELayer(nn.Module):
     """Top-1 routing over ``EXPERTS`` experts, this rank holding ``EXPERTS / ep`` of them."""
 
-    def __init__(self, ep_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, groups: ExpertGroups) -> None:
         super().__init__()
-        self.ep_group = ep_group
-        ep = dist.get_world_size(ep_group) if ep_group is not None else 1
-        self.first_expert = (dist.get_rank(ep_group) if ep_group is not None else 0) * EXPERTS // ep
+        self.token_group = groups.tokens
+        self.first_expert = groups.ep_rank * EXPERTS // groups.ep
         self.norm = nn.LayerNorm(HIDDEN)
         self.mlp = nn.Module()
         self.mlp.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
-        self.mlp.experts = Experts(EXPERTS // ep)
+        self.mlp.experts = Experts(EXPERTS // groups.ep, groups.etp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
-        if self.ep_group is not None:
-            h = GatherSequence.apply(h, self.ep_group)
+        if self.token_group is not None:
+            h = GatherSequence.apply(h, self.token_group)
         gate, chosen = F.softmax(self.mlp.router(h), dim=-1).max(dim=-1)
         out = torch.zeros_like(h)
         for index, expert in enumerate(self.mlp.experts.local_experts):
             routed = (chosen == self.first_expert + index).unsqueeze(-1)
             out = out + routed * expert(h)
         out = gate.unsqueeze(-1) * out
-        if self.ep_group is not None:
-            out = ReduceScatterSequence.apply(out, self.ep_group)
+        if self.token_group is not None:
+            out = ReduceScatterSequence.apply(out, self.token_group)
         return x + out
 
 
 class MoEGPT(nn.Module):
-    def __init__(self, ep_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, groups: ExpertGroups = ExpertGroups()) -> None:
         super().__init__()
         self.embedding = nn.Embedding(VOCAB, HIDDEN)
         self.decoder = nn.Module()
-        self.decoder.layers = nn.ModuleList(MoELayer(ep_group) for _ in range(2))
+        self.decoder.layers = nn.ModuleList(MoELayer(groups) for _ in range(2))
         self.output = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.first_expert = self.decoder.layers[0].first_expert
-        self.load_local_experts_of(_full_initial_weights())
+        self.load_local_experts_of(_full_initial_weights(), groups)
 
-    def load_local_experts_of(self, full: dict[str, torch.Tensor]) -> None:
-        """Every parameter from the full model's, local experts from their global index's."""
+    def load_local_experts_of(self, full: dict[str, torch.Tensor], groups: ExpertGroups) -> None:
+        """Every parameter from the full model's, local experts from their global index's, each
+        split expert weight its expert-tensor-parallel rank's block."""
         with torch.no_grad():
             for name, param in self.named_parameters():
-                param.copy_(full[global_expert_name(name, self.first_expert)])
+                value = full[global_expert_name(name, self.first_expert)]
+                if getattr(param, "tensor_model_parallel", False):
+                    value = value.chunk(groups.etp, dim=param.partition_dim)[groups.etp_rank]
+                param.copy_(value)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
@@ -130,24 +168,38 @@ def make_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:, :-1], data[:, 1:]
 
 
-class _Adapter(nn.Module):
-    """megatron-core's FullyShardedDataParallel with its meshes: the dense ``(dp_cp, tp)`` over
-    every rank, the expert ``(dp_cp, tp)`` over the ranks holding the same experts."""
+def _meshes(layout: Layout) -> tuple[megatron_fsdp.FSDPDistributedIndex, ExpertGroups]:
+    """megatron-core's meshes: the dense ``(dp_cp, tp)`` over every rank, the expert
+    ``(dp_cp, tp)`` over the ranks holding the same experts (its ``tp`` the expert-tensor-parallel
+    ranks), ranks laid out ``(expert dp, ep, etp)`` as megatron-core's."""
+    world = dist.get_world_size()
+    dense = dist.init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_cp", "tp"))
+    expert = dist.init_device_mesh(
+        "cpu", (world // (layout.ep * layout.etp), layout.ep, layout.etp), mesh_dim_names=("dp_cp", "ep", "tp")
+    )
+    index = megatron_fsdp.FSDPDistributedIndex(
+        device_mesh=dense, dp_shard_dim="dp_cp", tp_dim="tp", expt_device_mesh=expert["dp_cp", "tp"]
+    )
+    split = layout.ep * layout.etp > 1
+    groups = ExpertGroups(
+        layout.ep, expert.get_local_rank("ep"), layout.etp, expert.get_local_rank("tp"),
+        expert["ep", "tp"]._flatten("ep_tp").get_group() if split else None,
+    )
+    return index, groups
 
-    def __init__(self, ep: int) -> None:
+
+class _Adapter(nn.Module):
+    """megatron-core's FullyShardedDataParallel over its meshes (:func:`_meshes`)."""
+
+    def __init__(self, layout: Layout) -> None:
         super().__init__()
-        world = dist.get_world_size()
-        dense = dist.init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_cp", "tp"))
-        expert = dist.init_device_mesh("cpu", (world // ep, ep, 1), mesh_dim_names=("dp_cp", "ep", "tp"))
-        self.tp_group = dense["tp"].get_group()
+        index, groups = _meshes(layout)
+        self.tp_group = index.device_mesh["tp"].get_group()
         self.dp_rank = dist.get_rank()
-        index = megatron_fsdp.FSDPDistributedIndex(
-            device_mesh=dense, dp_shard_dim="dp_cp", tp_dim="tp", expt_device_mesh=expert["dp_cp", "tp"]
-        )
         config = megatron_fsdp.DistributedDataParallelConfig(
             data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, overlap_param_gather=True
         )
-        model = MoEGPT(expert["ep"].get_group() if ep > 1 else None)
+        model = MoEGPT(groups)
         self.first_expert = model.first_expert
         self.module = MegatronCoreFSDP(model, index, config, fsdp_unit_modules=[MoELayer])
 
@@ -159,45 +211,56 @@ def _optimizer(adapter: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(adapter.module.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _train_step(adapter: _Adapter, optimizer: torch.optim.Optimizer, step: int) -> tuple[float, float]:
+def _train_step(adapter: _Adapter, optimizer: torch.optim.Optimizer, step: int) -> tuple[float, float, float]:
+    """The step's loss, megatron-core's gradient norm, and megatron_fsdp's own over its pieces."""
     tokens, targets = make_batch(step)
     rows = slice(adapter.dp_rank * ROWS // dist.get_world_size(), (adapter.dp_rank + 1) * ROWS // dist.get_world_size())
     loss = adapter.module(tokens[rows], targets[rows])
     loss.backward()
     adapter.module.finish_grad_sync()
+    engine_norm = megatron_fsdp.total_grad_norm(adapter.module).item()
     norm = megatron_core_clip(optimizer, 0.5, adapter.tp_group)
     optimizer.step()
     adapter.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
     adapter.module.zero_grad_buffer()
     total = loss.detach().clone()
     dist.all_reduce(total)
-    return total.item() / dist.get_world_size(), norm
+    return total.item() / dist.get_world_size(), norm, engine_norm
 
 
-def _resume(ep: int, checkpoint_dir: str) -> list[tuple[float, float]]:
+def _resume(layout: Layout, checkpoint_dir: str) -> list[tuple[float, float, float]]:
     """As Megatron-LM loads fsdp_dtensor: DCP fills the renamed state's tensors in place, then the
     model loads its state dict under the local names."""
-    adapter = _Adapter(ep)
+    adapter = _Adapter(layout)
     optimizer = _optimizer(adapter)
     load_fsdp_dtensor(adapter, optimizer, checkpoint_dir, adapter.key)
     return [_train_step(adapter, optimizer, step) for step in range(SAVED_AT, STEPS)]
 
 
-def _flow(rank: int, world_size: int, checkpoint_dir: str) -> dict:
+def _flow(rank: int, world_size: int, checkpoint_dir: str, layout: Layout, resharded: Layout) -> dict:
     handles = install_piece_steps()
     try:
-        adapter = _Adapter(ep=2)
+        adapter = _Adapter(layout)
         optimizer = _optimizer(adapter)
         history = [_train_step(adapter, optimizer, step) for step in range(SAVED_AT)]
         dcp.save(fsdp_dtensor_state(adapter, optimizer, adapter.key), checkpoint_id=checkpoint_dir)
         history += [_train_step(adapter, optimizer, step) for step in range(SAVED_AT, STEPS)]
-        return {"history": history, "same_sizes": _resume(2, checkpoint_dir), "ep1": _resume(1, checkpoint_dir)}
+        state = adapter.module.state_dict()
+        full = {adapter.key(k.removeprefix("module.")): v.full_tensor() for k, v in state.items()}
+        placements = {adapter.key(k.removeprefix("module.")): tuple(v.placements) for k, v in state.items()}
+        return {
+            "history": history,
+            "full": full,
+            "placements": placements,
+            "same_sizes": _resume(layout, checkpoint_dir),
+            "resharded": _resume(resharded, checkpoint_dir),
+        }
     finally:
         for handle in handles:
             handle.remove()
 
 
-def _reference() -> list[tuple[float, float]]:
+def _reference() -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
     model = MoEGPT()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     history = []
@@ -208,18 +271,57 @@ def _reference() -> list[tuple[float, float]]:
         optimizer.step()
         optimizer.zero_grad()
         history.append((loss.item(), norm))
-    return history
+    return history, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def test_local_experts_train_checkpoint_under_global_names_and_reshard_like_one_process(tmp_path):
-    results = run_distributed(_flow, 4, str(tmp_path / "ckpt"))
+# (trained and saved, resumed from that checkpoint)
+LAYOUTS = {
+    "ep2-edp2-to-ep1": (Layout(ep=2, etp=1), Layout(ep=1, etp=1)),
+    # Each expert split over 2 expert-tensor-parallel ranks and sharded over the other 2.
+    "etp2-edp2-to-etp1": (Layout(ep=1, etp=2), Layout(ep=1, etp=1)),
+    # Experts over 2 expert-parallel ranks and each split over 2 (expert-data-parallel size 1).
+    "ep2-etp2-to-ep2": (Layout(ep=2, etp=2), Layout(ep=2, etp=1)),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_local_experts_train_checkpoint_under_global_names_and_reshard_like_one_process(name, tmp_path):
+    layout, resharded = LAYOUTS[name]
+    results = run_distributed(_flow, 4, str(tmp_path / "ckpt"), layout, resharded)
+    reference, reference_params = _reference()
     ours = results[0]
     assert all(r["history"] == ours["history"] for r in results), "ranks disagree on the loss or the norm"
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours["history"], _reference())):
+    for step, ((loss, norm, engine_norm), (ref_loss, ref_norm)) in enumerate(zip(ours["history"], reference)):
         assert math.isclose(loss, ref_loss, rel_tol=1e-5), f"step {step}: loss {loss} vs one process {ref_loss}"
         assert math.isclose(norm, ref_norm, rel_tol=1e-5), f"step {step}: grad norm {norm} vs one process {ref_norm}"
+        # The same gradients, summed in fp32 per piece instead of fp64: 1e-6.
+        assert math.isclose(engine_norm, norm, rel_tol=1e-6), f"step {step}: megatron_fsdp's norm {engine_norm} vs {norm}"
+    # State dicts (what fsdp_dtensor saves) hold every expert whole under its global name.
+    full = {key: value for result in results for key, value in result["full"].items()}
+    assert full.keys() == reference_params.keys()
+    for key, expected in reference_params.items():
+        torch.testing.assert_close(full[key], expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    if layout.etp > 1:
+        fc1, fc2 = (ours["placements"][f"decoder.layers.0.mlp.experts.local_experts.0.linear_fc{i}.weight"] for i in (1, 2))
+        assert fc1[-1] == Shard(0) and fc2[-1] == Shard(1), (fc1, fc2)
     continued = ours["history"][SAVED_AT:]
     assert ours["same_sizes"] == continued, f"resumed {ours['same_sizes']} vs continued {continued}"
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours["ep1"], continued), start=SAVED_AT):
-        assert math.isclose(loss, ref_loss, rel_tol=1e-6), f"step {step} at EP1 x DP4: loss {loss} vs {ref_loss}"
-        assert math.isclose(norm, ref_norm, rel_tol=1e-6), f"step {step} at EP1 x DP4: norm {norm} vs {ref_norm}"
+    for step, ((loss, norm, _), (ref_loss, ref_norm, _)) in enumerate(zip(ours["resharded"], continued), start=SAVED_AT):
+        assert math.isclose(loss, ref_loss, rel_tol=1e-6), f"step {step} at {resharded}: loss {loss} vs {ref_loss}"
+        assert math.isclose(norm, ref_norm, rel_tol=1e-6), f"step {step} at {resharded}: norm {norm} vs {ref_norm}"
+
+
+def _wrap_with_strided_expert_split(rank: int, world_size: int) -> str:
+    index, groups = _meshes(Layout(ep=1, etp=world_size))
+    model = MoEGPT(groups)
+    model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.weight.partition_stride = 2
+    try:
+        MegatronCoreFSDP(model, index, megatron_fsdp.DistributedDataParallelConfig(), fsdp_unit_modules=[MoELayer])
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_strided_expert_tensor_parallel_split_is_refused_on_every_rank():
+    for message in run_distributed(_wrap_with_strided_expert_split, 2):
+        assert "partition_stride=2" in message and "contiguous tensor-parallel blocks" in message, message

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.buckets.faces import local_piece
@@ -45,7 +46,10 @@ def _bucket_params(model: ShardedModel) -> Iterator[tuple[Bucket, int, nn.Parame
 
 
 def _checkpointable_extent(model: ShardedModel, bucket: Bucket, index: int) -> ParamExtent:
-    plain_expert = is_expert_param(bucket.params[index]) and not bucket.extents[index].is_distributed
+    # A plain expert weight's extent may place it over the expert-tensor-parallel ranks, never
+    # among the experts of other expert-parallel ranks: only a DTensor's mesh says where that is.
+    param = bucket.params[index]
+    plain_expert = is_expert_param(param) and not isinstance(param, DTensor)
     if plain_expert and not model.expert_keys_made_global:
         raise RuntimeError(
             f"expert parameter {bucket.names[index]} is a plain tensor, so where its experts sit among all "

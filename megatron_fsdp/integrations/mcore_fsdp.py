@@ -32,35 +32,15 @@ from typing import Any
 
 from torch import nn
 
-from megatron_fsdp.engine.params.dtensor_params import is_expert_param, is_mcore_tensor_model_parallel
 from megatron_fsdp.engine.step.schedule import StepState
 from megatron_fsdp.megatron_fsdp import MegatronFSDP
 
 _PREFIX = "module."
 
 
-def _check_expert_tensor_parallel(module: nn.Module, dist_index: Any) -> None:
-    """Megatron-Core's tensor-parallel weights are plain per-rank blocks; dense ones are placed
-    over ``tp_dim`` (engine/params/dtensor_params.py), expert ones not yet: they would show as
-    whole and a checkpoint would hold one rank's block. Raises before any collective."""
-    tp_dim = getattr(dist_index, "tp_dim", None)
-    expert_mesh = getattr(dist_index, "expt_device_mesh", None)
-    if tp_dim is None or expert_mesh is None or tp_dim not in (expert_mesh.mesh_dim_names or ()):
-        return
-    size = expert_mesh[tp_dim].size()
-    split = [name for name, p in module.named_parameters() if is_expert_param(p) and is_mcore_tensor_model_parallel(p)]
-    if size > 1 and split:
-        raise NotImplementedError(
-            f"megatron-core expert tensor parallelism (expert-tensor-parallel size {size}) is not supported on "
-            f"megatron_fsdp yet: {len(split)} expert parameters (e.g. {split[0]}) are split across expert-tensor-"
-            "parallel ranks; use --expert-tensor-parallel-size 1, or megatron-core's bundled megatron-fsdp (do not "
-            "call install())"
-        )
-
-
 class MegatronCoreFSDP(MegatronFSDP):
     """:class:`~megatron_fsdp.MegatronFSDP` (same constructor) for megatron-core's adapter;
-    see the module docstring. Raises ``NotImplementedError`` for expert tensor parallelism."""
+    see the module docstring."""
 
     # Read by named_parameters() while the base class is still being built: nothing swapped yet.
     _faces_registered = False
@@ -71,7 +51,6 @@ class MegatronCoreFSDP(MegatronFSDP):
     expert_keys_made_global = True
 
     def __init__(self, module: nn.Module, dist_index: Any = None, ddp_config: Any = None, *args: Any, **kwargs: Any) -> None:
-        _check_expert_tensor_parallel(module, dist_index)
         super().__init__(module, dist_index, ddp_config, *args, **kwargs)
         # Every place the model registers a parameter (tied weights: each place).
         self._registrations = [

@@ -235,8 +235,9 @@ def test_pretrain_gpt_resumes_from_an_fsdp_dtensor_save_like_the_bundled_copy(tm
     assert_same_training(resumed["ours"], resumed["bundled"], "resumed")
 
 
-# Megatron-LM's model-parallel flags, at the machine's world size (TP2 x DP2 and EP2 x DP2 at
-# world 4). Not among them, because megatron-core refuses them without Transformer Engine or Apex
+# Megatron-LM's model-parallel flags, at the machine's world size (TP2 x DP2, EP2 x DP2 and
+# EP2 x ETP2 with dense DP4 at world 4; the last needs 4 GPUs). Not among them, because
+# megatron-core refuses them without Transformer Engine or Apex
 # (neither has a wheel for the GPU machine's torch), on either package: context parallelism
 # (its local attention: "only supported by TEDotProductAttention") and sequence parallelism
 # (its torch LayerNorm: "sequence parallel not supported by torch LayerNorm").
@@ -244,6 +245,10 @@ def test_pretrain_gpt_resumes_from_an_fsdp_dtensor_save_like_the_bundled_copy(tm
 MODEL_PARALLEL = [
     ("tp2", ["--tensor-model-parallel-size", "2"]),
     ("ep2-moe", [*MOE, "--expert-model-parallel-size", "2"]),
+    pytest.param(
+        "ep2-etp2-moe", [*MOE, "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
+        marks=pytest.mark.skipif(torch.cuda.device_count() < 4, reason="EP2 x ETP2 needs 4 GPUs"),
+    ),
 ]
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="model parallelism needs 2 GPUs")
 

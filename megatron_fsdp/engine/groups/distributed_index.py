@@ -33,6 +33,15 @@ def _same_ranks(group: dist.ProcessGroup, reference: dist.ProcessGroup, name: st
         )
 
 
+def _with_expert_tp(expert: DataParallelGroup | None, expt_device_mesh: DeviceMesh | None, tp_dim: str) -> DataParallelGroup | None:
+    """The expert group with the expert mesh's ``tp_dim`` (megatron-core's expert-tensor-parallel
+    ranks) as its model-parallel dims, so split expert weights are placed over it as dense ones
+    are over the dense ``tp_dim``. An expert mesh without that dim: experts are not split."""
+    if expert is None or tp_dim not in (expt_device_mesh.mesh_dim_names or ()):
+        return expert
+    return dataclasses.replace(expert, model_parallel_dims=tuple(expt_device_mesh[tp_dim].mesh_dim_names))
+
+
 class FSDPDistributedIndex:
     """The meshes and groups of one sharded model, with upstream megatron-fsdp's constructor.
 
@@ -42,7 +51,9 @@ class FSDPDistributedIndex:
       parallel); optional when ``device_mesh`` is 1-D.
     - ``dp_outer_dim``: HSDP, the dim that replicates the shards (``hsdp_outer_dp_shard``: or
       shards the optimizer state too, HFSDP).
-    - ``tp_dim``: the tensor-parallel dim; plain parameters are replicated over it.
+    - ``tp_dim``: the tensor-parallel dim; plain parameters are replicated over it. When
+      ``expt_device_mesh`` has a dim of that name too, it is the experts' (expert tensor
+      parallelism): expert weights Megatron-Core splits are placed over it.
     - ``hybrid_fsdp_group``: the flattened (dp_outer, dp_shard) group, what
       :meth:`get_dp_group` returns under HSDP; checked for size. Optional here (upstream
       requires it), but :meth:`get_dp_group` needs it under HSDP.
@@ -95,7 +106,7 @@ class FSDPDistributedIndex:
                 raise ValueError(f"tp_dim={tp_dim!r} needs a device_mesh holding that dim")
             # Plain parameters of a tensor-parallel model are replicated over its tp dims.
             tp_names = tuple(submesh(device_mesh, tp_dim, "tp_dim").mesh_dim_names)
-            dp = dataclasses.replace(dp, model_parallel_dims=tp_names)
+            dp = dataclasses.replace(dp, model_parallel_dims=tp_names, expert=_with_expert_tp(dp.expert, expt_device_mesh, tp_dim))
         if fsdp_group_ag is not None:
             _same_ranks(fsdp_group_ag, dp.group, "fsdp_group_ag", "dp_shard")
         if expt_fsdp_group_ag is not None:

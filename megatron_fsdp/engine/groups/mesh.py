@@ -30,6 +30,8 @@ class DataParallelGroup:
     # Expert parallelism: the group that holds the same experts ("expert data parallel"), which
     # expert parameters are sharded over instead of this one.
     expert: DataParallelGroup | None = None
+    # Whether this is that expert group: ranks outside its mesh hold other experts.
+    holds_experts: bool = False
     # The mesh the user gave (the one this group's mesh was sliced from) and the dims of this
     # group in it, so parameters' DTensors can live on this group's dims plus the tensor- or
     # expert-parallel ones (``model_parallel_dims``: those of the model's DTensor parameters).
@@ -146,7 +148,7 @@ def resolve_expert_group(dense: DataParallelGroup, expt_device_mesh: DeviceMesh,
         expt_device_mesh, dp_shard_dim, "expt_device_mesh", "dp_shard_dim (in expt_device_mesh)",
         "name its expert-data-parallel dim with dp_shard_dim (the same name as in device_mesh)",
     )
-    expert = _group_over(mesh, expt_device_mesh)
+    expert = dataclasses.replace(_group_over(mesh, expt_device_mesh), holds_experts=True)
     if dense.dense_size % expert.size:
         raise ValueError(
             f"expt_device_mesh's {dp_shard_dim or 'only'} dim has {expert.size} ranks, which does not divide the "

@@ -32,9 +32,9 @@ from megatron_fsdp.engine.params.piece_dtensor import FlatLayout, as_parameter, 
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """Where a parameter's piece lives: the mesh and placements of its DTensor, how many ranks of
-    the world hold an identical copy of it (what a norm summed over every rank divides its
-    contribution by), and for a sharded piece where every rank's piece lies."""
+    """Where a parameter's piece lives: the mesh and placements of its DTensor, how many ranks
+    hold an identical copy of it (what a norm summed over every rank divides its contribution
+    by), and for a sharded piece where every rank's piece lies."""
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
@@ -92,10 +92,12 @@ def shard_spec(
         dims += dp.model_parallel_dims
         placements += [Replicate()] * len(dp.model_parallel_dims)
     mesh = meshes.get(tuple(dims), dp, device_type)
-    world = dist.get_world_size()
-    if world % distinct:
-        raise RuntimeError(f"{distinct} distinct pieces of a parameter cannot spread evenly over {world} ranks")
-    return ShardSpec(mesh, tuple(placements), extent.global_shape, world // distinct, layout)
+    # Ranks outside the expert mesh hold other experts (megatron-core's spans one expert-parallel
+    # rank's experts), so an expert's copies are counted on that mesh.
+    holders = dp.root_mesh.size() if dp.holds_experts and dp.root_mesh is not None else dist.get_world_size()
+    if holders % distinct:
+        raise RuntimeError(f"{distinct} distinct pieces of a parameter cannot spread evenly over {holders} ranks")
+    return ShardSpec(mesh, tuple(placements), extent.global_shape, holders // distinct, layout)
 
 
 def _data_parallel_shard(extent: ParamExtent) -> Placement:
