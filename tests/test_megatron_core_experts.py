@@ -52,6 +52,7 @@ class Layout(NamedTuple):
 
     ep: int
     etp: int
+    outer: int = 1  # HSDP: megatron-core's distributed-optimizer instances, each replicating the shards
 
 
 class Expert(nn.Module):
@@ -172,13 +173,19 @@ def _meshes(layout: Layout) -> tuple[megatron_fsdp.FSDPDistributedIndex, ExpertG
     """megatron-core's meshes: the dense ``(dp_cp, tp)`` over every rank, the expert
     ``(dp_cp, tp)`` over the ranks holding the same experts (its ``tp`` the expert-tensor-parallel
     ranks), ranks laid out ``(expert dp, ep, etp)`` as megatron-core's."""
-    world = dist.get_world_size()
-    dense = dist.init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_cp", "tp"))
+    world, outer = dist.get_world_size(), layout.outer
+    dense = dist.init_device_mesh("cpu", (outer, world // outer, 1), mesh_dim_names=("outer_fsdp_dp", "dp_cp", "tp"))
     expert = dist.init_device_mesh(
-        "cpu", (world // (layout.ep * layout.etp), layout.ep, layout.etp), mesh_dim_names=("dp_cp", "ep", "tp")
+        "cpu", (outer, world // (outer * layout.ep * layout.etp), layout.ep, layout.etp),
+        mesh_dim_names=("outer_fsdp_dp", "dp_cp", "ep", "tp"),
+    )
+    hsdp = (
+        {"dp_outer_dim": "outer_fsdp_dp", "hybrid_fsdp_group": dense["outer_fsdp_dp", "dp_cp"]._flatten("hdp").get_group()}
+        if outer > 1 else {}
     )
     index = megatron_fsdp.FSDPDistributedIndex(
-        device_mesh=dense, dp_shard_dim="dp_cp", tp_dim="tp", expt_device_mesh=expert["dp_cp", "tp"]
+        device_mesh=dense, dp_shard_dim="dp_cp", tp_dim="tp",
+        expt_device_mesh=expert["outer_fsdp_dp", "dp_cp", "tp"] if outer > 1 else expert["dp_cp", "tp"], **hsdp,
     )
     split = layout.ep * layout.etp > 1
     groups = ExpertGroups(
@@ -195,9 +202,12 @@ class _Adapter(nn.Module):
         super().__init__()
         index, groups = _meshes(layout)
         self.tp_group = index.device_mesh["tp"].get_group()
+        # megatron-core sums the norm's squares within one distributed-optimizer instance.
+        self.instance_group = index.device_mesh["dp_cp"].get_group() if layout.outer > 1 else None
         self.dp_rank = dist.get_rank()
         config = megatron_fsdp.DistributedDataParallelConfig(
-            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, overlap_param_gather=True
+            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, overlap_param_gather=True,
+            outer_dp_sharding_strategy="no_shard", num_distributed_optimizer_instances=layout.outer,
         )
         model = MoEGPT(groups)
         self.first_expert = model.first_expert
@@ -219,7 +229,7 @@ def _train_step(adapter: _Adapter, optimizer: torch.optim.Optimizer, step: int) 
     loss.backward()
     adapter.module.finish_grad_sync()
     engine_norm = megatron_fsdp.total_grad_norm(adapter.module).item()
-    norm = megatron_core_clip(optimizer, 0.5, adapter.tp_group)
+    norm = megatron_core_clip(optimizer, 0.5, adapter.tp_group, adapter.instance_group)
     optimizer.step()
     adapter.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
     adapter.module.zero_grad_buffer()
@@ -281,6 +291,9 @@ LAYOUTS = {
     "etp2-edp2-to-etp1": (Layout(ep=1, etp=2), Layout(ep=1, etp=1)),
     # Experts over 2 expert-parallel ranks and each split over 2 (expert-data-parallel size 1).
     "ep2-etp2-to-ep2": (Layout(ep=2, etp=2), Layout(ep=2, etp=1)),
+    # HSDP: 2 replicas of DP2 (megatron-core's 2 distributed-optimizer instances), experts at
+    # EP2 summed over the replicas too.
+    "hsdp2-ep2-to-ep1": (Layout(ep=2, etp=1, outer=2), Layout(ep=1, etp=1)),
 }
 
 

@@ -239,25 +239,34 @@ def _tensor_parallel_held_and_planned(rank: int, world: int) -> list[tuple[str, 
 def _expert_parallel_held_and_planned(rank: int, world: int) -> list[tuple[str, int, int, int, int]]:
     """tests/test_expert_parallel.py's two layouts: experts over EP2 x EDP2 with dense FSDP over
     4 (under optim_grads_params and optim, whose whole weights tell 2 experts a rank from 4), and
-    experts over EP2 x ETP2 (no expert data parallelism) with dense FSDP over 2."""
+    experts over EP2 x ETP2 (no expert data parallelism) with dense FSDP over 2; and HFSDP (2
+    replicas of 2 shards, optimizer state split over the replicas) with experts at EP2, which the
+    replicas shard as they shard dense parameters."""
     dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     experts = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "ep"))
     dense_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     experts_tp = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ep", "etp"))
+    dense_hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    experts_hsdp = init_device_mesh("cpu", (2, world // 4, 2), mesh_dim_names=("dp_outer", "dp_shard", "ep"))
     ep, ep_etp = dict(expert_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel_size=2,
                                                     tensor_parallel_plan=EXPERT_TP_PLAN)
+    hfsdp = dict(dp_outer_dim="dp_outer", outer_dp_sharding_strategy="optim")
     results = []
-    for name, mesh, dense_mesh, dp_rank, planned_sizes, strategy in [
-        ("ep2 edp2 optim_grads_params", experts["ep"], dense, rank, ep, "optim_grads_params"),
-        ("ep2 edp2 optim", experts["ep"], dense, rank, ep, "optim"),
-        ("ep2 etp2 optim", experts_tp["ep", "etp"], dense_tp, dense_tp["dp"].get_local_rank(), ep_etp, "optim"),
+    for name, expert_mesh, dense_mesh, dp_rank, planned_sizes, strategy, outer in [
+        ("ep2 edp2 optim_grads_params", experts, dense, rank, ep, "optim_grads_params", {}),
+        ("ep2 edp2 optim", experts, dense, rank, ep, "optim", {}),
+        ("ep2 etp2 optim", experts_tp, dense_tp, dense_tp["dp"].get_local_rank(), ep_etp, "optim", {}),
+        ("hfsdp2 ep2 optim_grads_params", experts_hsdp, dense_hsdp, rank, ep, "optim_grads_params", hfsdp),
     ]:
-        plan = megatron_fsdp.plan_memory(_meta_moe(), world, fsdp_unit_modules=[MoEBlock], device_type="cpu",
-                                         zero_dp_strategy=strategy, **planned_sizes)
-        expert_mesh = experts if mesh.ndim == 1 else experts_tp
+        plan = megatron_fsdp.plan_memory(
+            _meta_moe(), world, fsdp_unit_modules=[MoEBlock], device_type="cpu", zero_dp_strategy=strategy,
+            dp_outer_size=2 if outer else 1, outer_dp_sharding_strategy=outer.get("outer_dp_sharding_strategy", "no_shard"),
+            **planned_sizes)
+        split = expert_mesh[expert_mesh.mesh_dim_names[-2:]] if expert_mesh is experts_tp else expert_mesh["ep"]
         held, pool_peak = _held_after_first_step(
-            lambda: make_moe(mesh), make_batch(dp_rank, 2), device_mesh=dense_mesh, dp_shard_dim=dense_mesh.mesh_dim_names[0],
-            expt_device_mesh=expert_mesh, fsdp_unit_modules=[MoEBlock], zero_dp_strategy=strategy)
+            lambda: make_moe(split), make_batch(dp_rank, 2), device_mesh=dense_mesh, dp_shard_dim=dense_mesh.mesh_dim_names[-1]
+            if outer else dense_mesh.mesh_dim_names[0], expt_device_mesh=expert_mesh, fsdp_unit_modules=[MoEBlock],
+            zero_dp_strategy=strategy, **outer)
         planned = plan.for_rank(rank)
         results.append((name, held, planned.device_model_states + planned.host_model_states, pool_peak,
                         planned.working_set))

@@ -33,6 +33,22 @@ def _same_ranks(group: dist.ProcessGroup, reference: dist.ProcessGroup, name: st
         )
 
 
+def _with_outer_replicas(
+    expert: DataParallelGroup, expt_device_mesh: DeviceMesh, dp_outer_dim: str,
+    hybrid_fsdp_expt_group: dist.ProcessGroup | None, shards_optimizer: bool,
+) -> DataParallelGroup:
+    """Under HSDP the outer replicas hold the same experts as the dense ones hold the same shards:
+    the expert group gets the expert mesh's ``dp_outer_dim`` as its outer group, so expert
+    gradients are summed over it too (without it they would miss the other replicas' tokens)."""
+    if dp_outer_dim not in (expt_device_mesh.mesh_dim_names or ()):
+        raise ValueError(
+            f"HSDP with experts: expt_device_mesh has no dim {dp_outer_dim!r} (its dims: "
+            f"{expt_device_mesh.mesh_dim_names}); the outer replicas hold the same experts, so the expert mesh "
+            f"must hold dp_outer_dim too, as megatron-core's does"
+        )
+    return resolve_outer_group(expert, expt_device_mesh, dp_outer_dim, hybrid_fsdp_expt_group, shards_optimizer)
+
+
 def _with_expert_tp(expert: DataParallelGroup | None, expt_device_mesh: DeviceMesh | None, tp_dim: str) -> DataParallelGroup | None:
     """The expert group with the expert mesh's ``tp_dim`` (megatron-core's expert-tensor-parallel
     ranks) as its model-parallel dims, so split expert weights are placed over it as dense ones
@@ -101,6 +117,10 @@ class FSDPDistributedIndex:
             dp = resolve_outer_group(dp, device_mesh, dp_outer_dim, hybrid_fsdp_group, self.hsdp_outer_dp_shard)
         if expt_device_mesh is not None:
             dp = resolve_expert_group(dp, expt_device_mesh, dp_shard_dim)
+            if dp_outer_dim is not None:
+                dp = dataclasses.replace(dp, expert=_with_outer_replicas(
+                    dp.expert, expt_device_mesh, dp_outer_dim, hybrid_fsdp_expt_group, self.hsdp_outer_dp_shard
+                ))
         if tp_dim is not None:
             if device_mesh is None:
                 raise ValueError(f"tp_dim={tp_dim!r} needs a device_mesh holding that dim")
@@ -137,8 +157,8 @@ class FSDPDistributedIndex:
 
     @property
     def expt_outer_fsdp_group(self) -> dist.ProcessGroup | None:
-        """Expert parameters are not replicated over an outer dim by megatron_fsdp: always None."""
-        return None
+        outer = self.data_parallel.expert.outer if self.data_parallel.expert is not None else None
+        return outer.group if outer is not None else None
 
     # -- upstream's getters -------------------------------------------------------------------
 
@@ -164,10 +184,11 @@ class FSDPDistributedIndex:
         return self.fsdp_group_ag if independent_all_gather else self.fsdp_group
 
     def get_outer_fsdp_group(self, is_expert_parallel: bool = False) -> dist.ProcessGroup | None:
-        """The dp_outer group under HSDP; None without HSDP and for expert parameters."""
-        if not self.use_hybrid_fsdp or is_expert_parallel:
+        """The dp_outer group under HSDP (of the expert mesh with ``is_expert_parallel``); None
+        without HSDP."""
+        if not self.use_hybrid_fsdp:
             return None
-        return self.outer_fsdp_group
+        return self.expt_outer_fsdp_group if is_expert_parallel else self.outer_fsdp_group
 
     def get_root_mesh(self, is_expert_parallel: bool = False) -> DeviceMesh | None:
         """The mesh given (``expt_device_mesh`` with ``is_expert_parallel``)."""

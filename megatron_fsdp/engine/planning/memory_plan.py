@@ -334,8 +334,9 @@ def _geometry(shape: _BucketShape, options: PlanOptions, place: RankPlace) -> Bu
     numels, dtype, requires_grad, float8, expert = shape
     settings = options.settings
     rank, size, outer_size, outer_rank = place.shard_rank, options.shard_size, options.outer_size, place.outer_rank
-    if expert:  # the expert-data-parallel group, without an outer one (mesh.resolve_expert_group)
-        rank, size, outer_size, outer_rank = place.expert_shard_rank, options.expert_shard_size, 1, 0
+    if expert:  # the expert-data-parallel group; under HSDP within each outer replica (distributed_index.py)
+        size = options.expert_shard_size // outer_size
+        outer_rank, rank = divmod(place.expert_shard_rank, size)
     return BucketGeometry.build(
         numels, dtype.itemsize, settings.alignment_bytes, rank, size, settings.strategy,
         settings.mixed_precision.resolve(dtype), requires_grad, settings.cpu_offload,

@@ -82,13 +82,14 @@ class ParallelSizes:
                 "(dp_outer, dp_shard, cp, tp)"
             )
 
-    def check_expert_groups(self, world_size: int) -> None:
+    def check_expert_groups(self, world_size: int, outer_size: int = 1) -> None:
         """For a model with experts: the expert mesh must fit the world and the dense groups."""
-        experts = self.expert * self.etp
+        experts = self.expert * self.etp * outer_size
         if world_size % experts:
             raise ValueError(
-                f"world_size {world_size} is not divisible by expert_parallel_size x expert_tensor_parallel_size = "
-                f"{self.expert} x {self.etp} = {experts}: the expert mesh is (expert data parallel, ep, etp)"
+                f"world_size {world_size} is not divisible by expert_parallel_size x expert_tensor_parallel_size x "
+                f"dp_outer_size = {self.expert} x {self.etp} x {outer_size} = {experts}: the expert mesh is "
+                "(dp_outer, expert data parallel, ep, etp)"
             )
         edp, dp = self.expert_data_parallel_size(world_size), self.data_parallel_ranks(world_size)
         if dp % edp:

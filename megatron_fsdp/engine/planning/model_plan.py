@@ -104,7 +104,7 @@ def _plan_slice(
     float8 = float8_gathered_weights(module, float8_gathers_blocked_by(options.settings.cpu_offload, outer_shards_optimizer))
     split_dims, experts = _split_dims(module, options), expert_names(module, options.parallel)
     if experts:
-        options.parallel.check_expert_groups(options.world_size)
+        options.parallel.check_expert_groups(options.world_size, options.outer_size)
     # What a rank holds depends on which experts it holds, not on its tensor-parallel rank.
     by_expert_rank: dict[int, tuple[LocalParams, list]] = {}
     alike = alike_ranks(options, bool(experts))

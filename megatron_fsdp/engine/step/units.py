@@ -211,9 +211,11 @@ class FSDPUnit:
         if not key.expert:
             return bucket_class(names, params, dp, settings, pool, pool_role, transfers=transfers, compute_dtype=compute_dtype)
         # Expert gradients hold the contributions of every rank whose tokens reached the expert:
-        # summed over the expert-data-parallel group, they average over the dense one.
+        # summed over the expert-data-parallel group (and its outer replicas, which divide by
+        # their own count), they average over the dense one.
+        inner_divisor = dp.dense_size // (dp.expert.outer.size if dp.expert.outer is not None else 1)
         return bucket_class(
-            names, params, dp.expert, settings, pool, pool_role, grad_divisor=dp.dense_size, transfers=transfers,
+            names, params, dp.expert, settings, pool, pool_role, grad_divisor=inner_divisor, transfers=transfers,
             compute_dtype=compute_dtype,
         )
 
