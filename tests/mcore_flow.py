@@ -11,7 +11,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+import megatron_fsdp
 from megatron_fsdp import uneven_dtensor
+from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
 
 
 class CopyToTensorParallel(torch.autograd.Function):
@@ -136,3 +138,13 @@ def _renamed(state: dict, key: Callable[[str], str]) -> dict:
         "model": {key(k): v for k, v in state["model"].items()},
         "optimizer": {"state": {key(k): v for k, v in state["optimizer"]["state"].items()}},
     }
+
+
+def strided_split_refusal(model: nn.Module, index: megatron_fsdp.FSDPDistributedIndex, unit: type) -> str:
+    """What wrapping ``model`` (one weight given ``partition_stride`` 2) raises, as megatron-core
+    wraps it; "no error" if the wrap takes it."""
+    try:
+        MegatronCoreFSDP(model, index, megatron_fsdp.DistributedDataParallelConfig(), fsdp_unit_modules=[unit])
+    except ValueError as error:
+        return str(error)
+    return "no error"

@@ -35,7 +35,14 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from _dist import run_distributed
-from mcore_flow import GatherSequence, ReduceScatterSequence, fsdp_dtensor_state, load_fsdp_dtensor, megatron_core_clip
+from mcore_flow import (
+    GatherSequence,
+    ReduceScatterSequence,
+    fsdp_dtensor_state,
+    load_fsdp_dtensor,
+    megatron_core_clip,
+    strided_split_refusal,
+)
 
 import megatron_fsdp
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
@@ -328,11 +335,7 @@ def _wrap_with_strided_expert_split(rank: int, world_size: int) -> str:
     index, groups = _meshes(Layout(ep=1, etp=world_size))
     model = MoEGPT(groups)
     model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.weight.partition_stride = 2
-    try:
-        MegatronCoreFSDP(model, index, megatron_fsdp.DistributedDataParallelConfig(), fsdp_unit_modules=[MoELayer])
-    except ValueError as error:
-        return str(error)
-    return "no error"
+    return strided_split_refusal(model, index, MoELayer)
 
 
 def test_a_strided_expert_tensor_parallel_split_is_refused_on_every_rank():

@@ -43,6 +43,7 @@ from mcore_flow import (
     fsdp_dtensor_state,
     load_fsdp_dtensor,
     megatron_core_clip,
+    strided_split_refusal,
 )
 from moe_model import SumOverGroup
 
@@ -332,11 +333,7 @@ def _wrap_with_strided_split(rank: int, world_size: int) -> str:
     model.blocks[0].fc1_weight.partition_stride = 2
     mesh = dist.init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp_cp", "tp"))
     index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp_cp", tp_dim="tp")
-    try:
-        MegatronCoreFSDP(model, index, megatron_fsdp.DistributedDataParallelConfig(), fsdp_unit_modules=[TensorParallelMLPBlock])
-    except ValueError as error:
-        return str(error)
-    return "no error"
+    return strided_split_refusal(model, index, TensorParallelMLPBlock)
 
 
 def test_a_strided_tensor_parallel_split_is_refused_on_every_rank():
