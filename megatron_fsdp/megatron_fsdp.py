@@ -223,7 +223,7 @@ class MegatronFSDP(nn.Module):
         """Runs the wrapped module between the root unit's hooks."""
         self._step_hooks.pre_forward(self.root_unit, self.module, args)
         output = self.module(*args, **kwargs)
-        self._step_hooks.after_root_forward(output)
+        self._step_hooks.after_root_forward(output, self.root_unit)
         return output
 
     # -- training-loop controls ---------------------------------------------------------------

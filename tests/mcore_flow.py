@@ -87,12 +87,14 @@ def megatron_core_clip(
 ) -> float:
     """megatron-core's clip for Megatron-FSDP: local gradients, each tensor-parallel block once
     and each duplicated parameter from tensor-parallel rank 0 only (without ``tp_group``: every
-    parameter), one all-reduce of the squares, within one distributed-optimizer instance under
-    HSDP (``instance_group``; without it, every rank)."""
+    parameter), a pipeline stage's copy of a weight tied across stages (``shared``) left out,
+    one all-reduce of the squares, within one distributed-optimizer instance under HSDP
+    (``instance_group``; without it, every rank)."""
     first_tp_rank = tp_group is None or dist.get_rank(tp_group) == 0
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     assert all(getattr(p, "__fsdp_param__", False) for p in params), "megatron-core clips Megatron-FSDP's faces"
-    grads = [p.grad._local_tensor for p in params if getattr(p, "tensor_model_parallel", False) or first_tp_rank]
+    counted = [p for p in params if not getattr(p, "shared", False)]
+    grads = [p.grad._local_tensor for p in counted if getattr(p, "tensor_model_parallel", False) or first_tp_rank]
     total = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
     dist.all_reduce(total, group=instance_group)
     norm = total.sqrt().item()

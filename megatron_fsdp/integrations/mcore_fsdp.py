@@ -102,6 +102,23 @@ class MegatronCoreFSDP(MegatronFSDP):
         if self.settings.check_for_nan_in_grad:
             self.scheduler.check_reduced_grads_finite(self.optimizer_steps)
         self._register_faces(True)
+        self._show_main_grads()
+
+    def zero_grad_buffer(self, set_to_none: bool = True) -> None:
+        """As :meth:`MegatronFSDP.zero_grad_buffer`; each face's ``main_grad`` follows its ``.grad``."""
+        super().zero_grad_buffer(set_to_none)
+        self._show_main_grads()
+
+    def _show_main_grads(self) -> None:
+        """Each trainable face's ``main_grad`` is its ``.grad``. megatron-core's
+        ``finalize_model_grads`` reduces the tied embedding and output weights over the embedding
+        group through ``main_grad._local_tensor`` when a parameter has ``main_grad`` (else through
+        ``.grad``, whose ``setattr`` after would refuse the local tensor's shape): in place, into
+        the gradient buffer the optimizer reads. The local tensor it then sets as ``main_grad`` is
+        replaced here at the next sync, so it keeps no released buffer alive past the step."""
+        for sharded in self._faces.values():
+            if sharded.param.requires_grad:
+                sharded.param.main_grad = sharded.param.grad
 
     def synchronize_param_gather(self) -> None:
         """As :meth:`MegatronFSDP.synchronize_param_gather` (megatron-core calls it after

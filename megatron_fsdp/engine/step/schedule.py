@@ -125,7 +125,8 @@ class StepScheduler:
 
     # -- backward -----------------------------------------------------------------------------
 
-    def before_unit_backward(self, unit: FSDPUnit | None) -> None:
+    def before_unit_backward(self, unit: FSDPUnit | None, root: FSDPUnit | None = None) -> None:
+        """``unit``'s backward begins; ``root``: the backward of a root forward begins."""
         if self.state is not StepState.BACKWARD:
             self.state = StepState.BACKWARD
             self._last_forward_calls = self._forward_calls
@@ -138,6 +139,10 @@ class StepScheduler:
             self._prefetch(self._forward_calls, self._backward_cursor - 1)
         elif unit is not None:
             unit.unshard()
+        if root is not None:
+            # Pipeline schedules run several forwards before their backwards (1F1B's warm-up):
+            # the end of an earlier backward resharded the root this forward's graph reads.
+            root.unshard()
             # Backward meets the units in reverse forward order: gather the one before next.
             self._backward_cursor -= 1
             self._prefetch(self._forward_calls, self._backward_cursor - 1)

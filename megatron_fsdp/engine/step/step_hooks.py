@@ -94,21 +94,24 @@ class StepHooks:
         """The root unit's forward ended: its outputs start backward, or nothing stays gathered.
         ``root``: a root unit told to reshard after forward (FSDP2's explicit
         ``reshard_after_forward=True`` on the root) gives its weights back now and gathers them
-        again when backward reaches its outputs; otherwise it stays gathered into backward."""
+        again when backward reaches its outputs; otherwise it stays gathered into backward, and
+        is gathered again there only if another micro-batch's backward resharded it meanwhile."""
         regathers = root is not None and root.reshards_after_forward
-        if not self.arm_pre_backward(root if regathers else None, output):
+        if not self.arm_pre_backward(root if regathers else None, output, root):
             self.scheduler.end_forward_without_backward()
         elif regathers:
             root.reshard()
 
-    def arm_pre_backward(self, unit: FSDPUnit | None, output: Any) -> bool:
+    def arm_pre_backward(self, unit: FSDPUnit | None, output: Any, root: FSDPUnit | None = None) -> bool:
+        """Hooks ``output`` so that its backward starts in ``unit`` (None: no unit gathers); on the
+        root's output, ``root`` is gathered again if an earlier backward resharded it."""
         tensors = tensors_requiring_grad(output) if torch.is_grad_enabled() else []
         if len(tensors) == 1:
             # The usual unit output: a plain tensor hook fires at the same point for a fraction
             # of a multi-grad hook's cost.
-            tensors[0].register_hook(lambda grad: self.scheduler.before_unit_backward(unit))
+            tensors[0].register_hook(lambda grad: self.scheduler.before_unit_backward(unit, root))
         elif tensors:
             torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grads: self.scheduler.before_unit_backward(unit), mode="any"
+                tensors, lambda grads: self.scheduler.before_unit_backward(unit, root), mode="any"
             )
         return bool(tensors)

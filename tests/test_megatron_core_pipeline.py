@@ -1,0 +1,326 @@
+"""megatron-core's pipeline parallelism on megatron_fsdp, without megatron-core: each rank's model
+chunk built as megatron-core builds its GPT chunks (the first stage: the embedding and the first
+half of the layers; the last: the other layers, the final norm and an output layer whose weight is
+a copy of the embedding's, both marked ``shared_embedding``, the copy also ``shared``), each
+wrapped by its own :class:`MegatronCoreFSDP` over the data-parallel group, and driven as
+megatron-core's non-interleaved 1F1B schedule drives it: activations and their gradients sent
+between the stages point to point, every micro-batch but each chunk's last under ``no_sync()``,
+then its ``finalize_model_grads`` (``finish_grad_sync()`` per chunk, then the embedding group's
+all-reduce of ``main_grad._local_tensor`` with the ``setattr`` it does after), its clip (squares
+summed over the pipeline and data-parallel ranks, the ``shared`` copy left out) and the optimizer
+step. World 4 = PP2 x DP2, pipeline stages outermost as megatron-core lays its ranks out.
+tests/gpu/test_megatron_lm_pretrain.py runs ``pretrain_gpt.py --pipeline-model-parallel-size 2``.
+
+Compared with one process training the whole model, its output truly tied to the embedding, on
+the whole batch. Tolerances: fp32 throughout; the pipelined run sums the same products in another
+order (micro-batches, the data-parallel reduce-scatter, the tied weight's two halves added by the
+embedding group), so losses and norms agree to fp32 rounding (1e-5 relative); Adam's update is
+about lr an element whatever the gradient's size, so a rounding in a near-zero gradient moves a
+parameter by a small fraction of lr = 1e-2 (1e-5 absolute). A resumed run repeats the saved run's
+own arithmetic: bit-equal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+
+from _dist import run_distributed
+from mcore_flow import fsdp_dtensor_state, load_fsdp_dtensor, megatron_core_clip
+
+import megatron_fsdp
+from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
+from megatron_fsdp.integrations.piece_steps import install_piece_steps
+
+VOCAB, HIDDEN, FFN, SEQ, LAYERS = 24, 16, 32, 6, 4
+PP, DP, MICRO_BATCHES, MICRO_ROWS = 2, 2, 3, 2
+STEPS, SAVED_AT = 4, 2
+
+
+class TransformerLayer(nn.Module):
+    """A pre-norm MLP block: the FSDP unit, as megatron-core's adapter makes its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.fc1 = nn.Linear(HIDDEN, FFN)
+        self.fc2 = nn.Linear(FFN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Embedding(nn.Module):
+    """megatron-core's LanguageModelEmbedding: word and position embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(VOCAB, HIDDEN)
+        self.position_embeddings = nn.Embedding(SEQ, HIDDEN)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.word_embeddings(tokens) + self.position_embeddings.weight[: tokens.shape[1]]
+
+
+class OutputLayer(nn.Module):
+    """megatron-core's output ColumnParallelLinear without bias; ``weight`` None: the embedding's
+    weight is passed in (one stage holding both, the reference's true tie)."""
+
+    def __init__(self, own_weight: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(VOCAB, HIDDEN)) if own_weight else None
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(h, self.weight if weight is None else weight)
+
+
+class GPTChunk(nn.Module):
+    """One pipeline stage's GPTModel: ``pre_process`` holds the embedding, ``post_process`` the
+    final norm and output layer; both: the whole model, output tied to the embedding."""
+
+    def __init__(self, layers: range, pre_process: bool, post_process: bool) -> None:
+        super().__init__()
+        self.pre_process, self.post_process, self.layer_numbers = pre_process, post_process, layers
+        if pre_process:
+            self.embedding = Embedding()
+        self.layers = nn.ModuleList(TransformerLayer() for _ in layers)
+        if post_process:
+            self.final_layernorm = nn.LayerNorm(HIDDEN)
+            self.output_layer = OutputLayer(own_weight=not pre_process)
+        self._load(initial_weights())
+        self._setup_embeddings_and_output_layer()
+
+    def _load(self, full: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                param.copy_(full[reference_name(self, name)])
+
+    def _setup_embeddings_and_output_layer(self) -> None:
+        """megatron-core's marks on the weight duplicated across the first and last stage (its
+        all-reduce that makes the copies equal is left out: both are built equal here)."""
+        if self.pre_process and not self.post_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        if self.post_process and not self.pre_process:
+            weight = self.output_layer.weight
+            weight.shared, weight.shared_embedding = True, True
+
+    def shared_embedding_or_output_weight(self) -> nn.Parameter:
+        return self.embedding.word_embeddings.weight if self.pre_process else self.output_layer.weight
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``x``: tokens on the first stage, the previous stage's activations elsewhere; the last
+        stage returns the micro-batch's mean loss."""
+        if self.pre_process:
+            x = self.embedding(x)
+        for layer in self.layers:
+            x = layer(x)
+        if not self.post_process:
+            return x
+        tied = self.embedding.word_embeddings.weight if self.pre_process else None
+        logits = self.output_layer(self.final_layernorm(x), tied)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def reference_name(chunk: GPTChunk, name: str) -> str:
+    """A chunk parameter's name in the whole model (layers renumbered globally, the output
+    copy named as the embedding it is tied to)."""
+    if name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
+    if name.startswith("layers."):
+        _, local, rest = name.split(".", 2)
+        return f"layers.{chunk.layer_numbers[int(local)]}.{rest}"
+    return name
+
+
+def initial_weights() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    with torch.device("meta"):
+        whole = GPTChunk.__new__(GPTChunk)
+        nn.Module.__init__(whole)
+        whole.embedding = Embedding()
+        whole.layers = nn.ModuleList(TransformerLayer() for _ in range(LAYERS))
+        whole.final_layernorm = nn.LayerNorm(HIDDEN)
+    return {name: torch.randn(p.shape, generator=generator) * 0.3 for name, p in whole.named_parameters()}
+
+
+def make_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch: ``DP x MICRO_BATCHES x MICRO_ROWS`` sequences."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, VOCAB, (DP * MICRO_BATCHES * MICRO_ROWS, SEQ + 1), generator=generator)
+    return data[:, :-1], data[:, 1:]
+
+
+def _micro_batch(step: int, dp_rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, targets = make_batch(step)
+    start = (dp_rank * MICRO_BATCHES + index) * MICRO_ROWS
+    return tokens[start : start + MICRO_ROWS], targets[start : start + MICRO_ROWS]
+
+
+# -- megatron-core's flow ---------------------------------------------------------------------
+
+
+class Stage(nn.Module):
+    """Stands for megatron-core's FullyShardedDataParallel over this rank's chunk (``module``), with
+    its optimizer and groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        mesh = dist.init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+        self.pp_rank, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+        # The same data-parallel rank on every stage: megatron-core's embedding group for PP2.
+        self.pp_group = mesh["pp"].get_group()
+        self.dp_group = mesh["dp"].get_group()
+        layers_each = LAYERS // PP
+        chunk = GPTChunk(
+            range(self.pp_rank * layers_each, (self.pp_rank + 1) * layers_each),
+            pre_process=self.pp_rank == 0, post_process=self.pp_rank == PP - 1,
+        )
+        index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh["dp"], dp_shard_dim="dp")
+        config = megatron_fsdp.DistributedDataParallelConfig(
+            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, overlap_param_gather=True,
+        )
+        self.module = MegatronCoreFSDP(chunk, index, config, fsdp_unit_modules=[TransformerLayer])
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def peer(self, pp_rank: int) -> int:
+        return dist.get_global_rank(self.pp_group, pp_rank)
+
+
+def _one_f_one_b(stage: Stage, step: int) -> float:
+    """megatron-core's forward_backward_pipelining_without_interleaving on PP2: the first stage
+    runs one warm-up forward, then one forward and one backward a micro-batch, then the last
+    backward; the last stage one forward and backward a micro-batch. Grad sync is off (no_sync)
+    until the backward of the last micro-batch. Returns the sum of the micro-batches' losses."""
+    model, first = stage.module, stage.pp_rank == 0
+    sends, inputs, outputs, total = [], [], [], 0.0
+    no_sync = model.no_sync()
+    no_sync.__enter__()
+
+    def forward(index: int) -> None:
+        nonlocal total
+        tokens, targets = _micro_batch(step, stage.dp_rank, index)
+        if first:
+            x = tokens
+        else:
+            x = torch.empty(MICRO_ROWS, SEQ, HIDDEN)
+            dist.recv(x, src=stage.peer(0))
+            x.requires_grad_(True)
+        output = model(x, targets)
+        if first:
+            sends.append(dist.isend(output.detach().contiguous(), dst=stage.peer(1)))
+        else:
+            output = output / MICRO_BATCHES  # the schedule's forward_step divides by their number
+            total += output.item()
+        inputs.append(x)
+        outputs.append(output)
+
+    def backward(index: int) -> None:
+        if index == MICRO_BATCHES - 1:
+            no_sync.__exit__(None, None, None)  # enable_grad_sync before the last backward
+        output = outputs.pop(0)
+        x = inputs.pop(0)
+        if first:
+            grad = torch.empty_like(output)
+            dist.recv(grad, src=stage.peer(1))
+            torch.autograd.backward(output, grad)
+        else:
+            output.backward()
+            sends.append(dist.isend(x.grad.contiguous(), dst=stage.peer(0)))
+
+    warmup = PP - stage.pp_rank - 1
+    for index in range(warmup):
+        forward(index)
+    for index in range(MICRO_BATCHES - warmup):
+        forward(index + warmup)
+        backward(index)
+    for index in range(MICRO_BATCHES - warmup, MICRO_BATCHES):
+        backward(index)
+    for send in sends:
+        send.wait()
+    return total
+
+
+def _finalize_model_grads(stage: Stage) -> None:
+    """megatron-core's finalize_model_grads for Megatron-FSDP on one chunk: the gradient sync,
+    then the embedding group's all-reduce of the tied weight's local gradient, set back as its
+    ``main_grad`` (the gradient attribute it finds on the parameter, else ``grad``)."""
+    stage.module.finish_grad_sync()
+    weight = stage.module.module.shared_embedding_or_output_weight()
+    attribute = "main_grad" if hasattr(weight, "main_grad") else "grad"
+    grad = getattr(weight, attribute)._local_tensor
+    dist.all_reduce(grad, group=stage.pp_group)
+    setattr(weight, attribute, grad)
+
+
+def _train_step(stage: Stage, step: int) -> tuple[float, float]:
+    loss = torch.tensor(_one_f_one_b(stage, step))
+    _finalize_model_grads(stage)
+    norm = megatron_core_clip(stage.optimizer, 0.5)
+    stage.optimizer.step()
+    stage.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
+    stage.module.zero_grad_buffer()
+    # The loss lives on the last stage; averaged over its data-parallel ranks as megatron-core logs it.
+    dist.all_reduce(loss)
+    return loss.item() / DP, norm
+
+
+def _flow(rank: int, world_size: int, checkpoint_dir: str) -> dict:
+    handles = install_piece_steps()  # what install() puts: the optimizer steps the plain pieces
+    try:
+        stage = Stage()
+        stage_dir = f"{checkpoint_dir}/stage{stage.pp_rank}"
+        history = [_train_step(stage, step) for step in range(SAVED_AT)]
+        dcp.save(fsdp_dtensor_state(stage, stage.optimizer), checkpoint_id=stage_dir, process_group=stage.dp_group)
+        history += [_train_step(stage, step) for step in range(SAVED_AT, STEPS)]
+        state = stage.module.state_dict()
+        full = {reference_name(stage.module.module, k.removeprefix("module.")): v.full_tensor() for k, v in state.items()}
+        resumed = Stage()
+        load_fsdp_dtensor(resumed, resumed.optimizer, stage_dir)
+        return {
+            "pp_rank": stage.pp_rank,
+            "history": history,
+            "full": full,
+            "resumed": [_train_step(resumed, step) for step in range(SAVED_AT, STEPS)],
+        }
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _reference() -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+    model = GPTChunk(range(LAYERS), pre_process=True, post_process=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    history = []
+    for step in range(STEPS):
+        loss = model(*make_batch(step))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
+        optimizer.step()
+        optimizer.zero_grad()
+        history.append((loss.item(), norm))
+    return history, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_pipeline_stages_train_like_one_process_with_tied_embedding_and_resume_exactly(tmp_path):
+    results = run_distributed(_flow, PP * DP, str(tmp_path / "ckpt"))
+    reference, reference_params = _reference()
+    ours = results[0]["history"]
+    assert all(r["history"] == ours for r in results), "ranks disagree on the loss or the norm"
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, reference)):
+        assert math.isclose(loss, ref_loss, rel_tol=1e-5), f"step {step}: loss {loss} vs one process {ref_loss}"
+        assert math.isclose(norm, ref_norm, rel_tol=1e-5), f"step {step}: grad norm {norm} vs one process {ref_norm}"
+    first, last = (next(r for r in results if r["pp_rank"] == s) for s in range(PP))
+    tied = "embedding.word_embeddings.weight"
+    assert torch.equal(first["full"][tied], last["full"][tied]), "the tied copies drifted apart"
+    held = first["full"] | last["full"]
+    assert held.keys() == reference_params.keys()
+    for name, expected in reference_params.items():
+        torch.testing.assert_close(held[name], expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    for result in results:
+        assert result["resumed"] == result["history"][SAVED_AT:], f"resumed {result['resumed']} vs {result['history']}"
