@@ -25,6 +25,7 @@ from megatron_fsdp.engine.params.upstream_param_attributes import mark_distribut
 from megatron_fsdp.engine.planning.argument_types import check_argument_types
 from megatron_fsdp.engine.planning.meta_init import materialize_unit_by_unit
 from megatron_fsdp.engine.planning.plan import ShardingPlan, check_upstream_options, plan_from_upstream_arguments
+from megatron_fsdp.engine.planning.shared_chunk_params import refuse_params_sharded_elsewhere
 from megatron_fsdp.engine.planning.transformer_engine_refusal import refuse_transformer_engine
 from megatron_fsdp.engine.step.schedule import FAILED_BACKWARD_ADVICE, StepScheduler, StepState
 from megatron_fsdp.engine.step.step_hooks import StepHooks
@@ -125,6 +126,7 @@ class MegatronFSDP(nn.Module):
         if isinstance(module, MegatronFSDP):
             raise ValueError("this model is already sharded by megatron_fsdp")
         refuse_transformer_engine(module)
+        refuse_params_sharded_elsewhere(module)
         # Tuning of upstream's own pipelines: nothing to change here (logged when set).
         check_upstream_options(
             disable_bucketing=disable_bucketing, keep_fp8_transpose_cache=keep_fp8_transpose_cache,

@@ -22,7 +22,9 @@ own arithmetic: bit-equal.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -36,6 +38,8 @@ from mcore_flow import fsdp_dtensor_state, load_fsdp_dtensor, megatron_core_clip
 
 import megatron_fsdp
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
+from megatron_fsdp.engine.buckets.buffer import Bucket
+from megatron_fsdp.engine.step.units import ROOT_UNIT_NAME, bucket_groups
 from megatron_fsdp.integrations.piece_steps import install_piece_steps
 
 VOCAB, HIDDEN, FFN, SEQ, LAYERS = 24, 16, 32, 6, 4
@@ -169,7 +173,7 @@ class Stage(nn.Module):
     """Stands for megatron-core's FullyShardedDataParallel over this rank's chunk (``module``), with
     its optimizer and groups."""
 
-    def __init__(self) -> None:
+    def __init__(self, strategy: str) -> None:
         super().__init__()
         mesh = dist.init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
         self.pp_rank, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
@@ -183,16 +187,19 @@ class Stage(nn.Module):
         )
         index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh["dp"], dp_shard_dim="dp")
         config = megatron_fsdp.DistributedDataParallelConfig(
-            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, overlap_param_gather=True,
+            data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, overlap_param_gather=True,
         )
         self.module = MegatronCoreFSDP(chunk, index, config, fsdp_unit_modules=[TransformerLayer])
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-2, weight_decay=0.1)
+        # Gradient reductions started in each step: under no_sync, and after it.
+        self.reductions: list[tuple[int, int]] = []
+        self.under_no_sync = 0
 
     def peer(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.pp_group, pp_rank)
 
 
-def _one_f_one_b(stage: Stage, step: int) -> float:
+def _one_f_one_b(stage: Stage, step: int, started: list[Bucket]) -> float:
     """megatron-core's forward_backward_pipelining_without_interleaving on PP2: the first stage
     runs one warm-up forward, then one forward and one backward a micro-batch, then the last
     backward; the last stage one forward and backward a micro-batch. Grad sync is off (no_sync)
@@ -223,6 +230,7 @@ def _one_f_one_b(stage: Stage, step: int) -> float:
     def backward(index: int) -> None:
         if index == MICRO_BATCHES - 1:
             no_sync.__exit__(None, None, None)  # enable_grad_sync before the last backward
+            stage.under_no_sync = len(started)
         output = outputs.pop(0)
         x = inputs.pop(0)
         if first:
@@ -258,9 +266,28 @@ def _finalize_model_grads(stage: Stage) -> None:
     setattr(weight, attribute, grad)
 
 
+@contextlib.contextmanager
+def _counting_reductions() -> Iterator[list[Bucket]]:
+    """Each bucket reduction started inside, in order (the pooled rank process gets the method back)."""
+    started: list[Bucket] = []
+    original = Bucket.start_reduction
+
+    def counted(bucket: Bucket, *args, **kwargs):
+        started.append(bucket)
+        return original(bucket, *args, **kwargs)
+
+    Bucket.start_reduction = counted
+    try:
+        yield started
+    finally:
+        Bucket.start_reduction = original
+
+
 def _train_step(stage: Stage, step: int) -> tuple[float, float]:
-    loss = torch.tensor(_one_f_one_b(stage, step))
-    _finalize_model_grads(stage)
+    with _counting_reductions() as started:
+        loss = torch.tensor(_one_f_one_b(stage, step, started))
+        _finalize_model_grads(stage)
+    stage.reductions.append((stage.under_no_sync, len(started) - stage.under_no_sync))
     norm = megatron_core_clip(stage.optimizer, 0.5)
     stage.optimizer.step()
     stage.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
@@ -270,22 +297,26 @@ def _train_step(stage: Stage, step: int) -> tuple[float, float]:
     return loss.item() / DP, norm
 
 
-def _flow(rank: int, world_size: int, checkpoint_dir: str) -> dict:
+def _flow(rank: int, world_size: int, checkpoint_dir: str, strategy: str) -> dict:
     handles = install_piece_steps()  # what install() puts: the optimizer steps the plain pieces
     try:
-        stage = Stage()
+        stage = Stage(strategy)
         stage_dir = f"{checkpoint_dir}/stage{stage.pp_rank}"
         history = [_train_step(stage, step) for step in range(SAVED_AT)]
         dcp.save(fsdp_dtensor_state(stage, stage.optimizer), checkpoint_id=stage_dir, process_group=stage.dp_group)
         history += [_train_step(stage, step) for step in range(SAVED_AT, STEPS)]
         state = stage.module.state_dict()
         full = {reference_name(stage.module.module, k.removeprefix("module.")): v.full_tensor() for k, v in state.items()}
-        resumed = Stage()
+        tied_face = stage.module.module.shared_embedding_or_output_weight()
+        resumed = Stage(strategy)
         load_fsdp_dtensor(resumed, resumed.optimizer, stage_dir)
         return {
             "pp_rank": stage.pp_rank,
             "history": history,
             "full": full,
+            "tied_slice": tied_face.megatron_fsdp_slice,
+            "reductions": stage.reductions,
+            "trainable_buckets": len(stage.module.trainable_buckets()),
             "resumed": [_train_step(resumed, step) for step in range(SAVED_AT, STEPS)],
         }
     finally:
@@ -307,8 +338,15 @@ def _reference() -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
     return history, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def test_pipeline_stages_train_like_one_process_with_tied_embedding_and_resume_exactly(tmp_path):
-    results = run_distributed(_flow, PP * DP, str(tmp_path / "ckpt"))
+# Strategy 1 holds every gradient back under no_sync; 2 and 3 reduce-scatter each micro-batch's,
+# as upstream megatron-fsdp's do under megatron-core's no_sync (grad_reduce_every_bprop), their
+# gradients being sharded to save memory: the sum is the same.
+STRATEGIES = ["optim", "optim_grads_params"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_pipeline_stages_train_like_one_process_with_tied_embedding_and_resume_exactly(strategy, tmp_path):
+    results = run_distributed(_flow, PP * DP, str(tmp_path / "ckpt"), strategy)
     reference, reference_params = _reference()
     ours = results[0]["history"]
     assert all(r["history"] == ours for r in results), "ranks disagree on the loss or the norm"
@@ -324,3 +362,44 @@ def test_pipeline_stages_train_like_one_process_with_tied_embedding_and_resume_e
         torch.testing.assert_close(held[name], expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
     for result in results:
         assert result["resumed"] == result["history"][SAVED_AT:], f"resumed {result['resumed']} vs {result['history']}"
+        buckets = result["trainable_buckets"]
+        held_back = 0 if strategy == "optim" else (MICRO_BATCHES - 1) * buckets
+        assert result["reductions"] == [(held_back, buckets)] * STEPS, (
+            f"stage {result['pp_rank']}: reductions (under no_sync, after) {result['reductions']}, {buckets} buckets"
+        )
+    # megatron-core all-reduces the two copies' local gradients elementwise: the same range.
+    assert first["tied_slice"] == last["tied_slice"], f"{first['tied_slice']} vs {last['tied_slice']}"
+
+
+def test_a_weight_tied_across_stages_has_a_bucket_of_its_own():
+    """Whatever else its module or unit holds, so that its shard range depends on its shape alone."""
+    layer = TransformerLayer()
+    layer.fc2.weight.shared_embedding = True
+    for unit in (ROOT_UNIT_NAME, "layers.0"):
+        groups = bucket_groups(unit, list(layer.named_parameters()))
+        alone = [members for key, members in groups.items() if key.tied_across_stages]
+        assert [[name for name, _ in members] for members in alone] == [["fc2.weight"]], groups.keys()
+
+
+def _wrap_two_chunks_sharing_the_tied_weight(rank: int, world_size: int) -> str:
+    """Both stages' chunks on one rank holding the same weight object for the embedding and
+    the output layer, each wrapped as megatron-core wraps its chunks."""
+    index = megatron_fsdp.FSDPDistributedIndex(
+        device_mesh=dist.init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",)), dp_shard_dim="dp"
+    )
+    config = megatron_fsdp.DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params")
+    first = GPTChunk(range(0, 2), pre_process=True, post_process=False)
+    last = GPTChunk(range(2, 4), pre_process=False, post_process=True)
+    last.output_layer.weight = first.embedding.word_embeddings.weight
+    MegatronCoreFSDP(first, index, config, fsdp_unit_modules=[TransformerLayer])
+    try:
+        MegatronCoreFSDP(last, index, config, fsdp_unit_modules=[TransformerLayer])
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_weight_shared_by_two_chunks_on_one_rank_is_refused_on_every_rank():
+    for message in run_distributed(_wrap_two_chunks_sharing_the_tied_weight, 2):
+        assert "['output_layer.weight'] are already sharded by another MegatronFSDP" in message, message
+        assert "give each chunk its own copy" in message, message

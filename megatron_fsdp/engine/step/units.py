@@ -118,6 +118,10 @@ class BucketKey(NamedTuple):
     requires_grad: bool
     expert: bool
     float8: torch.dtype | None = None  # torchao Float8Linear weights gathered in this float8 dtype
+    # A weight megatron-core ties across pipeline stages (``shared_embedding``): alone in its
+    # bucket, so that its shard range depends only on its shape and the data-parallel size, the
+    # same on both stages, whose local gradients megatron-core all-reduces elementwise.
+    tied_across_stages: bool = False
 
 
 def bucket_groups(
@@ -132,14 +136,16 @@ def bucket_groups(
     the head's gradients reduce, and their buffer go back to the pool, long before the
     embedding's arrive at the end. ``float8_dtypes`` and ``experts``: the float8-gathered weights
     and the expert parameters when they are not marked yet (a plan of a model not sharded:
-    memory_plan.py)."""
+    memory_plan.py). A weight tied across pipeline stages gets a bucket of its own (see
+    :class:`BucketKey`)."""
     groups: dict[BucketKey, list[tuple[str, nn.Parameter]]] = {}
     for param_name, param in named_params:
         owner = param_name.rpartition(".")[0] if unit_name == ROOT_UNIT_NAME else ""
         spec = float8_spec(param)
         float8 = float8_dtypes.get(param) if float8_dtypes is not None else spec and spec.float8_dtype
         expert = param in experts if experts is not None else is_expert_param(param)
-        key = BucketKey(owner, param.dtype, param.requires_grad, expert, float8)
+        tied = bool(getattr(param, "shared_embedding", False))
+        key = BucketKey(param_name if tied else owner, param.dtype, param.requires_grad, expert, float8, tied)
         groups.setdefault(key, []).append((param_name, param))
     return groups
 
@@ -147,7 +153,7 @@ def bucket_groups(
 def pool_role(key: BucketKey, is_root: bool) -> str:
     """The same role for the matching buckets of every (repetitive) unit, so they alternate
     on two persistent pool blocks; the root unit's buckets, live all step, get their own."""
-    unit = f"root:{key.owner}" if is_root else "unit"
+    unit = f"root:{key.owner}" if is_root else f"tied:{key.owner}" if key.tied_across_stages else "unit"
     trainable = "trainable" if key.requires_grad else "frozen"
     float8 = f":{str(key.float8).removeprefix('torch.')}" if key.float8 is not None else ""
     return f"{unit}:{str(key.dtype).removeprefix('torch.')}:{trainable}{':expert' if key.expert else ''}{float8}"
