@@ -282,3 +282,42 @@ def test_a_tensor_parallel_fsdp_dtensor_checkpoint_of_ours_resumes_alike_on_both
     resumed = on_both_packages(resume)
     assert sorted(resumed["bundled"]) == list(range(half + 1, ITERS + 1)), sorted(resumed["bundled"])
     assert_same_training(resumed["ours"], resumed["bundled"], "resumed from our tensor-parallel checkpoint")
+
+
+# Pipeline parallelism at PP2 x DP2 (4 GPUs), plain and interleaved (two chunks a rank): 4 layers,
+# the embedding tied to the output layer (a copy on the last stage, its gradient all-reduced with
+# the first stage's by finalize_model_grads). The bundled megatron-fsdp cannot run it (upstream
+# keeps FSDP and pipeline parallelism apart): the reference is megatron-core's own DDP with the
+# distributed optimizer, started in the same call.
+PIPELINE = [
+    ("pp2", ["--pipeline-model-parallel-size", "2"]),
+    ("pp2-vpp2", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+]
+needs_four_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="PP2 x DP2 needs 4 GPUs")
+
+
+def _pipeline_model() -> list[str]:
+    tied = [flag for flag in MODEL if flag != "--untie-embeddings-and-output-weights"]
+    return ["4" if previous == "--num-layers" else flag for previous, flag in zip(["", *tied], tied)]
+
+
+@needs_four_gpus
+@pytest.mark.parametrize("name, flags", PIPELINE)
+def test_pretrain_gpt_with_pipeline_parallelism_trains_like_megatron_core_ddp(name: str, flags: list[str], tmp_path: Path) -> None:
+    """Ours (``--use-megatron-fsdp``, optim_grads_params, overlapped reductions) against megatron-core's
+    DDP with ``--use-distributed-optimizer`` on the same flags otherwise. Both average the same
+    gradients over the data-parallel ranks and sum the tied weight's two halves; only the order of
+    the sums differs, so the fp32 losses agree to rounding (RTOL) and the norms as printed."""
+    megatron_fsdp_only = {"--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"}
+    ddp_training = [flag for flag in TRAINING if flag not in megatron_fsdp_only]
+    common = [*_pipeline_model(), "--train-iters", str(ITERS), "--overlap-grad-reduce", *flags]
+
+    def run(package: str) -> dict[int, tuple[float, float]]:
+        workdir = tmp_path / package
+        workdir.mkdir()
+        if package == "ours":
+            return pretrain("ours", [*common, *TRAINING, "--data-parallel-sharding-strategy", "optim_grads_params"], workdir, name)
+        return pretrain("bundled", [*common, *ddp_training, "--use-distributed-optimizer"], workdir, f"{name}-ddp")
+
+    runs = on_both_packages(run)
+    assert_same_training(runs["ours"], runs["bundled"], f"{name} against megatron-core's DDP")
