@@ -139,13 +139,13 @@ class StepScheduler:
             self._prefetch(self._forward_calls, self._backward_cursor - 1)
         elif unit is not None:
             unit.unshard()
+            # Backward meets the units in reverse forward order: gather the one before next.
+            self._backward_cursor -= 1
+            self._prefetch(self._forward_calls, self._backward_cursor - 1)
         if root is not None:
             # Pipeline schedules run several forwards before their backwards (1F1B's warm-up):
             # the end of an earlier backward resharded the root this forward's graph reads.
             root.unshard()
-            # Backward meets the units in reverse forward order: gather the one before next.
-            self._backward_cursor -= 1
-            self._prefetch(self._forward_calls, self._backward_cursor - 1)
 
     def on_grad(self, unit: FSDPUnit, bucket: Bucket, index: int) -> None:
         if not bucket.note_grad(index):
