@@ -8,8 +8,12 @@ between the stages point to point, every micro-batch but each chunk's last under
 then its ``finalize_model_grads`` (``finish_grad_sync()`` per chunk, then the embedding group's
 all-reduce of ``main_grad._local_tensor`` with the ``setattr`` it does after), its clip (squares
 summed over the pipeline and data-parallel ranks, the ``shared`` copy left out) and the optimizer
-step. World 4 = PP2 x DP2, pipeline stages outermost as megatron-core lays its ranks out.
-tests/gpu/test_megatron_lm_pretrain.py runs ``pretrain_gpt.py --pipeline-model-parallel-size 2``.
+step. World 4 = PP2 x DP2, pipeline stages outermost as megatron-core lays its ranks out; under
+``optim`` and ``optim_grads_params`` (the reductions counted under no_sync and after), each stage
+saved and resumed through DCP. Also megatron-core's interleaved schedule (two chunks a rank, one
+optimizer over them), a tied weight's own bucket, and a weight object shared by two chunks on one
+rank refused. tests/gpu/test_megatron_lm_pretrain.py runs ``pretrain_gpt.py`` with
+``--pipeline-model-parallel-size 2``.
 
 Compared with one process training the whole model, its output truly tied to the embedding, on
 the whole batch. Tolerances: fp32 throughout; the pipelined run sums the same products in another
@@ -37,9 +41,9 @@ from _dist import run_distributed
 from mcore_flow import fsdp_dtensor_state, load_fsdp_dtensor, megatron_core_clip
 
 import megatron_fsdp
-from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
 from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.step.units import ROOT_UNIT_NAME, bucket_groups
+from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
 from megatron_fsdp.integrations.piece_steps import install_piece_steps
 
 VOCAB, HIDDEN, FFN, SEQ, LAYERS = 24, 16, 32, 6, 4
@@ -478,7 +482,8 @@ def _interleaved_one_f_one_b(stage: InterleavedStage, step: int) -> float:
             output = output / MICRO_BATCHES
             total += output.item()
         else:
-            sends.append(dist.isend(output.detach().contiguous(), dst=stage.peer(rank + 1), tag=(virtual_stage + 1) * 100 + index))
+            tag = (virtual_stage + 1) * 100 + index
+            sends.append(dist.isend(output.detach().contiguous(), dst=stage.peer(rank + 1), tag=tag))
         inputs[virtual].append(x)
         outputs[virtual].append(output)
 
@@ -496,7 +501,8 @@ def _interleaved_one_f_one_b(stage: InterleavedStage, step: int) -> float:
             dist.recv(grad, src=stage.peer(rank + 1), tag=10000 + virtual_stage * 100 + index)
             torch.autograd.backward(output, grad)
         if virtual_stage != 0:
-            sends.append(dist.isend(x.grad.contiguous(), dst=stage.peer(rank - 1), tag=10000 + (virtual_stage - 1) * 100 + index))
+            tag = 10000 + (virtual_stage - 1) * 100 + index
+            sends.append(dist.isend(x.grad.contiguous(), dst=stage.peer(rank - 1), tag=tag))
         if last_for_chunk:
             disable_grad_sync()
 
@@ -538,10 +544,9 @@ def _interleaved_flow(rank: int, world_size: int, strategy: str) -> dict:
             history.append((loss.item() / DP, norm))
         full = {}
         for chunk in stage.chunks:
-            full |= {
-                reference_name(chunk.module, k.removeprefix("module.")) + ("#copy" if k.endswith("output_layer.weight") else ""):
-                v.full_tensor() for k, v in chunk.state_dict().items()
-            }
+            for key, value in chunk.state_dict().items():
+                copy = "#copy" if key.endswith("output_layer.weight") else ""  # the tied weight's last-stage copy
+                full[reference_name(chunk.module, key.removeprefix("module.")) + copy] = value.full_tensor()
         return {"history": history, "full": full}
     finally:
         for handle in handles:
