@@ -113,26 +113,40 @@ def fsdp_dtensor_state(adapter: nn.Module, optimizer: torch.optim.Optimizer, key
     """The fsdp_dtensor checkpoint as Megatron-LM writes it: the wrapped model's state dict and
     the optimizer state keyed by parameter name, each key passed through ``key`` (Megatron-LM
     renames local experts to their global index). The values are the model's and optimizer's
-    own tensors, so ``dcp.load`` into it loads them in place."""
+    own tensors, so ``dcp.load`` into it loads them in place. An optimizer over several chunks
+    (megatron-core's virtual pipeline stages) gives each chunk's state its own parameters'."""
     names = {p: n for n, p in adapter.named_parameters()}
-    state = {"model": adapter.module.state_dict(), "optimizer": {"state": {names[p]: s for p, s in optimizer.state.items()}}}
+    optimizer_state = {names[p]: s for p, s in optimizer.state.items() if p in names}
+    state = {"model": adapter.module.state_dict(), "optimizer": {"state": optimizer_state}}
     return _renamed(uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(state), key)
 
 
+def fsdp_dtensor_chunks_state(adapters: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:
+    """A rank's model chunks (megatron-core's virtual pipeline stages, one optimizer over all)
+    in one checkpoint: chunk ``i``'s :func:`fsdp_dtensor_state` under ``chunk<i>``."""
+    return {f"chunk{i}": fsdp_dtensor_state(adapter, optimizer) for i, adapter in enumerate(adapters)}
+
+
 def load_fsdp_dtensor(
-    adapter: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str, key: Callable[[str], str] = _same
+    adapter: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer, checkpoint_dir: str,
+    key: Callable[[str], str] = _same,
 ) -> None:
     """As Megatron-LM loads fsdp_dtensor into fresh objects: a zero-gradient step materialises
     the optimizer state, DCP fills the (renamed) state's tensors in place, then the model loads
-    its state dict under its own names, which megatron-core's adapter prefixes once more."""
+    its state dict under its own names, which megatron-core's adapter prefixes once more. A list
+    of adapters: a rank's chunks, saved by :func:`fsdp_dtensor_chunks_state`."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad()
-    local = fsdp_dtensor_state(adapter, optimizer)
-    dcp.load(_renamed(local, key), checkpoint_id=checkpoint_dir)
-    adapter.module.load_state_dict({"module." + k: v for k, v in local["model"].items()})
+    adapters = adapter if isinstance(adapter, list) else [adapter]
+    local = [fsdp_dtensor_state(a, optimizer) for a in adapters]
+    renamed = [_renamed(state, key) for state in local]
+    chunks = {f"chunk{i}": state for i, state in enumerate(renamed)}
+    dcp.load(chunks if isinstance(adapter, list) else renamed[0], checkpoint_id=checkpoint_dir)
+    for a, state in zip(adapters, local):
+        a.module.load_state_dict({"module." + k: v for k, v in state["model"].items()})
 
 
 def _renamed(state: dict, key: Callable[[str], str]) -> dict:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _dist import run_distributed
-from mcore_flow import fsdp_dtensor_state, load_fsdp_dtensor, megatron_core_clip
+from mcore_flow import fsdp_dtensor_chunks_state, fsdp_dtensor_state, load_fsdp_dtensor, megatron_core_clip
 
 import megatron_fsdp
 from megatron_fsdp.engine.buckets.buffer import Bucket
@@ -428,6 +428,7 @@ class InterleavedStage(nn.Module):
         mesh = dist.init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
         self.pp_rank, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
         self.pp_group = mesh["pp"].get_group()
+        self.dp_group = mesh["dp"].get_group()
         index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh["dp"], dp_shard_dim="dp")
         config = megatron_fsdp.DistributedDataParallelConfig(
             data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, overlap_param_gather=True,
@@ -521,40 +522,62 @@ def _interleaved_one_f_one_b(stage: InterleavedStage, step: int) -> float:
     return total
 
 
-def _interleaved_flow(rank: int, world_size: int, strategy: str) -> dict:
+def _interleaved_step(stage: InterleavedStage, step: int) -> tuple[float, float]:
+    loss = torch.tensor(_interleaved_one_f_one_b(stage, step))
+    for chunk in stage.chunks:  # finalize_model_grads: each chunk's sync, then the embedding group
+        chunk.finish_grad_sync()
+    holder = stage.chunks[0] if stage.pp_rank == 0 else stage.chunks[-1]
+    weight = holder.module.shared_embedding_or_output_weight()
+    grad = weight.main_grad._local_tensor
+    dist.all_reduce(grad, group=stage.pp_group)
+    weight.main_grad = grad
+    norm = megatron_core_clip(stage.optimizer, 0.5)
+    stage.optimizer.step()
+    for chunk in stage.chunks:
+        chunk.param_and_grad_buffer.copy_main_weights_to_model_weights()
+        chunk.zero_grad_buffer()
+    dist.all_reduce(loss)
+    return loss.item() / DP, norm
+
+
+def _adapters(stage: InterleavedStage) -> list[nn.Module]:
+    """megatron-core's FullyShardedDataParallel over each chunk, as mcore_flow's checkpoint helpers take it."""
+    adapters = []
+    for chunk in stage.chunks:
+        adapter = nn.Module()
+        adapter.module = chunk
+        adapters.append(adapter)
+    return adapters
+
+
+def _interleaved_flow(rank: int, world_size: int, checkpoint_dir: str, strategy: str) -> dict:
     handles = install_piece_steps()
     try:
         stage = InterleavedStage(strategy)
-        history = []
-        for step in range(STEPS):
-            loss = torch.tensor(_interleaved_one_f_one_b(stage, step))
-            for chunk in stage.chunks:  # finalize_model_grads: each chunk's sync, then the embedding group
-                chunk.finish_grad_sync()
-            holder = stage.chunks[0] if stage.pp_rank == 0 else stage.chunks[-1]
-            weight = holder.module.shared_embedding_or_output_weight()
-            grad = weight.main_grad._local_tensor
-            dist.all_reduce(grad, group=stage.pp_group)
-            weight.main_grad = grad
-            norm = megatron_core_clip(stage.optimizer, 0.5)
-            stage.optimizer.step()
-            for chunk in stage.chunks:
-                chunk.param_and_grad_buffer.copy_main_weights_to_model_weights()
-                chunk.zero_grad_buffer()
-            dist.all_reduce(loss)
-            history.append((loss.item() / DP, norm))
+        stage_dir = f"{checkpoint_dir}/stage{stage.pp_rank}"
+        history = [_interleaved_step(stage, step) for step in range(SAVED_AT)]
+        dcp.save(fsdp_dtensor_chunks_state(_adapters(stage), stage.optimizer), checkpoint_id=stage_dir,
+                 process_group=stage.dp_group)
+        history += [_interleaved_step(stage, step) for step in range(SAVED_AT, STEPS)]
         full = {}
         for chunk in stage.chunks:
             for key, value in chunk.state_dict().items():
                 copy = "#copy" if key.endswith("output_layer.weight") else ""  # the tied weight's last-stage copy
                 full[reference_name(chunk.module, key.removeprefix("module.")) + copy] = value.full_tensor()
-        return {"history": history, "full": full}
+        resumed = InterleavedStage(strategy)
+        load_fsdp_dtensor(_adapters(resumed), resumed.optimizer, stage_dir)
+        return {
+            "history": history,
+            "full": full,
+            "resumed": [_interleaved_step(resumed, step) for step in range(SAVED_AT, STEPS)],
+        }
     finally:
         for handle in handles:
             handle.remove()
 
 
-def test_interleaved_chunks_train_like_one_process_with_tied_embedding():
-    results = run_distributed(_interleaved_flow, PP * DP, "optim_grads_params")
+def test_interleaved_chunks_train_like_one_process_with_tied_embedding_and_resume_exactly(tmp_path):
+    results = run_distributed(_interleaved_flow, PP * DP, str(tmp_path / "ckpt"), "optim_grads_params")
     reference, reference_params = _reference()
     ours = results[0]["history"]
     assert all(r["history"] == ours for r in results), "ranks disagree on the loss or the norm"
@@ -567,3 +590,5 @@ def test_interleaved_chunks_train_like_one_process_with_tied_embedding():
     assert held.keys() == reference_params.keys()
     for name, expected in reference_params.items():
         torch.testing.assert_close(held[name], expected, rtol=1e-5, atol=PARAM_ATOL, msg=lambda m: f"{name}: {m}")
+    for result in results:
+        assert result["resumed"] == result["history"][SAVED_AT:], f"resumed {result['resumed']} vs {result['history']}"
