@@ -39,7 +39,13 @@ def uses_gloo(group: dist.ProcessGroup) -> bool:
     return "gloo" in str(dist.get_backend(group))
 
 
+def let_gloo_workers_finish() -> None:
+    """Releases the GIL for a moment, so that gloo's workers drop the tensors of the collectives
+    that completed (until then those tensors stay alive, held by the workers alone)."""
+    time.sleep(_WORKERS_SETTLE_S)
+
+
 def _settle() -> None:
     if _destroy_default_group and dist.is_initialized():
         dist.destroy_process_group()
-    time.sleep(_WORKERS_SETTLE_S)  # releases the GIL: a worker waiting for it finishes now
+    let_gloo_workers_finish()
