@@ -164,3 +164,19 @@ def strided_split_refusal(model: nn.Module, index: megatron_fsdp.FSDPDistributed
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def one_process_run(
+    model: nn.Module, optimizer: torch.optim.Optimizer, make_batch: Callable[[int], tuple], steps: int, max_norm: float = 0.5
+) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+    """The reference: ``steps`` steps of ``model`` on each whole batch in one process, torch's clip
+    at ``max_norm``; each step's loss and norm, and the parameters after the last."""
+    history = []
+    for step in range(steps):
+        loss = model(*make_batch(step))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+        optimizer.step()
+        optimizer.zero_grad()
+        history.append((loss.item(), norm))
+    return history, {n: p.detach() for n, p in model.named_parameters()}

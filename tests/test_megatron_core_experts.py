@@ -41,6 +41,7 @@ from mcore_flow import (
     fsdp_dtensor_state,
     load_fsdp_dtensor,
     megatron_core_clip,
+    one_process_run,
     strided_split_refusal,
 )
 
@@ -279,16 +280,7 @@ def _flow(rank: int, world_size: int, checkpoint_dir: str, layout: Layout, resha
 
 def _reference() -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
     model = MoEGPT()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    history = []
-    for step in range(STEPS):
-        loss = model(*make_batch(step))
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
-        optimizer.step()
-        optimizer.zero_grad()
-        history.append((loss.item(), norm))
-    return history, {n: p.detach() for n, p in model.named_parameters()}
+    return one_process_run(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), make_batch, STEPS)
 
 
 # (trained and saved, resumed from that checkpoint)

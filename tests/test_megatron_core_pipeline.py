@@ -38,7 +38,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from _dist import run_distributed
-from mcore_flow import fsdp_dtensor_chunks_state, fsdp_dtensor_state, load_fsdp_dtensor, megatron_core_clip
+from mcore_flow import (
+    fsdp_dtensor_chunks_state,
+    fsdp_dtensor_state,
+    load_fsdp_dtensor,
+    megatron_core_clip,
+    one_process_run,
+)
 
 import megatron_fsdp
 from megatron_fsdp.engine.buckets.buffer import Bucket
@@ -178,9 +184,9 @@ def _micro_batch(step: int, dp_rank: int, index: int) -> tuple[torch.Tensor, tor
 # -- megatron-core's flow ---------------------------------------------------------------------
 
 
-class Stage(nn.Module):
-    """Stands for megatron-core's FullyShardedDataParallel over this rank's chunk (``module``), with
-    its optimizer and groups."""
+class _PipelineRank(nn.Module):
+    """This rank's place in megatron-core's (pp, dp) layout, its groups, and the index and config
+    its chunks are wrapped with."""
 
     def __init__(self, strategy: str) -> None:
         super().__init__()
@@ -189,23 +195,33 @@ class Stage(nn.Module):
         # The same data-parallel rank on every stage: megatron-core's embedding group for PP2.
         self.pp_group = mesh["pp"].get_group()
         self.dp_group = mesh["dp"].get_group()
-        layers_each = LAYERS // PP
-        chunk = GPTChunk(
-            range(self.pp_rank * layers_each, (self.pp_rank + 1) * layers_each),
-            pre_process=self.pp_rank == 0, post_process=self.pp_rank == PP - 1,
-        )
-        index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh["dp"], dp_shard_dim="dp")
-        config = megatron_fsdp.DistributedDataParallelConfig(
+        self.index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh["dp"], dp_shard_dim="dp")
+        self.config = megatron_fsdp.DistributedDataParallelConfig(
             data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, overlap_param_gather=True,
         )
-        self.module = MegatronCoreFSDP(chunk, index, config, fsdp_unit_modules=[TransformerLayer])
+
+    def wrap(self, chunk: nn.Module) -> MegatronCoreFSDP:
+        return MegatronCoreFSDP(chunk, self.index, self.config, fsdp_unit_modules=[TransformerLayer])
+
+    def peer(self, pp_rank: int) -> int:
+        return dist.get_global_rank(self.pp_group, pp_rank % PP)
+
+
+class Stage(_PipelineRank):
+    """Stands for megatron-core's FullyShardedDataParallel over this rank's chunk (``module``), with
+    its optimizer and groups."""
+
+    def __init__(self, strategy: str) -> None:
+        super().__init__(strategy)
+        layers_each = LAYERS // PP
+        self.module = self.wrap(GPTChunk(
+            range(self.pp_rank * layers_each, (self.pp_rank + 1) * layers_each),
+            pre_process=self.pp_rank == 0, post_process=self.pp_rank == PP - 1,
+        ))
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-2, weight_decay=0.1)
         # Gradient reductions started in each step: under no_sync, and after it.
         self.reductions: list[tuple[int, int]] = []
         self.under_no_sync = 0
-
-    def peer(self, pp_rank: int) -> int:
-        return dist.get_global_rank(self.pp_group, pp_rank)
 
 
 def _one_f_one_b(stage: Stage, step: int, started: list[Bucket]) -> float:
@@ -335,16 +351,7 @@ def _flow(rank: int, world_size: int, checkpoint_dir: str, strategy: str) -> dic
 
 def _reference() -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
     model = GPTChunk(range(LAYERS), pre_process=True, post_process=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    history = []
-    for step in range(STEPS):
-        loss = model(*make_batch(step))
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
-        optimizer.step()
-        optimizer.zero_grad()
-        history.append((loss.item(), norm))
-    return history, {n: p.detach() for n, p in model.named_parameters()}
+    return one_process_run(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), make_batch, STEPS)
 
 
 # Strategy 1 holds every gradient back under no_sync; 2 and 3 reduce-scatter each micro-batch's,
@@ -419,33 +426,21 @@ def test_a_weight_shared_by_two_chunks_on_one_rank_is_refused_on_every_rank():
 VIRTUAL = 2  # chunks a rank: virtual stage v * PP + pp_rank, one layer each
 
 
-class InterleavedStage(nn.Module):
+class InterleavedStage(_PipelineRank):
     """This rank's chunks, each under its own MegatronCoreFSDP (megatron-core's list of model
     chunks), and one optimizer over them all."""
 
     def __init__(self, strategy: str) -> None:
-        super().__init__()
-        mesh = dist.init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
-        self.pp_rank, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-        self.pp_group = mesh["pp"].get_group()
-        self.dp_group = mesh["dp"].get_group()
-        index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh["dp"], dp_shard_dim="dp")
-        config = megatron_fsdp.DistributedDataParallelConfig(
-            data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, overlap_param_gather=True,
-        )
+        super().__init__(strategy)
         layers_each = LAYERS // (PP * VIRTUAL)
         self.chunks = nn.ModuleList()
         for virtual in range(VIRTUAL):
             stage = virtual * PP + self.pp_rank
-            chunk = GPTChunk(
+            self.chunks.append(self.wrap(GPTChunk(
                 range(stage * layers_each, (stage + 1) * layers_each),
                 pre_process=stage == 0, post_process=stage == PP * VIRTUAL - 1,
-            )
-            self.chunks.append(MegatronCoreFSDP(chunk, index, config, fsdp_unit_modules=[TransformerLayer]))
+            )))
         self.optimizer = torch.optim.AdamW(self.chunks.parameters(), lr=1e-2, weight_decay=0.1)
-
-    def peer(self, pp_rank: int) -> int:
-        return dist.get_global_rank(self.pp_group, pp_rank % PP)
 
 
 def _interleaved_one_f_one_b(stage: InterleavedStage, step: int) -> float:

@@ -43,6 +43,7 @@ from mcore_flow import (
     fsdp_dtensor_state,
     load_fsdp_dtensor,
     megatron_core_clip,
+    one_process_run,
     strided_split_refusal,
 )
 from moe_model import SumOverGroup
@@ -284,17 +285,7 @@ def _flow(rank: int, world_size: int, checkpoint_dir: str, layout: Layout) -> di
 
 def _reference() -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
     model = TensorParallelGPT()
-    optimizer = _optimizer(model)
-    history = []
-    for step in range(STEPS):
-        tokens, targets = make_batch(step)
-        loss = model(tokens, targets)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
-        optimizer.step()
-        optimizer.zero_grad()
-        history.append((loss.item(), norm))
-    return history, {n: p.detach() for n, p in model.named_parameters()}
+    return one_process_run(model, _optimizer(model), make_batch, STEPS)
 
 
 LAYOUTS = {
