@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -266,29 +266,40 @@ def _one_f_one_b(stage: Stage, step: int, started: list[Bucket]) -> float:
             output.backward()
             sends.append(dist.isend(x.grad.contiguous(), dst=stage.peer(0)))
 
-    warmup = PP - stage.pp_rank - 1
-    for index in range(warmup):
-        forward(index)
-    for index in range(MICRO_BATCHES - warmup):
-        forward(index + warmup)
-        backward(index)
-    for index in range(MICRO_BATCHES - warmup, MICRO_BATCHES):
-        backward(index)
+    _in_one_f_one_b_order(PP - stage.pp_rank - 1, MICRO_BATCHES, forward, backward)
     for send in sends:
         send.wait()
     return total
 
 
-def _finalize_model_grads(stage: Stage) -> None:
-    """megatron-core's finalize_model_grads for Megatron-FSDP on one chunk: the gradient sync,
-    then the embedding group's all-reduce of the tied weight's local gradient, set back as its
-    ``main_grad`` (the gradient attribute it finds on the parameter, else ``grad``)."""
-    stage.module.finish_grad_sync()
-    weight = stage.module.module.shared_embedding_or_output_weight()
+def _in_one_f_one_b_order(warmup: int, count: int, forward: Callable[[int], None], backward: Callable[[int], None]) -> None:
+    """megatron-core's 1F1B order over ``count`` micro-batches: ``warmup`` forwards, then a
+    forward and a backward each, then the backwards left."""
+    for index in range(warmup):
+        forward(index)
+    for index in range(count - warmup):
+        forward(index + warmup)
+        backward(index)
+    for index in range(count - warmup, count):
+        backward(index)
+
+
+def _all_reduce_tied_weight_grad(chunk: MegatronCoreFSDP, pp_group: dist.ProcessGroup) -> None:
+    """finalize_model_grads' embedding-group step for Megatron-FSDP: the all-reduce of the tied
+    weight's local gradient, set back as its ``main_grad`` (the gradient attribute it finds on the
+    parameter, else ``grad``)."""
+    weight = chunk.module.shared_embedding_or_output_weight()
     attribute = "main_grad" if hasattr(weight, "main_grad") else "grad"
     grad = getattr(weight, attribute)._local_tensor
-    dist.all_reduce(grad, group=stage.pp_group)
+    dist.all_reduce(grad, group=pp_group)
     setattr(weight, attribute, grad)
+
+
+def _finalize_model_grads(stage: Stage) -> None:
+    """megatron-core's finalize_model_grads for Megatron-FSDP on one chunk: the gradient sync,
+    then the embedding group's all-reduce."""
+    stage.module.finish_grad_sync()
+    _all_reduce_tied_weight_grad(stage.module, stage.pp_group)
 
 
 @contextlib.contextmanager
@@ -503,14 +514,7 @@ def _interleaved_one_f_one_b(stage: InterleavedStage, step: int) -> float:
             disable_grad_sync()
 
     disable_grad_sync()
-    warmup = min((PP - rank - 1) * 2 + (VIRTUAL - 1) * PP, total_virtual)
-    for k in range(warmup):
-        forward(k)
-    for k in range(total_virtual - warmup):
-        forward(k + warmup)
-        backward(k)
-    for k in range(total_virtual - warmup, total_virtual):
-        backward(k)
+    _in_one_f_one_b_order(min((PP - rank - 1) * 2 + (VIRTUAL - 1) * PP, total_virtual), total_virtual, forward, backward)
     no_sync.close()
     for send in sends:
         send.wait()
@@ -521,11 +525,7 @@ def _interleaved_step(stage: InterleavedStage, step: int) -> tuple[float, float]
     loss = torch.tensor(_interleaved_one_f_one_b(stage, step))
     for chunk in stage.chunks:  # finalize_model_grads: each chunk's sync, then the embedding group
         chunk.finish_grad_sync()
-    holder = stage.chunks[0] if stage.pp_rank == 0 else stage.chunks[-1]
-    weight = holder.module.shared_embedding_or_output_weight()
-    grad = weight.main_grad._local_tensor
-    dist.all_reduce(grad, group=stage.pp_group)
-    weight.main_grad = grad
+    _all_reduce_tied_weight_grad(stage.chunks[0] if stage.pp_rank == 0 else stage.chunks[-1], stage.pp_group)
     norm = megatron_core_clip(stage.optimizer, 0.5)
     stage.optimizer.step()
     for chunk in stage.chunks:
