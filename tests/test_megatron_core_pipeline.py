@@ -371,15 +371,22 @@ def _reference() -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
 STRATEGIES = ["optim", "optim_grads_params"]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_pipeline_stages_train_like_one_process_with_tied_embedding_and_resume_exactly(strategy, tmp_path):
-    results = run_distributed(_flow, PP * DP, str(tmp_path / "ckpt"), strategy)
+def _history_like_one_process(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Checks that every rank logged the same losses and norms, each within 1e-5 of one process's;
+    returns the one process's parameters after the last step."""
     reference, reference_params = _reference()
     ours = results[0]["history"]
     assert all(r["history"] == ours for r in results), "ranks disagree on the loss or the norm"
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, reference)):
         assert math.isclose(loss, ref_loss, rel_tol=1e-5), f"step {step}: loss {loss} vs one process {ref_loss}"
         assert math.isclose(norm, ref_norm, rel_tol=1e-5), f"step {step}: grad norm {norm} vs one process {ref_norm}"
+    return reference_params
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_pipeline_stages_train_like_one_process_with_tied_embedding_and_resume_exactly(strategy, tmp_path):
+    results = run_distributed(_flow, PP * DP, str(tmp_path / "ckpt"), strategy)
+    reference_params = _history_like_one_process(results)
     first, last = (next(r for r in results if r["pp_rank"] == s) for s in range(PP))
     tied = "embedding.word_embeddings.weight"
     assert torch.equal(first["full"][tied], last["full"][tied]), "the tied copies drifted apart"
@@ -573,12 +580,7 @@ def _interleaved_flow(rank: int, world_size: int, checkpoint_dir: str, strategy:
 
 def test_interleaved_chunks_train_like_one_process_with_tied_embedding_and_resume_exactly(tmp_path):
     results = run_distributed(_interleaved_flow, PP * DP, str(tmp_path / "ckpt"), "optim_grads_params")
-    reference, reference_params = _reference()
-    ours = results[0]["history"]
-    assert all(r["history"] == ours for r in results), "ranks disagree on the loss or the norm"
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, reference)):
-        assert math.isclose(loss, ref_loss, rel_tol=1e-5), f"step {step}: loss {loss} vs one process {ref_loss}"
-        assert math.isclose(norm, ref_norm, rel_tol=1e-5), f"step {step}: grad norm {norm} vs one process {ref_norm}"
+    reference_params = _history_like_one_process(results)
     held = results[0]["full"] | results[PP * DP - 1]["full"]
     tied = "embedding.word_embeddings.weight"
     assert torch.equal(held[tied], held.pop(tied + "#copy")), "the tied copies drifted apart"
