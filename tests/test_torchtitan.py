@@ -58,8 +58,9 @@ FEATURES = (
 # over 6 of the float8 model alone at world 2 (docs/fsdp2.md). Bound: 1e-4 of the first loss.
 FLOAT8_RELATIVE_TOLERANCE = 1e-4
 # Resumed at the other tensor-parallel degree: fp32 rounding of the TP reductions, relative to
-# each loss; measured 2.5e-7.
-RESHARD_RTOL = 1e-6
+# each loss. It varies from run to run (the CPU kernels' fp32 sums round by their buffers'
+# alignment, which differs between processes): measured 2.5e-7, and 1.95e-6 on another CI run.
+RESHARD_RTOL = 5e-6
 
 
 def _args(
