@@ -12,12 +12,16 @@ that fails verification is skipped and set aside); a finished run writes the los
 
 Launched with ``torchrun --max-restarts N``, a job one of whose ranks dies restarts and resumes
 from its last complete checkpoint, ending with the parameters an uninterrupted run would have
-(batches and randomness depend only on seed, rank and step); --fail-at-step drills this.
+(batches and randomness depend only on seed, rank and step); --fail-at-step drills this, and
+--fail-in-save-at-step drills a rank dying while a checkpoint is written. On CPU the ending is the
+same bit for bit; on CUDA add --deterministic (deterministic kernels and cuBLAS workspace).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import logging
 import os
 import signal
@@ -69,7 +73,34 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fail-at-step", type=int, default=None,
                         help="fault drill: on torchrun's first attempt the last rank SIGKILLs itself at this step; "
                              "with --max-restarts the job resumes from its last checkpoint")
-    return parser.parse_args()
+    parser.add_argument("--fail-in-save-at-step", type=int, default=None,
+                        help="fault drill: on torchrun's first attempt the last rank SIGKILLs itself while the checkpoint of "
+                             "this step (a multiple of --checkpoint-every, or --steps) is being written, after its own data "
+                             "file exists and before the checkpoint is committed; with --max-restarts the job resumes from "
+                             "the checkpoint before it")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms(True) and, on CUDA, CUBLAS_WORKSPACE_CONFIG=:4096:8 (unless "
+                             "set): a run resumed from a checkpoint then ends bit for bit like an uninterrupted one on CUDA "
+                             "too (on CPU it does without); slower, and an op without a deterministic kernel raises")
+    args = parser.parse_args()
+    save_step = args.fail_in_save_at_step
+    if save_step is not None and save_step % args.checkpoint_every and save_step != args.steps:
+        parser.error(f"--fail-in-save-at-step {save_step}: no checkpoint is saved at that step "
+                     f"(one every --checkpoint-every {args.checkpoint_every} steps and at --steps {args.steps})")
+    return args
+
+
+def make_deterministic() -> None:
+    """--deterministic, before any CUDA work: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it creates
+    its handle, and without it a deterministic-mode matmul raises on CUDA >= 10.2. In this mode
+    ops with a deterministic alternative take it (on CUDA: SDPA's flash and memory-efficient
+    backward stop splitting over keys; index_add, scatter_add, index_select's backward), and an op
+    without one raises instead of drifting silently (torch.use_deterministic_algorithms lists
+    them; this job's, embedding backward and cross entropy over 2-D logits included, are not
+    among them)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False  # no timing-based kernel choice (off by default; stated)
 
 
 def setup_distributed() -> torch.device:
@@ -174,9 +205,51 @@ def kill_this_rank_once(args: argparse.Namespace, step: int, rank: int, world: i
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def killed_in_save_once(args: argparse.Namespace, step: int, rank: int, world: int):
+    """--fail-in-save-at-step: around the save of checkpoint ``step``, on torchrun's first attempt,
+    the last rank SIGKILLs itself at its first ``dist.gather_object`` after its own DCP data file
+    (``__<rank>_<n>.distcp``) exists in the step's ``.partial`` directory.
+
+    That call is DCP's gather of the ranks' write results (``_DistWrapper.all_reduce("write")`` in
+    torch/distributed/checkpoint: every rank writes its files, then the coordinator gathers all
+    results before ``finish`` writes ``.metadata``); the plan's gather comes before any file
+    exists. So the rank dies with its data on disk, before reporting it. The commit cannot follow:
+    rank 0 writes the manifest and renames ``.partial`` only after ``dcp.save`` returned and
+    ``save_checkpoint`` gathered every rank's checksums, and both gathers need this rank. A
+    thread polling for the file would race the rank itself, which goes on to report its writes
+    and send its checksums (a tiny model's checkpoint was committed some 60 ms after its last
+    data file was written, 4 ranks on 2 CPU cores): a poller that wakes late lets the checkpoint
+    through. This call runs in the dying rank's own thread, so the kill lands at the same point
+    every time."""
+    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    if step != args.fail_in_save_at_step or rank != world - 1 or not first_attempt:
+        yield
+        return
+    partial = os.path.join(args.checkpoint_dir, f"step_{step:08d}.partial")
+    gather_object = dist.gather_object
+
+    def gather_or_die(*arguments, **keywords):
+        written = glob.glob(os.path.join(partial, f"__{rank}_*.distcp"))
+        if written:
+            logging.info("rank %d: --fail-in-save-at-step %d: killing this process, %s written, not yet committed",
+                         rank, step, os.path.basename(written[0]))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return gather_object(*arguments, **keywords)
+
+    dist.gather_object = gather_or_die
+    try:
+        yield
+    finally:
+        dist.gather_object = gather_object
+    logging.error("rank %d: --fail-in-save-at-step %d: the save finished without the kill", rank, step)
+
+
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.deterministic:
+        make_deterministic()
     device = setup_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     data = CharData(CORPUS, args.seq_len, seed=args.seed, rank=rank)
@@ -234,8 +307,9 @@ def main() -> None:
             shown["grad_norm"] = f"{grad_norm.item():.3f}"
         progress.set_postfix(shown)
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == end_step:
-            megatron_fsdp.save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer,
-                                          extra_state={"schedule": schedule.state_dict(), "losses": losses}, keep_last=2)
+            with killed_in_save_once(args, step + 1, rank, world):
+                megatron_fsdp.save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer,
+                                              extra_state={"schedule": schedule.state_dict(), "losses": losses}, keep_last=2)
 
     if end_step < args.steps:
         if rank == 0:

@@ -8,7 +8,9 @@
 #   ops           the op tests on CUDA (tests/gpu/test_ops_cuda.py, tests/test_ops.py) and the op
 #                 bandwidth benchmark
 #   engine        parity, mixed precision, state dicts, user buffers, memory (steady state, the
-#                 plan against the allocator, out-of-memory recovery) over NCCL
+#                 plan against the allocator, out-of-memory recovery) over NCCL, and restarts
+#                 after a killed rank (tests/gpu/test_restart_nccl.py: train_gpt.py under torchrun,
+#                 three launches, five starts of its ranks at 10-15 s each)
 #   megatron-core megatron-core's DDP face (tests/gpu/test_megatron_core.py; needs megatron-core)
 #   megatron-lm-1 .. megatron-lm-5
 #                 Megatron-LM's own pretrain_gpt.py against the bundled copy
@@ -19,9 +21,10 @@
 #   all           every part above, one after another
 #
 # World size: every part runs on all the machine's GPUs. Tests that need 2 or more skip on one:
-# the user-buffer registrations (engine), the model-parallel pretrain_gpt.py runs (TP2, EP2 and the
-# TP2 checkpoint, the last part of megatron-lm), train. At world 4 the model-parallel runs are
-# TP2 x DP2 and EP2 x DP2 (benchmarks/results/2026-11-27_h100x4_gpu_suite_world4.txt).
+# the user-buffer registrations and the restarts (engine; the restarts run on up to 4 GPUs), the
+# model-parallel pretrain_gpt.py runs (TP2, EP2 and the TP2 checkpoint, the last part of
+# megatron-lm), train. At world 4 the model-parallel runs are TP2 x DP2 and EP2 x DP2
+# (benchmarks/results/2026-11-27_h100x4_gpu_suite_world4.txt).
 # Timed on one H100, the build (65-105 s, logged as "build") not included: ops 18 s of tests
 # (2026-11-27), engine 255 s (2026-11-25), megatron-core 79 s (2026-11-27), megatron-lm-1 to -5
 # 170, 170, 187, 171 and 130 s (2026-11-27), so every part ends within about 6 minutes.
