@@ -30,6 +30,12 @@ Every implementation computes in bf16 with fp32 master weights and fused AdamW (
 - ``compiled`` rows: each transformer block compiled after sharding (torchtitan's recipe);
   ``float8`` rows: torchtitan's float8 recipe (torchao's tensorwise ``Float8Linear`` in the
   blocks, float8 weight all-gathers; FSDP2 calls torchao's precompute after each step);
+- ``hsdp`` and ``hfsdp`` rows (world size 4 and up, even): the ranks as a 2-D mesh of
+  (2, world / 2), parameters sharded over the second dim and replicated over the first. Ours with
+  ``outer_dp_sharding_strategy="no_shard"`` (HSDP) or ``"optim"`` (HFSDP: main params, main grads
+  and optimizer state split over the first dim too; docs/hsdp.md); FSDP2's ``hsdp`` row is
+  ``fully_shard`` with that 2-D mesh (its HSDP: replicate over dim 0, shard over dim 1). Both
+  hybrid rows of ours are compared with FSDP2's HSDP row;
 - the single-GPU floor (world size 1 only; skipped above it): our arithmetic with no sharding
   machinery, in plain torch: a bf16 model, fp32 master weights and gradients (the bf16 gradients
   copied in by one multi-tensor copy), fused AdamW on the masters, one multi-tensor cast back.
@@ -131,12 +137,30 @@ def _convert_to_float8(model: GPT, device: torch.device) -> None:
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: name.startswith("blocks."))
 
 
+# The hybrid rows' first mesh dim: replicas (HSDP) or the outer split of the optimizer (HFSDP).
+HYBRID_OUTER = 2
+
+
+def _hybrid_mesh(device: torch.device, names: tuple[str, str]):
+    """The ranks as a (HYBRID_OUTER, world / HYBRID_OUTER) mesh, the outer dim first."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (HYBRID_OUTER, dist.get_world_size() // HYBRID_OUTER), mesh_dim_names=names)
+
+
 def _megatron(
     strategy: int, comm: torch.dtype, double_buffer: bool = False, nccl_ub: bool = False, offload: bool = False,
-    main_grads: torch.dtype = torch.float32, float8: bool = False, capturable: bool = False,
+    main_grads: torch.dtype = torch.float32, float8: bool = False, capturable: bool = False, outer: str | None = None,
 ) -> Callable:
+    """``outer``: None shards over every rank; "no_shard" (HSDP) or "optim" (HFSDP) runs on the
+    hybrid mesh with that ``outer_dp_sharding_strategy``."""
+
     def make(config, device):
         megatron_fsdp = _megatron_fsdp(nvidia=False)
+        mesh_arguments = {}
+        if outer is not None:
+            mesh = _hybrid_mesh(device, ("dp_outer", "dp_shard"))
+            mesh_arguments = dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", outer_dp_sharding_strategy=outer)
         model = _build(config, device, torch.bfloat16)
         if float8:
             # Ours makes the float8 scales where the step installs the main params: no
@@ -147,7 +171,7 @@ def _megatron(
         policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=main_grads, grad_comm_dtype=comm)
         return megatron_fsdp.fully_shard(
             model, optimizer, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=strategy, mixed_precision_policy=policy,
-            fsdp_double_buffer=double_buffer, nccl_ub=nccl_ub, cpu_offload=offload,
+            fsdp_double_buffer=double_buffer, nccl_ub=nccl_ub, cpu_offload=offload, **mesh_arguments,
         ) + (False,)
 
     return make
@@ -171,7 +195,9 @@ def _nvidia(config, device):
     return model, optimizer, False
 
 
-def _fsdp2_with(offload: bool, float8: bool = False) -> Callable:
+def _fsdp2_with(offload: bool, float8: bool = False, hybrid: bool = False) -> Callable:
+    """``hybrid``: HSDP, ``fully_shard`` over the 2-D hybrid mesh (replicate dim 0, shard dim 1)."""
+
     def make(config, device):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -180,9 +206,10 @@ def _fsdp2_with(offload: bool, float8: bool = False) -> Callable:
             _convert_to_float8(model, device)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         offload_policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
+        mesh = {"mesh": _hybrid_mesh(device, ("dp_replicate", "dp_shard"))} if hybrid else {}
         for block in model.blocks:
-            fully_shard(block, mp_policy=policy, offload_policy=offload_policy)
-        fully_shard(model, mp_policy=policy, offload_policy=offload_policy)
+            fully_shard(block, mp_policy=policy, offload_policy=offload_policy, **mesh)
+        fully_shard(model, mp_policy=policy, offload_policy=offload_policy, **mesh)
         # Offloaded, the parameters are on the host: torch's fused AdamW has a CPU kernel too.
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         if float8:
@@ -267,12 +294,15 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "megatron_fsdp optim_grads fp32-comm": _megatron(2, torch.float32),
     "megatron_fsdp optim fp32-comm": _megatron(1, torch.float32),
     "megatron_fsdp optim_grads_params fp32-comm cpu-offload": _megatron(3, torch.float32, offload=True),
+    "megatron_fsdp optim_grads_params fp32-comm hsdp": _megatron(3, torch.float32, outer="no_shard"),
+    "megatron_fsdp optim_grads_params fp32-comm hfsdp": _megatron(3, torch.float32, outer="optim"),
     NVIDIA: _nvidia,
     "torch FSDP2": _fsdp2_with(offload=False),
     "torch FSDP2 compiled": _compiled(_fsdp2_with(offload=False)),
     "torch FSDP2 float8": _fsdp2_with(offload=False, float8=True),
     "torch FSDP2 compiled float8": _compiled(_fsdp2_with(offload=False, float8=True)),
     "torch FSDP2 cpu-offload": _fsdp2_with(offload=True),
+    "torch FSDP2 hsdp": _fsdp2_with(offload=False, hybrid=True),
     "torch DDP": _ddp,
     FLOOR: _floor_with(),
 }
@@ -441,6 +471,8 @@ def _skip_reason(name: str, config: GPTConfig, args, nproc: int) -> str | None:
             return "skipped: NVIDIA's megatron-fsdp needs CUDA"
     if "offload" in name and args.device != "cuda":
         return "skipped: offloading needs CUDA"
+    if _is_hybrid(name) and (nproc < 2 * HYBRID_OUTER or nproc % HYBRID_OUTER):
+        return f"skipped: the hybrid mesh ({HYBRID_OUTER}, world / {HYBRID_OUTER}) needs a world size of {2 * HYBRID_OUTER} or more, a multiple of {HYBRID_OUTER}"
     # Offloaded main params, gradients and Adam's two moments: 16 bytes per parameter, split
     # over the ranks of this host; 10% headroom for the rest of the processes.
     needed = 16 * _parameters(config) if "offload" in name else 0
@@ -590,6 +622,9 @@ def _launch(args) -> None:
             row.update({"error": reason} if reason else _run_in_own_processes(name, layers, args, nproc))
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.out:  # the rows so far, so a cut-off run keeps them; _report writes the whole file
+                with open(args.out, "w") as handle:
+                    json.dump({"rows": rows, "partial": True}, handle, indent=2)
             if args.largest and "error" in row:
                 break
     _report(rows, args, config, nproc)
@@ -624,13 +659,19 @@ def main() -> None:
 
 
 # Configurations a row name ends with, in the order FSDP2's rows name them; a row is compared
-# with FSDP2's row of the same ones.
-CONFIGURATION_TAGS = ("cpu-offload", "compiled", "float8")
+# with FSDP2's row of the same ones (ours' hfsdp with FSDP2's hsdp: FSDP2 has no HFSDP).
+CONFIGURATION_TAGS = ("cpu-offload", "compiled", "float8", "hsdp")
+
+
+def _is_hybrid(name: str) -> bool:
+    """Whether row ``name`` runs on the 2-D hybrid mesh."""
+    return bool({"hsdp", "hfsdp"} & set(name.split()))
 
 
 def fsdp2_counterpart(name: str) -> str:
-    """The torch FSDP2 row in ``name``'s configuration (offloaded, compiled, float8)."""
-    return " ".join(["torch FSDP2", *(tag for tag in CONFIGURATION_TAGS if tag in name.split())])
+    """The torch FSDP2 row in ``name``'s configuration (offloaded, compiled, float8, hybrid)."""
+    words = ["hsdp" if word == "hfsdp" else word for word in name.split()]
+    return " ".join(["torch FSDP2", *(tag for tag in CONFIGURATION_TAGS if tag in words)])
 
 
 def _number(value: float | None, spec: str) -> str:

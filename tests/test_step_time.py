@@ -95,7 +95,17 @@ def test_each_row_is_compared_with_fsdp2_in_its_own_configuration() -> None:
     assert step_time.fsdp2_counterpart(f"{OURS} compiled float8") == "torch FSDP2 compiled float8"
     assert step_time.fsdp2_counterpart(f"{OURS} float8") == "torch FSDP2 float8"
     assert step_time.fsdp2_counterpart(f"{OURS} cpu-offload") == "torch FSDP2 cpu-offload"
+    assert step_time.fsdp2_counterpart(f"{OURS} hsdp") == "torch FSDP2 hsdp"
+    assert step_time.fsdp2_counterpart(f"{OURS} hfsdp") == "torch FSDP2 hsdp"
     assert all(step_time.fsdp2_counterpart(name) in step_time.IMPLEMENTATIONS for name in step_time.IMPLEMENTATIONS)
+
+
+def test_hybrid_rows_need_a_world_the_two_by_n_mesh_divides() -> None:
+    config = step_time.CONFIGS["small"]
+    for name in (f"{OURS} hsdp", f"{OURS} hfsdp", "torch FSDP2 hsdp"):
+        assert "world size of 4" in step_time._skip_reason(name, config, _args(), nproc=2)
+        assert "world size of 4" in step_time._skip_reason(name, config, _args(), nproc=6 + 1)
+        assert step_time._skip_reason(name, config, _args(), nproc=4) is None
 
 
 def test_float8_rows_train_alike_on_the_cpu(single_rank_group) -> None:
