@@ -158,16 +158,22 @@ def nccl_world(most: int = 2) -> int:
     return min(most, torch.cuda.device_count())
 
 
-def _collect(results: mp.Queue, processes: list, world_size: int, timeout: float) -> tuple[dict[int, Any], list[str]]:
-    """Each rank's result, until all have one, one raised, one died or the time is up."""
+def _collect(
+    results: mp.Queue, processes: list, world_size: int, timeout: float, dying_ranks: frozenset[int] = frozenset()
+) -> tuple[dict[int, Any], list[str]]:
+    """Each rank's result, until all have one, one raised, one died or the time is up. A rank of
+    ``dying_ranks`` that exits without a result has the result None."""
     collected: dict[int, Any] = {}
     errors: list[str] = []
     deadline = time.monotonic() + timeout
     while len(collected) < world_size and not errors:
+        for rank in dying_ranks:
+            if processes[rank].exitcode is not None and rank not in collected:
+                collected[rank] = None
         try:
             rank, status, payload = results.get(timeout=1.0)
         except queue.Empty:
-            dead = [r for r, p in enumerate(processes) if p.exitcode is not None and r not in collected]
+            dead = [r for r, p in enumerate(processes) if p.exitcode is not None and r not in collected and r not in dying_ranks]
             if dead and results.empty():
                 errors.append(f"ranks {dead} exited without a result (exit codes {[processes[r].exitcode for r in dead]})")
             elif time.monotonic() > deadline:
@@ -188,9 +194,11 @@ def run_distributed(
     backend: str = "gloo",
     timeout: float = 300.0,
     fresh_processes: bool = False,
+    dying_ranks: frozenset[int] = frozenset(),
 ) -> list[Any]:
-    """``[fn(rank, world_size, *args) for every rank]``, each rank in its own process."""
-    if backend == "gloo" and not fresh_processes:
+    """``[fn(rank, world_size, *args) for every rank]``, each rank in its own process. Ranks in
+    ``dying_ranks`` may end their process (a fault drill; result None); they get fresh processes."""
+    if backend == "gloo" and not fresh_processes and not dying_ranks:
         return _run_pooled(fn, world_size, args, timeout)
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -203,7 +211,7 @@ def run_distributed(
         process.start()
     errors: list[str] = []
     try:
-        collected, errors = _collect(results, processes, world_size, timeout)
+        collected, errors = _collect(results, processes, world_size, timeout, dying_ranks)
     finally:
         for process in processes:
             process.join(timeout=5 if not errors else 0.5)

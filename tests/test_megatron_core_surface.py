@@ -64,6 +64,13 @@ def _fake_megatron_core(root: Path) -> None:
         package.mkdir()
         (package / "__init__.py").touch()
     (package / "__init__.py").write_text("raise ImportError('the bundled copy was imported')\n")
+    # megatron-core's adapter: imports the bundled package, defines its world-size mesh helpers.
+    (root / "megatron/core/distributed/fsdp/mcore_fsdp_adapter.py").write_text(
+        f"from {UPSTREAM} import MegatronFSDP\n"
+        "def _get_dp_tp_mesh(*args): raise AssertionError('the world-size layout')\n"
+        "def _get_hsdp_tp_mesh(*args): raise AssertionError('the world-size layout')\n"
+        "ADAPTER_BODY_RAN = True\n"
+    )
 
 
 def _run_python(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -91,6 +98,11 @@ def test_install_answers_the_bundled_import_path_with_megatron_fsdp(tmp_path):
         assert aliased_utils is megatron_fsdp.utils and find_megatron_fsdp is megatron_fsdp.utils.find_megatron_fsdp
         assert make_fsdp_dtensor is megatron_fsdp.param_and_grad_buffer.make_fsdp_dtensor
         assert preprocess_state_dict_for_uneven_dtensor is megatron_fsdp.uneven_dtensor.preprocess_state_dict_for_uneven_dtensor
+        from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+        from megatron_fsdp.integrations import mcore_adapter_meshes
+        assert mcore_fsdp_adapter.ADAPTER_BODY_RAN  # megatron-core's own module, loaded as it is
+        assert mcore_fsdp_adapter._get_dp_tp_mesh is mcore_adapter_meshes.dp_tp_mesh
+        assert mcore_fsdp_adapter._get_hsdp_tp_mesh is mcore_adapter_meshes.hsdp_tp_mesh
         try:
             import {UPSTREAM}.fully_shard_internals
         except ModuleNotFoundError as error:

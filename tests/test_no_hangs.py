@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 import megatron_fsdp
+import fault_drills
 from _dist import run_distributed
+from megatron_fsdp.engine.groups.collective_watch import PROBE_SECONDS
 from models import Block, make_batch, make_model
 
 
@@ -110,12 +112,21 @@ def test_a_rank_missing_from_a_collective_makes_the_others_raise_within_the_time
     match = re.search(r"raised after ([0-9.]+) s: (.*)", report)
     assert match, f"rank 1 did not raise in time:\n{report}"
     elapsed, message = float(match.group(1)), match.group(2)
-    assert TIMEOUT <= elapsed < TIMEOUT + 3, f"raised after {elapsed} s with collective_timeout={TIMEOUT}"
+    # Past the timeout the heartbeats are read twice, PROBE_SECONDS apart.
+    assert TIMEOUT <= elapsed < TIMEOUT + PROBE_SECONDS + 3, f"raised after {elapsed} s with collective_timeout={TIMEOUT}"
     assert re.search(named, message), f"the error does not name {named!r}: {message}"
     assert f"did not complete: no result within collective_timeout={TIMEOUT:g} s" in message, message
+    # Rank 0 sleeps outside any collective: its heartbeat goes on, naming it as the one missing.
+    assert "rank 0 is alive but not in this collective (it waits for no collective)" in message, message
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "10", True])
 def test_collective_timeout_must_be_a_positive_number_of_seconds(bad, single_rank_group) -> None:
     with pytest.raises(ValueError, match="collective_timeout must be None or a number of seconds > 0"):
         megatron_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=[Block], collective_timeout=bad)
+
+
+def test_a_killed_rank_makes_the_others_raise_naming_it() -> None:
+    # gloo notices the closed connection at once; the heartbeats then name the rank that died.
+    results = run_distributed(fault_drills.one_rank_fails, 2, "killed", "cpu", dying_ranks=frozenset({1}), timeout=60)
+    fault_drills.check_survivors(results, "killed", slack=3)

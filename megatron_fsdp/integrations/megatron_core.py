@@ -16,6 +16,10 @@ path with megatron_fsdp's modules (the same module objects, not copies):
   names (faces over its own modules);
 - any other submodule of the bundled copy -> ``ModuleNotFoundError`` naming it.
 
+It also lets megatron-core's adapter module load as it is, then points its mesh helpers at
+:mod:`megatron_fsdp.integrations.mcore_adapter_meshes`, which read the meshes from the process
+groups (the adapter's own assume no pipeline parallelism).
+
 The hook is process-wide: a process runs megatron-core either on megatron_fsdp or on its bundled
 copy, not both. docs/megatron_lm.md says what differs and what is refused.
 """
@@ -29,6 +33,7 @@ import importlib.util
 import sys
 import types
 
+from megatron_fsdp.integrations.mcore_adapter_meshes import use_group_meshes
 from megatron_fsdp.integrations.piece_steps import install_piece_steps
 
 #: Where megatron-core imports its bundled megatron-fsdp from.
@@ -48,6 +53,8 @@ class _MegatronFSDPAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Answers imports of the bundled package and its submodules with megatron_fsdp's modules."""
 
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname == ADAPTER_MODULE:
+            return _adapter_spec(fullname, path)
         if fullname != UPSTREAM_PACKAGE and not fullname.startswith(UPSTREAM_PACKAGE + "."):
             return None
         if fullname not in MODULES:
@@ -67,6 +74,27 @@ class _MegatronFSDPAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         """Nothing to run: create_module returned an imported module."""
+
+
+class _AdapterLoader(importlib.abc.Loader):
+    """Loads megatron-core's adapter with its own loader, then gives it the group-read meshes."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.loader.exec_module(module)
+        use_group_meshes(module)
+
+
+def _adapter_spec(fullname: str, path: object) -> importlib.machinery.ModuleSpec | None:
+    spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+    if spec is not None and spec.loader is not None:
+        spec.loader = _AdapterLoader(spec.loader)
+    return spec
 
 
 def is_installed() -> bool:

@@ -431,7 +431,7 @@ class Bucket(BucketCheckpointing):
     def finish_reduction(self, pending: PendingReduction) -> None:
         if pending.work is not None:
             what = f"the gradient reduction of the {self.state.name} ({len(self.names)} parameters)"
-            wait_for(pending.work, self.collective_timeout, what)
+            wait_for(pending.work, self.collective_timeout, what, self.dp.group, self.device)
         pending.finish()
         self.state.reduction_finished(self.outer is not None)
 

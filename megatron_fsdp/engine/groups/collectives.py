@@ -15,6 +15,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from megatron_fsdp.engine.groups.collective_watch import WATCH
+
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -22,35 +24,35 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 def all_gather_shards(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """``full`` = the concatenation of every rank's ``shard``. 8-bit floats go as their bytes."""
     full, shard = _as_bytes(full), _as_bytes(shard)
-    if _one_rank(group):
+    if _runs_locally(group):
         return _copy_unless_same(full, shard)
     return _all_gather_single(full, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """``shard`` = this rank's slice of the sum of every rank's ``full``."""
-    if _one_rank(group):
+    if _runs_locally(group):
         return _copy_unless_same(shard, full)
     return _reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """``tensor`` = the sum of every rank's ``tensor``, in place."""
-    if _one_rank(group):
+    if _runs_locally(group):
         return None
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """``tensor`` = the elementwise maximum of every rank's ``tensor``, in place."""
-    if _one_rank(group):
+    if _runs_locally(group):
         return None
     return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
 
 
 def all_to_all(received: torch.Tensor, sent: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """Chunk r of ``sent`` goes to rank r; ``received`` holds every rank's chunk for this rank."""
-    if _one_rank(group):
+    if _runs_locally(group):
         return _copy_unless_same(received, sent)
     return dist.all_to_all_single(received, sent, group=group, async_op=async_op)
 
@@ -60,7 +62,7 @@ def all_to_all_uneven(
 ):
     """``sent_splits[r]`` values of ``sent`` (in rank order) go to rank r; ``received`` holds
     ``received_splits[r]`` values from each rank r, in rank order."""
-    if _one_rank(group):
+    if _runs_locally(group):
         return _copy_unless_same(received, sent)
     return dist.all_to_all_single(received, sent, received_splits, sent_splits, group=group)
 
@@ -73,7 +75,11 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _one_rank(group: dist.ProcessGroup | None) -> bool:
+def _runs_locally(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` is one rank (the collective is a local copy). First raises the watch's
+    error once a collective timed out: a new one on the aborted communicators would raise torch's
+    error in place of the one that names the late collective."""
+    WATCH.raise_if_failed()
     return dist.get_world_size(group) == 1
 
 
@@ -88,25 +94,42 @@ def _copy_unless_same(destination: torch.Tensor, source: torch.Tensor) -> None:
     return None
 
 
-def wait_for(work: dist.Work | None, timeout: float | None, what: str) -> None:
-    """Waits for an asynchronous collective (None: one that ran locally, nothing to wait for). A failure (``timeout`` seconds passed, the process
-    group's own timeout, or a peer that died) is re-raised naming ``what``, so a hang says which
-    unit and bucket a rank was missing from. The collective is still pending afterwards and the
-    process group unusable: the job must restart (e.g. torchrun --max-restarts, from the last
-    checkpoint). ``timeout`` bounds CPU (gloo) collectives; a CUDA (NCCL) wait only orders
-    streams, and NCCL's watchdog with the process group's timeout catches a hang there."""
+def wait_for(
+    work: dist.Work | None, timeout: float | None, what: str, group: dist.ProcessGroup, device: torch.device
+) -> None:
+    """Waits for an asynchronous collective over ``group`` on ``device`` (``work`` None: one that
+    ran locally, nothing to wait for). A failure (``timeout`` seconds passed, the process group's
+    own timeout, or a peer that died) is raised naming ``what`` and the ranks of ``group`` that are
+    not taking part (collective_watch.py). The process group is unusable afterwards: the job must
+    restart (e.g. torchrun --max-restarts, from the last checkpoint).
+
+    On CPU (gloo) this thread waits, for at most ``timeout``. On CUDA (NCCL) a wait only orders
+    the current stream after the collective; with a timeout the watch thread holds the collective
+    to it and, past it, aborts the communicators, and the error is raised here at a later wait."""
+    WATCH.raise_if_failed()
     if work is None:
         return
+    if device.type == "cuda":
+        work.wait()
+        if timeout is not None:
+            WATCH.watch(work, timeout, what, group)
+        return
+    if timeout is not None:
+        WATCH.start()
+        WATCH.blocking_wait(what)
     try:
         if timeout is not None and not _finishes_within(work, timeout):
             raise RuntimeError(f"no result within collective_timeout={timeout:g} s")
         work.wait()
     except RuntimeError as error:
+        missing = f"; {WATCH.missing_ranks(group, what)}" if timeout is not None else ""
         raise RuntimeError(
-            f"{what} did not complete: {error}. A rank is not taking part in this collective: "
+            f"{what} did not complete: {error}{missing}. A rank is not taking part in this collective: "
             "every rank must run the same forwards and backwards with the same model and configuration; "
             "a rank may also have died. Restart the job from its last checkpoint"
         ) from error
+    finally:
+        WATCH.blocking_wait(None)
 
 
 def _finishes_within(work: dist.Work, timeout: float) -> bool:

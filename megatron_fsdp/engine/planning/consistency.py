@@ -68,7 +68,7 @@ def _check_group(description: dict[str, str], group: dist.ProcessGroup, timeout:
     local = torch.tensor([_digest(description)], dtype=torch.int64, device=device)
     gathered = torch.empty(size, dtype=torch.int64, device=device)
     work = all_gather_shards(gathered, local, group, async_op=True)
-    wait_for(work, timeout, "fully_shard's check that every rank has the same configuration")
+    wait_for(work, timeout, "fully_shard's check that every rank has the same configuration", group, device)
     if len(set(gathered.tolist())) == 1:
         return
     descriptions: list[dict[str, str] | None] = [None] * size

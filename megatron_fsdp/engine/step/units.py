@@ -250,7 +250,7 @@ class FSDPUnit:
             if work is not None:
                 what = (f"unit {self.name!r}: the all-gather of its weights (bucket {index}: {bucket.dtype}, "
                         f"{bucket.names[0]} .. {bucket.names[-1]})")
-                wait_for(work, self.settings.collective_timeout, what)
+                wait_for(work, self.settings.collective_timeout, what, bucket.dp.group, bucket.device)
             bucket.point_params_at_full_weight()
         self._gathers = []
         self.state = UnitState.UNSHARDED
