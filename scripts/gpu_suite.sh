@@ -8,11 +8,12 @@
 #   ops           the op tests on CUDA (tests/gpu/test_ops_cuda.py, tests/test_ops.py) and the op
 #                 bandwidth benchmark
 #   engine        parity, mixed precision, state dicts, user buffers, memory (steady state, the
-#                 plan against the allocator, out-of-memory recovery) over NCCL, and restarts
-#                 after a killed rank (tests/gpu/test_restart_nccl.py: train_gpt.py under torchrun,
-#                 three launches, five starts of its ranks at 10-15 s each)
+#                 plan against the allocator, out-of-memory recovery) over NCCL
+#   faults        a rank killed, silent or out of memory mid-step (tests/gpu/test_faults_nccl.py,
+#                 about 45 s a case at world 4) and restarts after a killed rank
+#                 (tests/gpu/test_restart_nccl.py: train_gpt.py under torchrun, 105 s at world 4)
 #   megatron-core megatron-core's DDP face (tests/gpu/test_megatron_core.py; needs megatron-core)
-#   megatron-lm-1 .. megatron-lm-5
+#   megatron-lm-1 .. megatron-lm-7
 #                 Megatron-LM's own pretrain_gpt.py against the bundled copy
 #                 (tests/gpu/test_megatron_lm_pretrain.py; needs megatron-core and MEGATRON_LM_DIR),
 #                 three tests per part in the file's order; the last part runs the rest of the file.
@@ -21,18 +22,20 @@
 #   all           every part above, one after another
 #
 # World size: every part runs on all the machine's GPUs. Tests that need 2 or more skip on one:
-# the user-buffer registrations and the restarts (engine; the restarts run on up to 4 GPUs), the
-# model-parallel pretrain_gpt.py runs (TP2, EP2 and the TP2 checkpoint, the last part of
-# megatron-lm), train. At world 4 the model-parallel runs are TP2 x DP2 and EP2 x DP2
-# (benchmarks/results/2026-11-27_h100x4_gpu_suite_world4.txt).
+# the user-buffer registrations (engine), faults (all of it; up to 4 GPUs), the model-parallel
+# pretrain_gpt.py runs (TP2, EP2 and the TP2 checkpoint), train. Tests that need 4 skip on fewer:
+# pretrain_gpt.py at EP2 x ETP2, PP2 x DP2 and PP2 x DP2 interleaved (the last parts of
+# megatron-lm). At world 4 the model-parallel runs are TP2 x DP2 and EP2 x DP2
+# (benchmarks/results/2026-11-27_h100x4_gpu_suite_world4.txt, 2026-11-28_h200x4_gpu_calls.txt).
 # Timed on one H100, the build (65-105 s, logged as "build") not included: ops 18 s of tests
 # (2026-11-27), engine 255 s (2026-11-25), megatron-core 79 s (2026-11-27), megatron-lm-1 to -5
-# 170, 170, 187, 171 and 130 s (2026-11-27), so every part ends within about 6 minutes.
+# 170, 170, 187, 171 and 130 s (2026-11-27); at world 4 the model-parallel pretrain_gpt.py tests take
+# about 100 s each (4 x H200, 2026-11-28). Every part ends within about 6 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PARTS="ops engine megatron-core megatron-lm-1 megatron-lm-2 megatron-lm-3 megatron-lm-4 megatron-lm-5 train"
+PARTS="ops engine faults megatron-core megatron-lm-1 megatron-lm-2 megatron-lm-3 megatron-lm-4 megatron-lm-5 megatron-lm-6 megatron-lm-7 train"
 MEGATRON_LM_TESTS_PER_PART=3
-LAST_MEGATRON_LM_PART=5
+LAST_MEGATRON_LM_PART=7
 part=${1:?give a part: ${PARTS// /, } or all}
 results=${2:-gpu_results}
 mkdir -p "$results"
@@ -68,8 +71,12 @@ run_part() {
       python3 benchmarks/op_bandwidth.py --out "$results/op_bandwidth.json" | tee "$results/op_bandwidth.md" ;;
     engine)
       python3 -m pytest -q -p no:cacheprovider tests/gpu --ignore=tests/gpu/test_ops_cuda.py \
-        --ignore=tests/gpu/test_megatron_core.py --ignore=tests/gpu/test_megatron_lm_pretrain.py 2>&1 \
+        --ignore=tests/gpu/test_megatron_core.py --ignore=tests/gpu/test_megatron_lm_pretrain.py \
+        --ignore=tests/gpu/test_faults_nccl.py --ignore=tests/gpu/test_restart_nccl.py 2>&1 \
         | tee "$results/engine_tests.log" | tail -15 ;;
+    faults)
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_faults_nccl.py tests/gpu/test_restart_nccl.py 2>&1 \
+        | tee "$results/faults_tests.log" | tail -8 ;;
     megatron-core)
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_megatron_core.py 2>&1 | tee "$results/megatron_core_tests.log" | tail -8 ;;
     megatron-lm-*)
