@@ -64,19 +64,22 @@ class Layout(NamedTuple):
 
 
 class Expert(nn.Module):
-    """megatron-core's expert MLP: ``linear_fc1`` column-parallel, ``linear_fc2`` row-parallel
-    over ``etp`` ranks (whole at 1, marked all the same, as megatron-core's layers do)."""
+    """megatron-core's expert MLP with --swiglu: ``linear_fc1`` column-parallel and gated, split
+    strided (``partition_stride`` 2: each rank holds its slice of the gate and of the up
+    projection), ``linear_fc2`` row-parallel, over ``etp`` ranks (whole at 1, marked all the same,
+    as megatron-core's layers do)."""
 
     def __init__(self, etp: int) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(HIDDEN, FFN // etp, bias=False)
+        self.linear_fc1 = nn.Linear(HIDDEN, 2 * FFN // etp, bias=False)
         self.linear_fc2 = nn.Linear(FFN // etp, HIDDEN, bias=False)
-        for param, partition_dim in ((self.linear_fc1.weight, 0), (self.linear_fc2.weight, 1)):
-            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, partition_dim, 1
+        for param, partition_dim, stride in ((self.linear_fc1.weight, 0, 2), (self.linear_fc2.weight, 1, 1)):
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, partition_dim, stride
             param.allreduce = False  # megatron-core's mark: reduced over the expert data-parallel group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+        gate, up = self.linear_fc1(x).chunk(2, dim=-1)
+        return self.linear_fc2(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -140,7 +143,9 @@ class MoEGPT(nn.Module):
             for name, param in self.named_parameters():
                 value = full[global_expert_name(name, self.first_expert)]
                 if getattr(param, "tensor_model_parallel", False):
-                    value = value.chunk(groups.etp, dim=param.partition_dim)[groups.etp_rank]
+                    # megatron-core's split: stride * etp blocks, rank r taking r, r + etp, ...
+                    blocks = value.chunk(param.partition_stride * groups.etp, dim=param.partition_dim)
+                    value = torch.cat(blocks[groups.etp_rank :: groups.etp], dim=param.partition_dim)
                 param.copy_(value)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -163,7 +168,7 @@ def _full_initial_weights() -> dict[str, torch.Tensor]:
         shapes[prefix + "norm.weight"] = shapes[prefix + "norm.bias"] = (HIDDEN,)
         shapes[prefix + "mlp.router.weight"] = (EXPERTS, HIDDEN)
         for expert in range(EXPERTS):
-            shapes[prefix + f"mlp.experts.local_experts.{expert}.linear_fc1.weight"] = (FFN, HIDDEN)
+            shapes[prefix + f"mlp.experts.local_experts.{expert}.linear_fc1.weight"] = (2 * FFN, HIDDEN)
             shapes[prefix + f"mlp.experts.local_experts.{expert}.linear_fc2.weight"] = (HIDDEN, FFN)
     shapes["embedding.weight"] = (VOCAB, HIDDEN)
     shapes["output.weight"] = (VOCAB, HIDDEN)
@@ -326,10 +331,10 @@ def test_local_experts_train_checkpoint_under_global_names_and_reshard_like_one_
 def _wrap_with_strided_expert_split(rank: int, world_size: int) -> str:
     index, groups = _meshes(Layout(ep=1, etp=world_size))
     model = MoEGPT(groups)
-    model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.weight.partition_stride = 2
+    model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc2.weight.partition_stride = 2  # along dim 1
     return strided_split_refusal(model, index, MoELayer)
 
 
-def test_a_strided_expert_tensor_parallel_split_is_refused_on_every_rank():
+def test_a_strided_expert_split_along_another_dim_than_rows_is_refused_on_every_rank():
     for message in run_distributed(_wrap_with_strided_expert_split, 2):
-        assert "partition_stride=2" in message and "contiguous tensor-parallel blocks" in message, message
+        assert "partition_stride=2 along partition_dim 1" in message and "equal row blocks" in message, message

@@ -1,15 +1,16 @@
 """megatron-core's tensor parallelism on megatron_fsdp, without megatron-core (CI has no Python
 3.12): a model built as megatron-core's tensor-parallel layers build theirs (plain per-rank
 blocks marked ``tensor_model_parallel`` / ``partition_dim``, the vocabulary and the MLP's first
-layer split by rows, its second by columns, norms and biases after a reduction duplicated),
+layer split by rows (a SwiGLU layer, split strided as --swiglu splits it: ``partition_stride``
+2), its second by columns, norms and biases after a reduction duplicated),
 wrapped by :class:`MegatronCoreFSDP` over megatron-core's mesh ``(outer_fsdp_dp, dp_cp, tp)`` and
 driven as megatron-core drives it (``finish_grad_sync``, its clip on local gradients with
-tensor-parallel duplicates left out, the fsdp_dtensor checkpoint through DCP). Three layouts at
+tensor-parallel duplicates left out, the fsdp_dtensor checkpoint through DCP). Four layouts at
 world 4: TP2 x DP2; the same with sequence parallelism (norms, position embedding and
 row-parallel bias on each rank's slice of the sequence, their partial gradients summed over the
 tensor-parallel group by megatron-core's ``finalize_model_grads`` through the faces' local
-gradients); and TP2 under HFSDP (two distributed-optimizer instances, the outer sharding strategy
-``optim``). Each is compared with one process training the unsplit model on the same data, and
+gradients); TP2 under HFSDP (two distributed-optimizer instances, the outer sharding strategy
+``optim``); and TP2 under HSDP with shard groups of one rank. Each is compared with one process training the unsplit model on the same data, and
 its checkpoint resumed at the same layout and at TP1 x DP4.
 tests/gpu/test_megatron_lm_pretrain.py runs Megatron-LM's ``pretrain_gpt.py`` with
 ``--tensor-model-parallel-size 2`` itself.
@@ -56,9 +57,10 @@ VOCAB, HIDDEN, FFN, SEQ, ROWS = 38, 20, 52, 10, 4
 STEPS, SAVED_AT = 5, 3
 
 
-def _split(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
-    """megatron-core's marks on a weight its tensor-parallel ranks hold a block of."""
-    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, partition_dim, 1
+def _split(param: nn.Parameter, partition_dim: int, stride: int = 1) -> nn.Parameter:
+    """megatron-core's marks on a weight its tensor-parallel ranks hold a block of (``stride``
+    blocks: a gated linear_fc1, split strided)."""
+    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, partition_dim, stride
     return param
 
 
@@ -70,15 +72,16 @@ def _on_sequence_slices(*params: nn.Parameter) -> None:
 
 
 class TensorParallelMLPBlock(nn.Module):
-    """LayerNorm, a column-parallel layer (rows of the weight and bias split), GELU, a
+    """LayerNorm, a gated column-parallel layer (SwiGLU, as megatron-core's --swiglu: its rows
+    split strided, each rank holding its slice of the gate and of the up projection), a
     row-parallel layer (columns split; its bias added after the reduction, duplicated)."""
 
     def __init__(self, tp: int, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.norm = nn.LayerNorm(HIDDEN)
-        self.fc1_weight = _split(nn.Parameter(torch.empty(FFN // tp, HIDDEN)), 0)
-        self.fc1_bias = _split(nn.Parameter(torch.empty(FFN // tp)), 0)
+        self.fc1_weight = _split(nn.Parameter(torch.empty(2 * FFN // tp, HIDDEN)), 0, stride=2)
+        self.fc1_bias = _split(nn.Parameter(torch.empty(2 * FFN // tp)), 0, stride=2)
         self.fc2_weight = _split(nn.Parameter(torch.empty(HIDDEN, FFN // tp)), 1)
         self.fc2_bias = nn.Parameter(torch.empty(HIDDEN))
         if sequence_parallel:
@@ -91,7 +94,8 @@ class TensorParallelMLPBlock(nn.Module):
             h = GatherSequence.apply(h, self.group)
         elif self.group is not None:
             h = CopyToTensorParallel.apply(h, self.group)
-        partial = F.linear(F.gelu(F.linear(h, self.fc1_weight, self.fc1_bias)), self.fc2_weight)
+        gate, up = F.linear(h, self.fc1_weight, self.fc1_bias).chunk(2, dim=-1)
+        partial = F.linear(F.silu(gate) * up, self.fc2_weight)
         if self.sequence_parallel:
             partial = ReduceScatterSequence.apply(partial, self.group)
         elif self.group is not None:
@@ -117,12 +121,14 @@ class TensorParallelGPT(nn.Module):
         self.load_blocks_of(full_initial_weights())
 
     def load_blocks_of(self, full: dict[str, torch.Tensor]) -> None:
-        """Each parameter gets its tensor-parallel rank's block of the full tensor."""
+        """Each parameter gets its tensor-parallel rank's blocks of the full tensor (as megatron-core
+        splits a master weight: ``stride * tp`` blocks, rank r taking r, r + tp, ...)."""
         with torch.no_grad():
             for name, param in self.named_parameters():
                 value = full[name]
                 if getattr(param, "tensor_model_parallel", False):
-                    value = value.chunk(self.tp, dim=param.partition_dim)[self.rank]
+                    blocks = value.chunk(param.partition_stride * self.tp, dim=param.partition_dim)
+                    value = torch.cat(blocks[self.rank :: self.tp], dim=param.partition_dim)
                 param.copy_(value)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -165,8 +171,8 @@ def _plain_shapes() -> dict[str, torch.Tensor]:
         for _ in range(2):
             block = nn.Module()
             block.norm = nn.LayerNorm(HIDDEN)
-            block.fc1_weight = nn.Parameter(torch.empty(FFN, HIDDEN))
-            block.fc1_bias = nn.Parameter(torch.empty(FFN))
+            block.fc1_weight = nn.Parameter(torch.empty(2 * FFN, HIDDEN))
+            block.fc1_bias = nn.Parameter(torch.empty(2 * FFN))
             block.fc2_weight = nn.Parameter(torch.empty(HIDDEN, FFN))
             block.fc2_bias = nn.Parameter(torch.empty(HIDDEN))
             model.blocks.append(block)
@@ -205,6 +211,9 @@ class _Adapter(nn.Module):
             "cpu", (layout.outer, layout.dp, layout.tp), mesh_dim_names=("outer_fsdp_dp", "dp_cp", "tp")
         )
         self.tp_group = mesh["tp"].get_group()
+        # megatron-core's clip sums within one distributed-optimizer instance; HFSDP's instances
+        # hold different pieces, so there every rank counts.
+        self.instance_group = None if layout.hfsdp else _instance_group(mesh)
         self.dp_rank = mesh.get_local_rank("outer_fsdp_dp") * layout.dp + mesh.get_local_rank("dp_cp")
         self.dp = layout.outer * layout.dp
         outer = dict(dp_outer_dim="outer_fsdp_dp", hsdp_outer_dp_shard=layout.hfsdp) if layout.outer > 1 else {}
@@ -217,6 +226,19 @@ class _Adapter(nn.Module):
         self.sequence_parallel = layout.sequence_parallel
         model = TensorParallelGPT(layout.tp, self.tp_group if layout.tp > 1 else None, layout.sequence_parallel)
         self.module = MegatronCoreFSDP(model, index, config, fsdp_unit_modules=[TensorParallelMLPBlock])
+
+
+def _instance_group(mesh: dist.DeviceMesh) -> dist.ProcessGroup | None:
+    """This rank's distributed-optimizer instance (its slice of the outer dim), every rank
+    creating every instance's group; None with one instance."""
+    if mesh.size(0) == 1:
+        return None
+    mine = None
+    for ranks in mesh.mesh.reshape(mesh.size(0), -1).tolist():
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
 
 
 def _optimizer(adapter: nn.Module) -> torch.optim.Optimizer:
@@ -243,7 +265,7 @@ def _train_step(adapter: _Adapter, optimizer: torch.optim.Optimizer, step: int) 
     loss = adapter.module(tokens[rows], targets[rows])
     loss.backward()
     _finalize_model_grads(adapter)
-    norm = megatron_core_clip(optimizer, 0.5, adapter.tp_group)
+    norm = megatron_core_clip(optimizer, 0.5, adapter.tp_group, adapter.instance_group)
     optimizer.step()
     adapter.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
     adapter.module.zero_grad_buffer()
@@ -293,6 +315,9 @@ LAYOUTS = {
     "tp2-dp2-sequence-parallel": Layout(outer=1, dp=2, tp=2, sequence_parallel=True),
     # --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim with TP2.
     "hfsdp2-tp2": Layout(outer=2, dp=1, tp=2, hfsdp=True),
+    # HSDP with one rank a shard group: every rank holds whole buckets (the strided fc1's face is
+    # then not flat-sharded, yet keeps its rows' layout).
+    "hsdp2-tp2": Layout(outer=2, dp=1, tp=2),
 }
 
 
@@ -321,12 +346,12 @@ def test_tensor_parallel_blocks_train_checkpoint_and_reshard_like_one_process(na
 
 def _wrap_with_strided_split(rank: int, world_size: int) -> str:
     model = TensorParallelGPT()
-    model.blocks[0].fc1_weight.partition_stride = 2
+    model.blocks[0].fc2_weight.partition_stride = 2  # along its partition_dim 1
     mesh = dist.init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp_cp", "tp"))
     index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp_cp", tp_dim="tp")
     return strided_split_refusal(model, index, TensorParallelMLPBlock)
 
 
-def test_a_strided_tensor_parallel_split_is_refused_on_every_rank():
+def test_a_strided_split_along_another_dim_than_rows_is_refused_on_every_rank():
     for message in run_distributed(_wrap_with_strided_split, 2):
-        assert "partition_stride=2" in message and "contiguous tensor-parallel blocks" in message, message
+        assert "partition_stride=2 along partition_dim 1" in message and "equal row blocks" in message, message

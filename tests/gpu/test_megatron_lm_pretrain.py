@@ -289,14 +289,13 @@ def test_pretrain_gpt_with_model_parallelism_trains_like_the_bundled_copy(name: 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="EP2 x ETP2 needs 4 GPUs")
 def test_pretrain_gpt_with_expert_tensor_parallelism_trains_like_megatron_core_ddp(tmp_path: Path) -> None:
     """EP2 x ETP2 (dense DP4) against megatron-core's own DDP with the distributed optimizer: the
-    bundled copy's grad norm here disagrees with ours by a factor of 3 (4.899 against 1.650 at
-    iteration 1, 4 x H200, 2026-11-28) while the losses agree, so megatron-core's DDP decides.
-    Without --swiglu: under ETP megatron-core splits a gated expert fc1 strided (each rank holds
-    its slice of the gate and of the up projection, partition_stride 2), which megatron_fsdp
-    refuses on every rank (tests/test_megatron_core_experts.py)."""
-    model = [flag for flag in MODEL if flag != "--swiglu"]
+    bundled copy's grad norm here disagrees with ours and megatron-core's DDP by a factor of 3
+    (4.899 against 1.650 at iteration 1 without --swiglu, 4 x H200, 2026-11-28) while the losses
+    agree. With --swiglu megatron-core splits the expert fc1 strided (partition_stride 2), which
+    the wrap refused until after that run; equal to megatron-core's DDP without --swiglu then, with
+    it not yet run on GPUs."""
     flags = [*MOE, "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"]
-    compare_with_megatron_core_ddp([*model, "--train-iters", str(ITERS), *flags], tmp_path, "ep2-etp2-moe")
+    compare_with_megatron_core_ddp([*MODEL, "--train-iters", str(ITERS), *flags], tmp_path, "ep2-etp2-moe")
 
 
 @needs_two_gpus

@@ -44,14 +44,18 @@ class BucketCheckpointing:
         sharded = source.numel() != self.layout.padded_numel
         self.faces = []
         for index, (extent, (piece, _)) in enumerate(zip(self.extents, self.checkpoint_pieces())):
-            layout = self._flat_layout(index, extent) if sharded else None
+            # A strided split's rows are not its Shard placement's: it keeps a layout that says so.
+            layout = self._flat_layout(index, extent, sharded) if sharded or extent.row_blocks else None
             spec = shard_spec(extent, self.dp, layout, self.device.type, meshes)
             self.faces.append(ShardedParam(piece, spec, self.requires_grad))
 
-    def _flat_layout(self, index: int, extent: ParamExtent) -> FlatLayout:
+    def _flat_layout(self, index: int, extent: ParamExtent, sharded: bool) -> FlatLayout:
         """Where every rank's piece of parameter ``index`` lies in its flattened local tensor:
-        shard by shard, and within a shard outer rank by outer rank where HFSDP splits it."""
+        shard by shard, and within a shard outer rank by outer rank where HFSDP splits it (not
+        ``sharded``: every rank holds the whole)."""
         slot = self.layout.slots[index]
+        if not sharded:
+            return FlatLayout(tuple(extent.local_shape), tuple(extent.offset), ((0, slot.numel),), 0, extent.row_blocks)
         shard = self.layout.shard_numel
         split = self.outer.size if self.splits_shard and self.requires_grad else 1
         part = shard // split
@@ -61,7 +65,9 @@ class BucketCheckpointing:
                 lo = max(slot.offset, rank * shard + outer_rank * part)
                 hi = min(slot.end, rank * shard + (outer_rank + 1) * part)
                 pieces.append((min(lo, slot.end) - slot.offset, max(hi - lo, 0)))
-        return FlatLayout(tuple(extent.local_shape), tuple(extent.offset), tuple(pieces), 2 if split > 1 else 1)
+        return FlatLayout(
+            tuple(extent.local_shape), tuple(extent.offset), tuple(pieces), 2 if split > 1 else 1, extent.row_blocks
+        )
 
     def broadcast_from_first_replica(self) -> None:
         """Copies the checkpoint source (main params, frozen: weights) of the first rank holding

@@ -57,29 +57,53 @@ def is_expert_param(param: nn.Parameter) -> bool:
 @dataclass(frozen=True)
 class ParamExtent:
     """Where this rank's local tensor lies in the parameter's global tensor: a rectangle at
-    ``offset`` of ``local_shape`` (the whole tensor for a plain parameter)."""
+    ``offset`` of ``local_shape`` (the whole tensor for a plain parameter); for megatron-core's
+    strided split, ``row_blocks`` more rectangles (see :func:`region_of`)."""
 
     global_shape: torch.Size
     local_shape: torch.Size
     offset: tuple[int, ...]
     mesh: DeviceMesh | None = None
     placements: tuple[Placement, ...] = ()
+    row_blocks: tuple[int, ...] = ()
 
     @property
     def is_distributed(self) -> bool:
         return self.mesh is not None
 
     def local_region(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rectangle of a tensor of the global shape."""
-        return full[tuple(slice(o, o + s) for o, s in zip(self.offset, self.local_shape))]
+        """This rank's part of a tensor of the global shape, in the local tensor's shape."""
+        return region_of(full, self.local_shape, self.offset, self.row_blocks)
 
     def to_global(self, local: torch.Tensor) -> torch.Tensor:
         """The global tensor from every rank's local tensor (a collective over the mesh)."""
         if not self.is_distributed:
             return local
-        return DTensor.from_local(
+        gathered = DTensor.from_local(
             local, self.mesh, self.placements, run_check=False, shape=self.global_shape, stride=contiguous_strides(self.global_shape)
         ).full_tensor()
+        return rows_in_global_order(gathered, self.local_shape[0], len(self.row_blocks)) if self.row_blocks else gathered
+
+
+def region_of(
+    full: torch.Tensor, local_shape: tuple[int, ...], offset: tuple[int, ...], row_blocks: tuple[int, ...] = ()
+) -> torch.Tensor:
+    """The local tensor's part of ``full`` (the global tensor): the rectangle of ``local_shape`` at
+    ``offset``; with ``row_blocks`` (a strided split), the local rows are that many equal blocks,
+    block ``j`` starting at global row ``row_blocks[j]`` (the other dims at ``offset``)."""
+    if not row_blocks:
+        return full[tuple(slice(o, o + s) for o, s in zip(offset, local_shape))]
+    rows = local_shape[0] // len(row_blocks)
+    rest = tuple(slice(o, o + s) for o, s in zip(offset[1:], local_shape[1:]))
+    return torch.cat([full[(slice(start, start + rows), *rest)] for start in row_blocks])
+
+
+def rows_in_global_order(gathered: torch.Tensor, local_rows: int, blocks: int) -> torch.Tensor:
+    """A strided split's local tensors stacked rank after rank (what a ``Shard(0)`` gather
+    gives) -> the global tensor: rank ``r``'s block ``j`` is global block ``j * ranks + r``."""
+    ranks = gathered.shape[0] // local_rows
+    grid = gathered.reshape(ranks, blocks, local_rows // blocks, *gathered.shape[1:])
+    return grid.transpose(0, 1).reshape(gathered.shape)
 
 
 def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -128,21 +152,31 @@ def param_extent(name: str, param: torch.Tensor, tensor_parallel_mesh: DeviceMes
 
 def _mcore_tensor_parallel_extent(param: torch.Tensor, mesh: DeviceMesh) -> ParamExtent:
     """Megatron-Core splits a tensor-parallel weight into equal blocks along ``partition_dim``,
-    tensor-parallel rank r holding block r: as ``Shard(partition_dim)`` over the mesh. A strided
-    split (``partition_stride`` > 1: each rank holds every stride-th block) has no such
-    placement, so it is refused before any collective."""
+    tensor-parallel rank r holding block r: as ``Shard(partition_dim)`` over the mesh.
+
+    A gated MLP's ``linear_fc1`` (SwiGLU) is split strided (``partition_stride`` s = 2): its
+    global rows are ``s * ranks`` equal blocks and rank r holds blocks ``r, r + ranks, ...`` (its
+    slice of the gate, then of the up projection). The placement stays ``Shard(0)``; the extent's
+    ``row_blocks`` say where each local block lies, so checkpoints and gathered tensors keep the
+    global row order and reshard across tensor-parallel sizes. Refused (before any collective):
+    a stride along another dim, or local rows that do not split into ``s`` equal blocks."""
     stride = getattr(param, "partition_stride", 1)
-    if stride != 1:
+    dim = get_mcore_tensor_parallel_partition_dim(param)
+    if stride != 1 and (dim != 0 or param.shape[0] % stride):
         raise ValueError(
             f"a Megatron-Core tensor-parallel parameter of local shape {tuple(param.shape)} has partition_stride="
-            f"{stride}: megatron_fsdp places only contiguous tensor-parallel blocks (partition_stride=1), which "
-            "megatron-core's current layers make; build the layer without a strided partition"
+            f"{stride} along partition_dim {dim}: megatron_fsdp places strided splits along dim 0 into equal row "
+            "blocks (megatron-core's gated linear_fc1), not this one; build the layer without a strided partition"
         )
-    dim = get_mcore_tensor_parallel_partition_dim(param)
     global_shape, offset = list(param.shape), [0] * param.dim()
     global_shape[dim] *= mesh.size()
     offset[dim] = param.shape[dim] * mesh.get_local_rank()
-    return ParamExtent(torch.Size(global_shape), param.shape, tuple(offset), mesh, (Shard(dim),))
+    row_blocks: tuple[int, ...] = ()
+    if stride > 1:
+        rows = param.shape[0] // stride
+        row_blocks = tuple((block * mesh.size() + mesh.get_local_rank()) * rows for block in range(stride))
+        offset[0] = row_blocks[0]
+    return ParamExtent(torch.Size(global_shape), param.shape, tuple(offset), mesh, (Shard(dim),), row_blocks)
 
 
 def check_parallel_params(module: nn.Module, tp_mesh: DeviceMesh | None, expert_mesh_given: bool) -> None:

@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
 
 from megatron_fsdp.engine.groups.collectives import all_gather_shards
-from megatron_fsdp.engine.params.dtensor_params import contiguous_strides
+from megatron_fsdp.engine.params.dtensor_params import contiguous_strides, region_of, rows_in_global_order
 from megatron_fsdp.engine.params.layout import flat_offset, rectangular_chunks
 
 # What __torch_function__ receives when code reads ``tensor.is_meta`` (compared with ==: every
@@ -61,17 +61,52 @@ class FlatLayout:
 
     ``pieces[i]`` is ``(start, length)`` of the i-th piece in flat order; the first
     ``dp_dims`` mesh dims split the tensor: with one, piece i is dp rank i's; with two
-    (outer, shard), piece ``r * outer_size + o`` is shard rank r's, outer rank o's."""
+    (outer, shard), piece ``r * outer_size + o`` is shard rank r's, outer rank o's; with none,
+    every rank holds the whole local tensor (the one piece), which a strided split needs (its
+    rows are not the ``Shard`` placement's). ``row_blocks``: a strided split's local row blocks'
+    global rows (:func:`megatron_fsdp.engine.params.dtensor_params.region_of`)."""
 
     local_shape: tuple[int, ...]
     offset: tuple[int, ...]
     pieces: tuple[tuple[int, int], ...]
     dp_dims: int
+    row_blocks: tuple[int, ...] = ()
 
     def mine(self, mesh: DeviceMesh) -> tuple[int, int]:
+        if self.dp_dims == 0:
+            return self.pieces[0]
         if self.dp_dims == 1:
             return self.pieces[mesh.get_local_rank(0)]
         return self.pieces[mesh.get_local_rank(1) * mesh.size(0) + mesh.get_local_rank(0)]
+
+    def rectangles(self, start: int, end: int) -> list[tuple[torch.Size, torch.Size, int]]:
+        """``(global offsets, sizes, flat start in the local tensor)`` of the rectangles that the
+        local tensor's flat elements ``[start, end)`` cover, each a contiguous flat range."""
+        found = []
+        for offsets, sizes in rectangular_chunks(self.local_shape, start, end):
+            for local_offsets, part in self._within_row_blocks(offsets, sizes):
+                rows = [self._global_row(local_offsets[0])] if local_offsets else []
+                others = [o + base for o, base in zip(local_offsets[1:], self.offset[1:])]
+                found.append((torch.Size(rows + others), torch.Size(part), flat_offset(self.local_shape, local_offsets)))
+        return found
+
+    def _within_row_blocks(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """A rectangle cut where its rows cross from one row block into the next."""
+        if not self.row_blocks or not offsets:
+            return [(offsets, sizes)]
+        block = self.local_shape[0] // len(self.row_blocks)
+        parts, row, end = [], offsets[0], offsets[0] + sizes[0]
+        while row < end:
+            stop = min(end, (row // block + 1) * block)
+            parts.append(((row, *offsets[1:]), (stop - row, *sizes[1:])))
+            row = stop
+        return parts
+
+    def _global_row(self, local_row: int) -> int:
+        if not self.row_blocks:
+            return local_row + self.offset[0]
+        block = self.local_shape[0] // len(self.row_blocks)
+        return self.row_blocks[local_row // block] + local_row % block
 
 
 # The ways that write a sharded model, named where a one-process writer is refused.
@@ -129,16 +164,17 @@ class PieceDTensor(DTensor):
             return self.to(_mesh_device(self.device_mesh)).full_tensor(grad_placements=grad_placements).to(home)
         if self._flat_layout is None:
             return super().full_tensor(grad_placements=grad_placements)
-        local = _gather_flat(self._local_tensor.detach(), self._flat_layout, self.device_mesh).view(
-            self._flat_layout.local_shape
-        )
-        rest = self.placements[self._flat_layout.dp_dims :]
+        layout = self._flat_layout
+        local = _gather_flat(self._local_tensor.detach(), layout, self.device_mesh).view(layout.local_shape)
+        rest = self.placements[layout.dp_dims :]
         if rest:
             names = self.device_mesh.mesh_dim_names
-            submesh = self.device_mesh[names[self._flat_layout.dp_dims :]]
+            submesh = self.device_mesh[names[layout.dp_dims :]]
             local = DTensor.from_local(
                 local, submesh, rest, run_check=False, shape=self.shape, stride=contiguous_strides(self.shape)
             ).full_tensor()
+            if layout.row_blocks:
+                local = rows_in_global_order(local, layout.local_shape[0], len(layout.row_blocks))
         return local
 
     def redistribute(
@@ -163,15 +199,10 @@ class PieceDTensor(DTensor):
 
     def _chunks(self) -> list[tuple[torch.Size, torch.Size, int]]:
         """(global offsets, sizes, start in the local piece) of each rectangle of the piece."""
-        layout = self._flat_layout
-        start, length = layout.mine(self.device_mesh)
+        start, length = self._flat_layout.mine(self.device_mesh)
         return [
-            (
-                torch.Size(o + base for o, base in zip(offsets, layout.offset)),
-                torch.Size(sizes),
-                flat_offset(layout.local_shape, offsets) - start,
-            )
-            for offsets, sizes in rectangular_chunks(layout.local_shape, start, start + length)
+            (offsets, sizes, flat_start - start)
+            for offsets, sizes, flat_start in self._flat_layout.rectangles(start, start + length)
         ]
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
@@ -249,7 +280,7 @@ class PieceDTensor(DTensor):
             target, source = args[0], args[1]
             layout = target._flat_layout
             whole = source.to_local() if all(p.is_replicate() for p in source.placements) else source.full_tensor()
-            region = whole[tuple(slice(o, o + size) for o, size in zip(layout.offset, layout.local_shape))]
+            region = region_of(whole, layout.local_shape, layout.offset, layout.row_blocks)
             start, length = layout.mine(target.device_mesh)
             with torch.no_grad():
                 target._local_tensor.copy_(region.reshape(-1)[start : start + length])
@@ -471,6 +502,8 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 
 def _gather_flat(piece: torch.Tensor, layout: FlatLayout, mesh: DeviceMesh) -> torch.Tensor:
     """Every rank's piece, in flat order: the whole flattened local tensor."""
+    if layout.dp_dims == 0:
+        return piece.reshape(-1)
     longest = max(length for _, length in layout.pieces)
     padded = piece.new_zeros(longest)
     padded[: piece.numel()].copy_(piece.reshape(-1))

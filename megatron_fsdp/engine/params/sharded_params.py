@@ -69,8 +69,9 @@ def shard_spec(
     """The spec of the piece of a parameter of ``extent`` (its place among the tensor- or
     expert-parallel ranks) in a bucket reduced over ``dp``: ``layout`` says where every rank's piece
     lies when the pieces are shards (``layout.dp_dims == 2``: HFSDP splits each shard again over
-    the outer group), None when every rank holds the whole bucket."""
-    sharded = layout is not None
+    the outer group; 0: every rank holds the whole, in a strided split's layout), None when every
+    rank holds the whole bucket."""
+    sharded = layout is not None and layout.dp_dims > 0
     split_over_outer = sharded and layout.dp_dims == 2
     dims: list[str] = []
     placements: list[Placement] = []
