@@ -66,6 +66,8 @@ TRAINING = [
     "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor",
     "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
 ]
+# The same for megatron-core's own DDP (the reference where the bundled copy cannot run a layout).
+DDP_TRAINING = [flag for flag in TRAINING if flag not in {"--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"}]
 
 
 def _has_megatron_core() -> bool:
@@ -179,18 +181,38 @@ def compare_with_megatron_core_ddp(common: list[str], tmp_path: Path, name: str)
     """Ours (``--use-megatron-fsdp``, optim_grads_params) against megatron-core's own DDP with
     ``--use-distributed-optimizer`` on the same flags otherwise (``common``), run side by side:
     the reference where the bundled copy cannot run a layout or disagrees with megatron-core."""
-    megatron_fsdp_only = {"--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"}
-    ddp_training = [flag for flag in TRAINING if flag not in megatron_fsdp_only]
-
     def run(package: str) -> dict[int, tuple[float, float]]:
         workdir = tmp_path / package
         workdir.mkdir()
         if package == "ours":
             return pretrain("ours", [*common, *TRAINING, "--data-parallel-sharding-strategy", "optim_grads_params"], workdir, name)
-        return pretrain("bundled", [*common, *ddp_training, "--use-distributed-optimizer"], workdir, f"{name}-ddp")
+        return pretrain("bundled", [*common, *DDP_TRAINING, "--use-distributed-optimizer"], workdir, f"{name}-ddp")
 
     runs = on_both_packages(run)
     assert_same_training(runs["ours"], runs["bundled"], f"{name} against megatron-core's DDP")
+
+
+def assert_resume_equals_uninterrupted(
+    ours: list[str], reference: list[str], tmp_path: Path, label: str, timeout: float = 150
+) -> None:
+    """Ours on ``ours`` (2N iterations) saves at iteration N and resumes from it, while megatron-core
+    as installed runs ``reference`` straight through beside it (the bundled copy, or its DDP
+    without --use-megatron-fsdp): the resumed iterations equal the reference's."""
+    half = ITERS // 2
+
+    def run(package: str) -> dict[int, tuple[float, float]]:
+        workdir = tmp_path / package
+        workdir.mkdir()
+        if package == "bundled":
+            return pretrain("bundled", reference, workdir, "uninterrupted", timeout=timeout)
+        checkpoints = str(workdir / "checkpoints")
+        pretrain("ours", [*ours, "--save", checkpoints, "--save-interval", str(half), "--exit-interval", str(half)],
+                 workdir, "first-half", timeout=timeout)
+        return pretrain("ours", [*ours, "--load", checkpoints], workdir, "resumed", timeout=timeout)
+
+    runs = on_both_packages(run)
+    assert sorted(runs["ours"]) == list(range(half + 1, ITERS + 1)), sorted(runs["ours"])
+    assert_same_training(runs["ours"], {iteration: runs["bundled"][iteration] for iteration in runs["ours"]}, label)
 
 
 def _train(strategy: str, *extra: str) -> list[str]:
@@ -306,25 +328,10 @@ def test_a_tensor_parallel_fsdp_dtensor_checkpoint_of_ours_resumes_like_an_unint
     bundled copy cannot be the one to save or load it: its fsdp_dtensor save and its load at
     tensor-parallel size 2 both hang in megatron-core 0.19.2 (no output after "saving checkpoint",
     resp. "loading checkpoint", 4 x H100 and 4 x H200, 2026-11-27 and -28)."""
-    half = ITERS // 2
     model = [flag for flag in MODEL if flag != "--swiglu"]  # see the resume test above
     train = [*model, *TRAINING, "--train-iters", str(ITERS), "--data-parallel-sharding-strategy", "optim_grads_params",
              "--tensor-model-parallel-size", "2"]
-
-    def run(package: str) -> dict[int, tuple[float, float]]:
-        workdir = tmp_path / package
-        workdir.mkdir()
-        if package == "bundled":
-            return pretrain("bundled", train, workdir, "uninterrupted", timeout=150)
-        checkpoints = str(workdir / "checkpoints")
-        pretrain("ours", [*train, "--save", checkpoints, "--save-interval", str(half), "--exit-interval", str(half)],
-                 workdir, "first-half", timeout=150)
-        return pretrain("ours", [*train, "--load", checkpoints], workdir, "resumed", timeout=150)
-
-    runs = on_both_packages(run)
-    assert sorted(runs["ours"]) == list(range(half + 1, ITERS + 1)), sorted(runs["ours"])
-    uninterrupted = {iteration: runs["bundled"][iteration] for iteration in runs["ours"]}
-    assert_same_training(runs["ours"], uninterrupted, "ours resumed from its tensor-parallel checkpoint")
+    assert_resume_equals_uninterrupted(train, train, tmp_path, "ours resumed from its tensor-parallel checkpoint")
 
 
 # Pipeline parallelism at PP2 x DP2 (4 GPUs), plain and interleaved (two chunks a rank): 4 layers,
@@ -362,24 +369,8 @@ def test_pretrain_gpt_with_pipeline_parallelism_resumes_from_its_checkpoint_like
     ``fsdp_dtensor`` checkpoint, then ``--load``: the resumed iterations equal megatron-core's DDP
     run straight through (which the test above finds equal to ours). Without --swiglu: Megatron-LM's
     SwiGLU handling in the fsdp_dtensor save fails in megatron-core 0.19.2 (see the resume test above)."""
-    half = ITERS // 2
     model = [flag for flag in _pipeline_model() if flag != "--swiglu"]
     common = [*model, "--train-iters", str(ITERS), "--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"]
-    megatron_fsdp_only = {"--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"}
-    ddp_training = [flag for flag in TRAINING if flag not in megatron_fsdp_only]
     ours = [*common, *TRAINING, "--data-parallel-sharding-strategy", "optim_grads_params"]
-
-    def run(package: str) -> dict[int, tuple[float, float]]:
-        workdir = tmp_path / package
-        workdir.mkdir()
-        if package == "bundled":
-            return pretrain("bundled", [*common, *ddp_training, "--use-distributed-optimizer"], workdir, "pp2-ddp", timeout=200)
-        checkpoints = str(workdir / "checkpoints")
-        pretrain("ours", [*ours, "--save", checkpoints, "--save-interval", str(half), "--exit-interval", str(half)],
-                 workdir, "pp2-first-half", timeout=200)
-        return pretrain("ours", [*ours, "--load", checkpoints], workdir, "pp2-resumed", timeout=200)
-
-    runs = on_both_packages(run)
-    assert sorted(runs["ours"]) == list(range(half + 1, ITERS + 1)), sorted(runs["ours"])
-    uninterrupted = {iteration: runs["bundled"][iteration] for iteration in runs["ours"]}
-    assert_same_training(runs["ours"], uninterrupted, "PP2 resumed against megatron-core's DDP uninterrupted")
+    reference = [*common, *DDP_TRAINING, "--use-distributed-optimizer"]
+    assert_resume_equals_uninterrupted(ours, reference, tmp_path, "PP2 resumed against megatron-core's DDP uninterrupted", 200)
