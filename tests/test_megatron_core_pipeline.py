@@ -9,8 +9,9 @@ then its ``finalize_model_grads`` (``finish_grad_sync()`` per chunk, then the em
 all-reduce of ``main_grad._local_tensor`` with the ``setattr`` it does after), its clip (squares
 summed over the pipeline and data-parallel ranks, the ``shared`` copy left out) and the optimizer
 step. World 4 = PP2 x DP2, pipeline stages outermost as megatron-core lays its ranks out; under
-``optim`` and ``optim_grads_params`` (the reductions counted under no_sync and after), each stage
-saved and resumed through DCP. Also megatron-core's interleaved schedule (two chunks a rank, one
+``optim`` and ``optim_grads_params`` (megatron-core's parallel_state stood in for, saying PP2: the
+chunks hold weights and gradients between micro-batches, so the reductions and gathers of a step
+are counted), each stage saved and resumed through DCP. Also megatron-core's interleaved schedule (two chunks a rank, one
 optimizer over them), a tied weight's own bucket, and a weight object shared by two chunks on one
 rank refused. tests/gpu/test_megatron_lm_pretrain.py runs ``pretrain_gpt.py`` with
 ``--pipeline-model-parallel-size 2``.
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
+import types
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -54,6 +57,7 @@ from megatron_fsdp.integrations.piece_steps import install_piece_steps
 
 VOCAB, HIDDEN, FFN, SEQ, LAYERS = 24, 16, 32, 6, 4
 PP, DP, MICRO_BATCHES, MICRO_ROWS = 2, 2, 4, 2
+PARALLEL_STATE = "megatron.core.parallel_state"
 STEPS, SAVED_AT = 4, 2
 # Adam moves an element whose gradient is within rounding of zero by a fraction of lr whatever its
 # size: layers.0.fc1.weight[4, 14]'s first gradient is -1.3e-8 (the median 7e-4), and that element
@@ -219,9 +223,10 @@ class Stage(_PipelineRank):
             pre_process=self.pp_rank == 0, post_process=self.pp_rank == PP - 1,
         ))
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-2, weight_decay=0.1)
-        # Gradient reductions started in each step: under no_sync, and after it.
+        # Gradient reductions started in each step: under no_sync, and after it; weight gathers.
         self.reductions: list[tuple[int, int]] = []
         self.under_no_sync = 0
+        self.gathers: list[int] = []
 
 
 def _one_f_one_b(stage: Stage, step: int, started: list[Bucket]) -> float:
@@ -303,27 +308,45 @@ def _finalize_model_grads(stage: Stage) -> None:
 
 
 @contextlib.contextmanager
-def _counting_reductions() -> Iterator[list[Bucket]]:
-    """Each bucket reduction started inside, in order (the pooled rank process gets the method back)."""
+def _counting(method: str) -> Iterator[list[Bucket]]:
+    """Each bucket whose ``method`` (a reduction or a gather starting) ran inside, in order (the
+    pooled rank process gets the method back)."""
     started: list[Bucket] = []
-    original = Bucket.start_reduction
+    original = getattr(Bucket, method)
 
     def counted(bucket: Bucket, *args, **kwargs):
         started.append(bucket)
         return original(bucket, *args, **kwargs)
 
-    Bucket.start_reduction = counted
+    setattr(Bucket, method, counted)
     try:
         yield started
     finally:
-        Bucket.start_reduction = original
+        setattr(Bucket, method, original)
+
+
+@contextlib.contextmanager
+def _as_megatron_core_runs_it() -> Iterator[None]:
+    """What install() puts (the optimizer steps the plain pieces), and what MegatronCoreFSDP reads
+    of megatron-core's parallel_state (pipeline parallelism of size PP is up); both taken away after."""
+    handles = install_piece_steps()
+    sys.modules[PARALLEL_STATE] = types.SimpleNamespace(
+        model_parallel_is_initialized=lambda: True, get_pipeline_model_parallel_world_size=lambda: PP
+    )
+    try:
+        yield
+    finally:
+        del sys.modules[PARALLEL_STATE]
+        for handle in handles:
+            handle.remove()
 
 
 def _train_step(stage: Stage, step: int) -> tuple[float, float]:
-    with _counting_reductions() as started:
+    with _counting("start_reduction") as started, _counting("start_unshard") as gathered:
         loss = torch.tensor(_one_f_one_b(stage, step, started))
         _finalize_model_grads(stage)
     stage.reductions.append((stage.under_no_sync, len(started) - stage.under_no_sync))
+    stage.gathers.append(len(gathered))
     norm = megatron_core_clip(stage.optimizer, 0.5)
     stage.optimizer.step()
     stage.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
@@ -334,8 +357,7 @@ def _train_step(stage: Stage, step: int) -> tuple[float, float]:
 
 
 def _flow(rank: int, world_size: int, checkpoint_dir: str, strategy: str) -> dict:
-    handles = install_piece_steps()  # what install() puts: the optimizer steps the plain pieces
-    try:
+    with _as_megatron_core_runs_it():
         stage = Stage(strategy)
         stage_dir = f"{checkpoint_dir}/stage{stage.pp_rank}"
         history = [_train_step(stage, step) for step in range(SAVED_AT)]
@@ -353,11 +375,10 @@ def _flow(rank: int, world_size: int, checkpoint_dir: str, strategy: str) -> dic
             "tied_slice": tied_face.megatron_fsdp_slice,
             "reductions": stage.reductions,
             "trainable_buckets": len(stage.module.trainable_buckets()),
+            "gathers": stage.gathers,
+            "buckets": sum(len(unit.buckets) for unit in stage.module.units),
             "resumed": [_train_step(resumed, step) for step in range(SAVED_AT, STEPS)],
         }
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _reference() -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
@@ -365,9 +386,9 @@ def _reference() -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
     return one_process_run(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), make_batch, STEPS)
 
 
-# Strategy 1 holds every gradient back under no_sync; 2 and 3 reduce-scatter each micro-batch's,
-# as upstream megatron-fsdp's do under megatron-core's no_sync (grad_reduce_every_bprop), their
-# gradients being sharded to save memory: the sum is the same.
+# Under pipeline parallelism every strategy holds the gradients back under no_sync and reduces
+# each bucket once after the chunk's last micro-batch; optim_grads_params also keeps the weights
+# gathered from the first forward to the last backward (integrations/mcore_pipeline.py).
 STRATEGIES = ["optim", "optim_grads_params"]
 
 
@@ -397,10 +418,14 @@ def test_pipeline_stages_train_like_one_process_with_tied_embedding_and_resume_e
     for result in results:
         assert result["resumed"] == result["history"][SAVED_AT:], f"resumed {result['resumed']} vs {result['history']}"
         buckets = result["trainable_buckets"]
-        held_back = 0 if strategy == "optim" else (MICRO_BATCHES - 1) * buckets
-        assert result["reductions"] == [(held_back, buckets)] * STEPS, (
+        assert result["reductions"] == [(0, buckets)] * STEPS, (
             f"stage {result['pp_rank']}: reductions (under no_sync, after) {result['reductions']}, {buckets} buckets"
         )
+        if strategy == "optim_grads_params":
+            # One gather a bucket a step, for MICRO_BATCHES forwards and backwards.
+            assert result["gathers"] == [result["buckets"]] * STEPS, (
+                f"stage {result['pp_rank']}: gathers a step {result['gathers']}, {result['buckets']} buckets"
+            )
     # megatron-core all-reduces the two copies' local gradients elementwise: the same range.
     assert first["tied_slice"] == last["tied_slice"], f"{first['tied_slice']} vs {last['tied_slice']}"
 
@@ -553,8 +578,7 @@ def _adapters(stage: InterleavedStage) -> list[nn.Module]:
 
 
 def _interleaved_flow(rank: int, world_size: int, checkpoint_dir: str, strategy: str) -> dict:
-    handles = install_piece_steps()
-    try:
+    with _as_megatron_core_runs_it():
         stage = InterleavedStage(strategy)
         stage_dir = f"{checkpoint_dir}/stage{stage.pp_rank}"
         history = [_interleaved_step(stage, step) for step in range(SAVED_AT)]
@@ -573,9 +597,6 @@ def _interleaved_flow(rank: int, world_size: int, checkpoint_dir: str, strategy:
             "full": full,
             "resumed": [_interleaved_step(resumed, step) for step in range(SAVED_AT, STEPS)],
         }
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def test_interleaved_chunks_train_like_one_process_with_tied_embedding_and_resume_exactly(tmp_path):

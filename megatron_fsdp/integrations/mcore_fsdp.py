@@ -33,6 +33,7 @@ from typing import Any
 from torch import nn
 
 from megatron_fsdp.engine.step.schedule import StepState
+from megatron_fsdp.integrations.mcore_pipeline import held_between_micro_batches, pipeline_parallel_size, release_held_weights
 from megatron_fsdp.megatron_fsdp import MegatronFSDP
 
 _PREFIX = "module."
@@ -49,6 +50,9 @@ class MegatronCoreFSDP(MegatronFSDP):
     # Megatron-LM's fsdp_dtensor checkpointing renames each rank's local experts to their global
     # index (handle_experts_in_state_dict), so its plain expert weights are checkpointable.
     expert_keys_made_global = True
+    #: Under no_sync, keep the weights gathered and the gradients unreduced between micro-batches
+    #: (integrations/mcore_pipeline.py). None: when megatron-core runs pipeline parallelism.
+    hold_between_micro_batches: bool | None = None
 
     def __init__(self, module: nn.Module, dist_index: Any = None, ddp_config: Any = None, *args: Any, **kwargs: Any) -> None:
         super().__init__(module, dist_index, ddp_config, *args, **kwargs)
@@ -94,11 +98,26 @@ class MegatronCoreFSDP(MegatronFSDP):
         super()._abandon_failed_step()
         self._register_faces(True)
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """megatron-core's schedules run every micro-batch of a step but the chunk's last inside it;
+        under pipeline parallelism the chunk's weights stay gathered and its gradients unreduced
+        meanwhile (integrations/mcore_pipeline.py)."""
+        hold = self.hold_between_micro_batches
+        if hold is None:
+            hold = pipeline_parallel_size() > 1
+        with super().no_sync(), held_between_micro_batches(self.units, hold):
+            yield
+
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """As :meth:`MegatronFSDP.finish_grad_sync`, then (megatron-core steps right after)
         checks the gradients when ``check_for_nan_in_grad`` is set, and registers the DTensor
         faces for the optimizer."""
         super().finish_grad_sync(force_all_reduce)
+        # A chunk whose last backward ran under no_sync (megatron-core's interleaved schedule
+        # enables grad sync for all chunks only at the end) still holds its weights gathered: the
+        # step changes them, so they go back now and the next forward gathers the new ones.
+        release_held_weights(self.units)
         if self.settings.check_for_nan_in_grad:
             self.scheduler.check_reduced_grads_finite(self.optimizer_steps)
         self._register_faces(True)
