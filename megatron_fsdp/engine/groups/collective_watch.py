@@ -58,8 +58,9 @@ class CollectiveWatch:
         """Starts the heartbeat (once a timeout is in use; again after a new process group)."""
         # torch has no public accessor for the default group's store, which every rank reaches.
         store = dist.distributed_c10d._get_default_store()
-        if self._thread is not None and self._thread.is_alive() and store is self._store:
-            return
+        running = self._thread is not None and self._thread.is_alive()
+        if store is self._store and (running or self._failure is not None):
+            return  # after a failure, until a new process group: the error stays to be raised
         self.stop()
         self._store, self._failure = store, None
         self._stopped.clear()
