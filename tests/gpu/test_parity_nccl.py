@@ -83,3 +83,24 @@ def test_nccl_run_matches_single_gpu_reference(name: str) -> None:
     else:
         exact = reference_run(setup, WORLD, compute_dtype=torch.float32, device="cuda")
         compare_low_precision(got, reference, exact, f"{name} nccl", slack=ONE_GPU_SLACK if WORLD == 1 else 2.0)
+
+
+# HSDP and HFSDP on a (dp_outer 2, dp_shard 2) mesh over NCCL (4 GPUs), against one GPU: the
+# replicas' all-reduce and, under HFSDP, the optimizer state split over them too.
+HYBRID_SETUPS = {
+    f"{name}-s3": Setup(strategy=3, accum=2, hsdp=(2, 2), outer_strategy=outer)
+    for name, outer in (("hsdp", "no_shard"), ("hfsdp", "optim"))
+}
+
+
+@functools.cache
+def _hybrid_results() -> dict:
+    names = list(HYBRID_SETUPS)
+    per_rank = run_distributed(sharded_runs, 4, [HYBRID_SETUPS[n] for n in names], "cuda", backend="nccl", timeout=300)
+    return dict(zip(names, per_rank[0]))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="a (2, 2) mesh needs 4 GPUs")
+@pytest.mark.parametrize("name", list(HYBRID_SETUPS))
+def test_hybrid_sharding_over_nccl_matches_single_gpu_reference(name: str) -> None:
+    compare(_hybrid_results()[name], reference_run(HYBRID_SETUPS[name], 4, device="cuda"), 1e-5, 1e-5, 1e-5, f"{name} nccl")
