@@ -156,6 +156,14 @@ def _renamed(state: dict, key: Callable[[str], str]) -> dict:
     }
 
 
+def tensor_parallel_block(full: torch.Tensor, param: nn.Parameter, size: int, rank: int) -> torch.Tensor:
+    """Tensor-parallel rank ``rank`` of ``size``'s part of the whole ``full``, as megatron-core
+    splits a master weight marked ``partition_dim``/``partition_stride``: into ``stride * size``
+    equal blocks along that dim, the rank taking blocks ``rank, rank + size, ...``."""
+    blocks = full.chunk(param.partition_stride * size, dim=param.partition_dim)
+    return torch.cat(blocks[rank::size], dim=param.partition_dim)
+
+
 def strided_split_refusal(model: nn.Module, index: megatron_fsdp.FSDPDistributedIndex, unit: type) -> str:
     """What wrapping ``model`` (one weight given ``partition_stride`` 2) raises, as megatron-core
     wraps it; "no error" if the wrap takes it."""

@@ -43,6 +43,7 @@ from mcore_flow import (
     megatron_core_clip,
     one_process_run,
     strided_split_refusal,
+    tensor_parallel_block,
 )
 
 import megatron_fsdp
@@ -143,9 +144,7 @@ class MoEGPT(nn.Module):
             for name, param in self.named_parameters():
                 value = full[global_expert_name(name, self.first_expert)]
                 if getattr(param, "tensor_model_parallel", False):
-                    # megatron-core's split: stride * etp blocks, rank r taking r, r + etp, ...
-                    blocks = value.chunk(param.partition_stride * groups.etp, dim=param.partition_dim)
-                    value = torch.cat(blocks[groups.etp_rank :: groups.etp], dim=param.partition_dim)
+                    value = tensor_parallel_block(value, param, groups.etp, groups.etp_rank)
                 param.copy_(value)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ from mcore_flow import (
     megatron_core_clip,
     one_process_run,
     strided_split_refusal,
+    tensor_parallel_block,
 )
 from moe_model import SumOverGroup
 
@@ -121,14 +122,12 @@ class TensorParallelGPT(nn.Module):
         self.load_blocks_of(full_initial_weights())
 
     def load_blocks_of(self, full: dict[str, torch.Tensor]) -> None:
-        """Each parameter gets its tensor-parallel rank's blocks of the full tensor (as megatron-core
-        splits a master weight: ``stride * tp`` blocks, rank r taking r, r + tp, ...)."""
+        """Each parameter gets its tensor-parallel rank's part of the full tensor."""
         with torch.no_grad():
             for name, param in self.named_parameters():
                 value = full[name]
                 if getattr(param, "tensor_model_parallel", False):
-                    blocks = value.chunk(param.partition_stride * self.tp, dim=param.partition_dim)
-                    value = torch.cat(blocks[self.rank :: self.tp], dim=param.partition_dim)
+                    value = tensor_parallel_block(value, param, self.tp, self.rank)
                 param.copy_(value)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
