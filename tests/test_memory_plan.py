@@ -18,14 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import megatron_fsdp
 from _dist import run_distributed
-from megatron_fsdp.engine.groups.process_exit import let_gloo_workers_finish
 from megatron_fsdp.plan_memory import OptimizerSpec
 from megatron_fsdp.plan_memory.command import main
 from models import Block, make_batch, make_model
@@ -91,11 +89,9 @@ def _make_model(dtype: torch.dtype, float8: bool) -> nn.Module:
 
 def _live_storages() -> dict[int, int]:
     """data pointer -> bytes of every tensor storage Python can reach, except the rank tables of
-    device meshes (a few int32 per rank: not model states). First gloo's workers drop the last
-    collectives' tensors, which a loaded machine may otherwise still find alive (a bucket-sized
-    temporary counted as held: seen once under load, 8064 bytes)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        let_gloo_workers_finish()
+    device meshes (a few int32 per rank: not model states). The engine's collectives returned
+    only once gloo's workers let go of their tensors (collectives.HostWork), so no temporary of
+    theirs is counted."""
     objects = gc.get_objects()
     mesh_tables = {obj.mesh.untyped_storage().data_ptr() for obj in objects if isinstance(obj, DeviceMesh)}
     storages = {}

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from megatron_fsdp import _ops
+from megatron_fsdp.engine.groups.collectives import all_reduce_max, all_reduce_sum
 from megatron_fsdp.engine.step.sharded_model import ShardedModel
 
 
@@ -49,11 +49,11 @@ def total_grad_norm(model: ShardedModel, norm_type: float = 2.0) -> torch.Tensor
     if math.isinf(norm_type):
         local = per_piece.max() if pieces else torch.zeros((), dtype=torch.float64, device=device)
         local = local.to(device)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        all_reduce_max(local, None)
         return local.float()
     weights = torch.tensor([1.0 / c for c in copies], dtype=torch.float64, device=per_piece.device)
     local = (per_piece * weights).sum().to(device)
-    dist.all_reduce(local)
+    all_reduce_sum(local, None)
     return local.pow(1.0 / norm_type).float()
 
 

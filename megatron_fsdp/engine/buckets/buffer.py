@@ -26,6 +26,7 @@ from megatron_fsdp.engine.buckets.bucket_state import BucketState
 from megatron_fsdp.engine.buckets.offload import HostBuffers, OffloadTransfers, StagedWeights
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.groups.collectives import (
+    HostWork,
     all_gather_shards,
     all_reduce_sum,
     all_to_all,
@@ -220,7 +221,7 @@ class Bucket(BucketCheckpointing):
 
     # -- weights ------------------------------------------------------------------------------
 
-    def start_unshard(self, async_op: bool) -> dist.Work | None:
+    def start_unshard(self, async_op: bool) -> dist.Work | HostWork | None:
         """Fills the pooled bucket and launches the all-gather of the weight shards into it."""
         self.state.gather()
         self.pool.fill(self.full_weight, self._pool_key("weights"))

@@ -22,7 +22,7 @@ from megatron_fsdp import _ops
 from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.buckets.float8_weights import float8_scales, float8_spec
 from megatron_fsdp.engine.config import ShardingStrategy
-from megatron_fsdp.engine.groups.collectives import all_gather_shards, all_reduce_max
+from megatron_fsdp.engine.groups.collectives import HostWork, all_gather_shards, all_reduce_max
 
 
 class Float8Bucket(Bucket):
@@ -78,7 +78,7 @@ class Float8Bucket(Bucket):
 
     # -- weights ------------------------------------------------------------------------------
 
-    def start_unshard(self, async_op: bool) -> dist.Work | None:
+    def start_unshard(self, async_op: bool) -> dist.Work | HostWork | None:
         """Casts the main shard to float8 with the step's scales and launches the all-gather of
         the float8 shards (as bytes: collectives.py)."""
         self.state.gather()

@@ -6,16 +6,32 @@ older names, so each is picked once here.
 Over a group of one rank each is a local copy (or nothing) on the current stream, returning no
 work to wait for: the result is the same, and a backend call costs the host about 100 us
 (a one-GPU run, or a mesh dimension of size 1, launches a few per unit and step).
+
+On host tensors (gloo) a collective runs on views that only its :class:`HostWork` knows, and a
+wait returns once gloo's worker thread has let go of them. That thread drops its reference to a
+finished work after the waiting thread has moved on; when that is the last reference to a
+tensor Python also holds, it takes the GIL. A process group outlives ``destroy_process_group``
+while a DeviceMesh or a model still holds it, so that drop can come during interpreter exit,
+where taking the GIL aborts the process ("terminate called without an active exception"): a
+script that ends right after a step (HFSDP's last all-gather) failed one run in three.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from megatron_fsdp.engine.groups.collective_watch import WATCH
+
+logger = logging.getLogger(__name__)
+
+# gloo's worker lets go of a finished work within microseconds; this only bounds a broken one.
+_RELEASE_TIMEOUT_S = 10.0
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -26,35 +42,35 @@ def all_gather_shards(full: torch.Tensor, shard: torch.Tensor, group: dist.Proce
     full, shard = _as_bytes(full), _as_bytes(shard)
     if _runs_locally(group):
         return _copy_unless_same(full, shard)
-    return _all_gather_single(full, shard, group=group, async_op=async_op)
+    return _launch(_all_gather_single, (full, shard), async_op, group=group)
 
 
 def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """``shard`` = this rank's slice of the sum of every rank's ``full``."""
     if _runs_locally(group):
         return _copy_unless_same(shard, full)
-    return _reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _launch(_reduce_scatter_single, (shard, full), async_op, op=dist.ReduceOp.SUM, group=group)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """``tensor`` = the sum of every rank's ``tensor``, in place."""
     if _runs_locally(group):
         return None
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _launch(dist.all_reduce, (tensor,), async_op, op=dist.ReduceOp.SUM, group=group)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """``tensor`` = the elementwise maximum of every rank's ``tensor``, in place."""
     if _runs_locally(group):
         return None
-    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
+    return _launch(dist.all_reduce, (tensor,), async_op, op=dist.ReduceOp.MAX, group=group)
 
 
 def all_to_all(received: torch.Tensor, sent: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """Chunk r of ``sent`` goes to rank r; ``received`` holds every rank's chunk for this rank."""
     if _runs_locally(group):
         return _copy_unless_same(received, sent)
-    return dist.all_to_all_single(received, sent, group=group, async_op=async_op)
+    return _launch(dist.all_to_all_single, (received, sent), async_op, group=group)
 
 
 def all_to_all_uneven(
@@ -64,7 +80,49 @@ def all_to_all_uneven(
     ``received_splits[r]`` values from each rank r, in rank order."""
     if _runs_locally(group):
         return _copy_unless_same(received, sent)
-    return dist.all_to_all_single(received, sent, received_splits, sent_splits, group=group)
+    return _launch(dist.all_to_all_single, (received, sent, received_splits, sent_splits), False, group=group)
+
+
+class HostWork:
+    """A collective on host tensors, run on views only this object knows (the module's note):
+    ``wait()`` also waits until gloo's worker thread has let go of them."""
+
+    def __init__(self, work: dist.Work, views: list[torch.Tensor]) -> None:
+        self._work: dist.Work | None = work
+        self._views = [weakref.ref(view) for view in views]
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def wait(self) -> bool:
+        """Raises the collective's error (again at a later wait: the work is kept until it succeeds)."""
+        if self._work is None:
+            return True
+        self._work.wait()
+        self._work = None  # its last reference, unless gloo's worker still holds it
+        deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+        while any(view() is not None for view in self._views):
+            if time.monotonic() > deadline:
+                logger.warning("gloo's worker thread still holds a finished collective after %g s", _RELEASE_TIMEOUT_S)
+                break
+            time.sleep(1e-5)  # lets the worker take the GIL it needs to drop them
+        return True
+
+
+def _launch(collective, arguments: tuple, async_op: bool, **options) -> dist.Work | HostWork | None:
+    """``collective(*arguments, async_op=async_op, **options)``; on host tensors through
+    :class:`HostWork`, waited here unless ``async_op``."""
+    tensors = [argument for argument in arguments if isinstance(argument, torch.Tensor)]
+    if tensors[0].device.type != "cpu":
+        return collective(*arguments, async_op=async_op, **options)
+    views = {id(tensor): tensor.view(tensor.shape) for tensor in tensors}
+    arguments = tuple(views.get(id(argument), argument) for argument in arguments)
+    work = HostWork(collective(*arguments, async_op=True, **options), list(views.values()))
+    del views, arguments  # the work's views must have no other reference here
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -95,7 +153,7 @@ def _copy_unless_same(destination: torch.Tensor, source: torch.Tensor) -> None:
 
 
 def wait_for(
-    work: dist.Work | None, timeout: float | None, what: str, group: dist.ProcessGroup, device: torch.device
+    work: dist.Work | HostWork | None, timeout: float | None, what: str, group: dist.ProcessGroup, device: torch.device
 ) -> None:
     """Waits for an asynchronous collective over ``group`` on ``device`` (``work`` None: one that
     ran locally, nothing to wait for). A failure (``timeout`` seconds passed, the process group's
@@ -132,7 +190,7 @@ def wait_for(
         WATCH.blocking_wait(None)
 
 
-def _finishes_within(work: dist.Work, timeout: float) -> bool:
+def _finishes_within(work: dist.Work | HostWork, timeout: float) -> bool:
     """Whether ``work`` completes within ``timeout`` seconds. Not every backend's Work honours
     ``wait(timeout)`` (gloo's reduce-scatter blocks regardless), so a helper thread waits and
     this one stops waiting for it; the caller's own ``wait()`` then returns at once or raises."""
@@ -142,7 +200,7 @@ def _finishes_within(work: dist.Work, timeout: float) -> bool:
     return not waiter.is_alive()
 
 
-def _wait_ignoring_errors(work: dist.Work) -> None:
+def _wait_ignoring_errors(work: dist.Work | HostWork) -> None:
     try:
         work.wait()
     except RuntimeError:

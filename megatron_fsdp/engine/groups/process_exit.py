@@ -5,9 +5,11 @@ collective completes. When Python dropped its own references first (a temporary 
 drop frees a Python object and must take the GIL; once the interpreter is finalizing, taking it
 ends the thread and ``std::terminate`` aborts the process after the script succeeded ("terminate
 called without an active exception", torch issue 190489), even after ``destroy_process_group``,
-since meshes and models still hold the group. Before finalizing, the handler registered here
-releases the GIL for a moment so the workers finish that drop, and destroys the default group
-when megatron_fsdp created it (``init_default_group``), as torch asks of whoever creates one.
+since meshes and models still hold the group. The engine's own collectives wait for that drop
+(``collectives.HostWork``); for the ones torch runs on the same groups (a checkpoint's object
+collectives), the handler registered here releases the GIL for a moment before finalizing, and
+destroys the default group when megatron_fsdp created it (``init_default_group``), as torch asks
+of whoever creates one.
 """
 
 from __future__ import annotations
@@ -39,13 +41,7 @@ def uses_gloo(group: dist.ProcessGroup) -> bool:
     return "gloo" in str(dist.get_backend(group))
 
 
-def let_gloo_workers_finish() -> None:
-    """Releases the GIL for a moment, so that gloo's workers drop the tensors of the collectives
-    that completed (until then those tensors stay alive, held by the workers alone)."""
-    time.sleep(_WORKERS_SETTLE_S)
-
-
 def _settle() -> None:
     if _destroy_default_group and dist.is_initialized():
         dist.destroy_process_group()
-    let_gloo_workers_finish()
+    time.sleep(_WORKERS_SETTLE_S)  # the GIL released: gloo's workers drop what torch's collectives left them

@@ -18,13 +18,12 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch.autograd import Variable
 
 from megatron_fsdp import _ops
 from megatron_fsdp.engine.buckets.buffer import Bucket, PendingReduction
 from megatron_fsdp.engine.config import FSDPSettings
-from megatron_fsdp.engine.groups.collectives import all_gather_shards
+from megatron_fsdp.engine.groups.collectives import all_gather_shards, all_reduce_max
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup
 from megatron_fsdp.engine.step.units import FSDPUnit
 
@@ -310,7 +309,7 @@ class StepScheduler:
         on_device = [g for g in grads if g.device == buckets[0].device]
         flags = [_ops.find_non_finite(group).any().to(buckets[0].device) for group in (on_host, on_device) if group]
         found = torch.stack(flags).any().to(torch.int32).reshape(1)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.dp.group)
+        all_reduce_max(found, self.dp.group)
         if found.item():
             raise FloatingPointError(
                 f"check_for_nan_in_grad: the reduced gradients hold NaN or Inf before optimizer step {step}; "
