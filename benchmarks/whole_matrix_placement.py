@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from megatron_fsdp.optim.owner_placement import Route, assign_owners, gather_to_owners, scatter_from_owners
+from megatron_fsdp.optim.owner_placement import assign_owners, flat_route, gather_to_owners, scatter_from_owners
 
 
 def block_shapes(hidden: int, layers: int) -> list[tuple[int, int]]:
@@ -73,7 +73,7 @@ def owner_step(weights: list[torch.Tensor], grads: list[torch.Tensor], shapes: l
     mesh = muon["mesh"]
     world = mesh.size(0)
     owners = assign_owners(shapes, world)
-    routes = [Route(mesh, torch.Size(shape), _pieces(shape[0] * shape[1], world), owner) for shape, owner in zip(shapes, owners)]
+    routes = [flat_route(mesh, torch.Size(shape), _pieces(shape[0] * shape[1], world), owner) for shape, owner in zip(shapes, owners)]
     wholes = gather_to_owners(routes + routes, weights + grads)
     new_wholes: list[torch.Tensor | None] = [None] * len(shapes)
     for index, shape in enumerate(shapes):

@@ -99,8 +99,15 @@ def _micro_batches(step: int, rank: int, world: int, accumulate: int):
 def _whole_model_door(rank: int, world: int, strategy: int, accumulate: int, clip: bool, bf16: bool, special: str = ""):
     model = make_model(seed=0, dtype=torch.bfloat16 if bf16 else torch.float32)
     muon, adamw = _optimizers(list(model.named_parameters()))
+    hybrid = {}
+    if special in ("hsdp", "hfsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
+        hybrid = {"device_mesh": mesh, "dp_shard_dim": "dp_shard", "dp_outer_dim": "dp_outer",
+                  "outer_dp_sharding_strategy": "optim" if special == "hfsdp" else "no_shard"}
     model, muon = megatron_fsdp.fully_shard(
-        model, muon, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, cpu_offload=special == "offload"
+        model, muon, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, cpu_offload=special == "offload", **hybrid
     )
     adamw = megatron_fsdp.fully_shard_optimizer(adamw, model=model)
     losses = []
@@ -188,6 +195,7 @@ CASES = [
     ("whole-model", 2, 4, 1, True, False, ""),
     ("whole-model", 3, 2, 1, False, True, ""),
     ("whole-model", 3, 2, 1, False, False, "offload"),
+    ("whole-model", 3, 4, 1, False, False, "hfsdp"),
     ("fsdp2", 3, 2, 2, True, False, ""),
     ("fsdp2", 3, 2, 1, False, True, ""),
     ("fsdp2", 3, 4, 1, False, False, "hsdp"),
@@ -198,7 +206,7 @@ CASES = [
 def test_muon_and_adamw_step_like_one_process(
     door: str, strategy: int, world: int, accumulate: int, clip: bool, bf16: bool, special: str
 ) -> None:
-    loose = bf16 or special in ("hsdp", "offload")
+    loose = bf16 or special in ("hsdp", "hfsdp", "offload")
     rtol = LOOSE_RTOL if loose else RTOL
     for rank, errors in enumerate(run_distributed(_parity, world, door, strategy, accumulate, clip, bf16, special, loose)):
         worst = max(errors, key=errors.get)
@@ -496,3 +504,89 @@ def test_owners_are_balanced_by_newton_schulz_cost_and_the_same_on_every_call() 
     load = [sum(step_cost(shape) for shape, owner in zip(shapes, owners) if owner == rank) for rank in range(4)]
     small = sorted(load)[:3]
     assert max(small) - min(small) <= step_cost((60, 20)), load
+
+
+def _tensor_parallel_muon(rank: int, world: int, door: str) -> tuple[dict[str, float], list[str]]:
+    """Muon and AdamW over a model whose MLPs are tensor-parallel DTensors (Colwise up, Rowwise
+    down) on a 2 x 2 (dp, tp) mesh, sharded by ``door``: the errors of Muon's matrices and of each
+    step's loss against one process on the same global batches (tensor parallelism sums the
+    activations and gradients in another order: held to LOOSE_RTOL, as HSDP), with Muon's state
+    taken through its state dict and back midway, and the matrices whose momentum this rank holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from megatron_fsdp.fsdp2 import fully_shard
+
+    dp_size = 2
+    mesh = init_device_mesh("cpu", (dp_size, world // dp_size), mesh_dim_names=("dp", "tp"))
+    model = make_model(seed=0)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    if door == "whole-model":
+        muon, adamw = _optimizers(list(model.named_parameters()))
+        model, muon = megatron_fsdp.fully_shard(
+            model, muon, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp", fsdp_unit_modules=[Block]
+        )
+        adamw = megatron_fsdp.fully_shard_optimizer(adamw, model=model)
+    else:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        muon, adamw = _optimizers(list(model.named_parameters()))
+    dp_rank = mesh["dp"].get_local_rank()
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = next(_micro_batches(step, dp_rank, dp_size, 1))
+        loss = model(tokens, targets)
+        loss.backward()
+        losses.append(_global_loss(loss))
+        if step == 1:
+            # Through the state dict and back (momentum as pieces of its global shape, gathered
+            # to the owners at the next step): a wrong piece moves the matrices by a whole update.
+            muon.load_state_dict(muon.state_dict())
+        for optimizer in (muon, adamw):
+            optimizer.step()
+        for optimizer in (muon, adamw):
+            optimizer.zero_grad()
+    # Global tensors (the whole-model door's full_parameters() gathers over the data-parallel ranks only).
+    params = {name: value.full_tensor() for name, value in model.state_dict().items()}
+    expected, expected_losses = _single_process(dp_size, 1, False)
+    errors = {name: _relative_error(params[name], want) for name, want in expected.items() if _is_matrix_in_block(name, want)}
+    for step, (loss, want) in enumerate(zip(losses, expected_losses)):
+        errors[f"loss at step {step}"] = abs(loss - want) / abs(want)
+    names = [name for name, param in make_model().named_parameters() if _is_matrix_in_block(name, param)]
+    held = [name for name, param in zip(names, muon.param_groups[0]["params"]) if "momentum_buffer" in muon.state.get(param, {})]
+    return errors, held
+
+
+@pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
+def test_muon_over_tensor_parallel_matrices_steps_like_one_process(door: str) -> None:
+    """Also: each tensor-parallel matrix is stepped (its momentum held) on one rank of the four,
+    the others (replicated over tp, sharded over dp) on one rank of each tp rank's dp group."""
+    results = run_distributed(_tensor_parallel_muon, 4, door)
+    for rank, (errors, _) in enumerate(results):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= LOOSE_RTOL, f"rank {rank}: {worst} differs by {errors[worst]:.2e} relative (allowed {LOOSE_RTOL:.0e}); all: {errors}"
+    holders = {name: sum(name in held for _, held in results) for name in results[0][1] + results[1][1] + results[2][1] + results[3][1]}
+    assert holders == {
+        f"blocks.{block}.{matrix}.weight": 1 if matrix in ("up", "down") else 2
+        for block in (0, 1) for matrix in ("qkv", "proj", "up", "down")
+    }, holders
+
+
+def _matrices_stepped_here(rank: int, world: int, door: str, special: str) -> list[int]:
+    """The indices of Muon's matrices whose momentum this rank holds after training."""
+    if door == "whole-model":
+        _, muon, _, _ = _whole_model_door(rank, world, 3, 1, False, False, special)
+    else:
+        _, muon, _, _ = _fsdp2_door(rank, world, 1, False, False, special)
+    return [index for index, param in enumerate(muon.param_groups[0]["params"]) if "momentum_buffer" in muon.state.get(param, {})]
+
+
+@pytest.mark.parametrize("door, special, replicas", [("whole-model", "hfsdp", 1), ("fsdp2", "hsdp", 2)])
+def test_each_matrix_is_stepped_on_one_rank_of_each_replica(door: str, special: str, replicas: int) -> None:
+    """HFSDP splits each matrix over all 4 ranks: one owner among them; HSDP replicates it over
+    the outer dim: one owner in each replica, never every rank."""
+    held = run_distributed(_matrices_stepped_here, 4, door, special)
+    matrices = sum(1 for name, param in make_model().named_parameters() if _is_matrix_in_block(name, param))
+    assert sorted(index for indices in held for index in indices) == sorted(list(range(matrices)) * replicas), held

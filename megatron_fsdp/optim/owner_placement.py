@@ -1,15 +1,19 @@
-"""Which rank of its shard group steps each whole tensor of a whole-tensor optimizer, and the two
-exchanges that bring the tensor's pieces to that rank and its pieces back.
+"""Which rank steps each whole tensor of a whole-tensor optimizer, and the two exchanges that
+bring the tensor's pieces to that rank and its pieces back.
 
-Each tensor is given to one *owner* rank of the 1-D mesh its face is sharded over, balanced by the
-work its optimizer does on it (Newton-Schulz on an ``m x n`` matrix costs ~``m n min(m, n)``):
-largest first, each to the least loaded rank, ties to the lower index and rank, so every rank
-computes the same owners from the faces' metadata alone. The owner receives every rank's piece of
-the tensor (:func:`gather_to_owners`) and, after its step, sends each rank its piece back
+Each tensor is given to one *owner* rank of the mesh its face lives on, balanced by the work its
+optimizer does on it (Newton-Schulz on an ``m x n`` matrix costs ~``m n min(m, n)``): largest
+first, each to the least loaded rank, ties to the lower index and rank, so every rank computes the
+same owners from the faces' metadata alone. The owner receives every rank's piece of the tensor
+(:func:`gather_to_owners`) and, after its step, sends each rank its piece back
 (:func:`scatter_from_owners`): one all-to-all each way for all tensors of one mesh and dtype, moving
 only the pieces (a rank receives ``N (W-1)/W`` values of each tensor it owns, and ``N/W`` of every
-other one back). A face whose mesh has more dims (tensor or expert parallel, HFSDP's split pieces)
-or whose pieces sit off the mesh's device has no route: the caller gathers it on every rank.
+other one back). A face replicated over some mesh dims (HSDP's outer dim, a weight tensor parallelism
+leaves whole) is exchanged within each replica, over the other dims. Over several dims (tensor or
+expert parallel, HFSDP's split pieces) the exchanges run over their ranks as one dim, and a piece
+is the rectangles of the global tensor it covers, which the ranks tell each other once
+(:func:`routes_of`). A face held whole in a strided split's layout, or whose pieces sit off the
+mesh's device, has no route: the caller gathers it on every rank.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from megatron_fsdp.engine.groups.collectives import all_to_all_uneven
+from megatron_fsdp.engine.groups.collectives import all_reduce_max, all_to_all_uneven
 from megatron_fsdp.engine.params.sharded_params import ShardSpec
 
 
@@ -50,15 +54,21 @@ def assign_owners(shapes: list[torch.Size | tuple[int, ...]], world: int) -> lis
     return owners
 
 
+# ``(offsets, sizes)`` of a block of a route's grid.
+Rectangle = tuple[tuple[int, ...], tuple[int, ...]]
+
+
 @dataclass(frozen=True)
 class Route:
-    """How one tensor moves between its pieces and its owner on ``mesh`` (1-D): ``pieces[r]`` is
-    ``(start, length)`` of rank r's piece in the flattened tensor, or None where every rank holds
-    it whole (``no_shard``: the owner needs nothing sent, and sends every rank the whole)."""
+    """How one tensor of ``shape`` moves between its pieces and its owner over ``mesh`` (1-D):
+    ``pieces[r]`` are the rectangles of ``grid`` (the tensor's flat length, or its shape) that
+    rank r's piece covers, in the piece's flat order; None where every rank holds it whole
+    (``no_shard``: the owner needs nothing sent, and sends every rank the whole)."""
 
     mesh: DeviceMesh
     shape: torch.Size
-    pieces: tuple[tuple[int, int], ...] | None
+    pieces: tuple[tuple[Rectangle, ...], ...] | None
+    grid: tuple[int, ...]
     owner: int = 0
 
     @property
@@ -69,23 +79,84 @@ class Route:
         """How many values rank ``rank`` sends the owner."""
         if self.pieces is None:
             return self.numel if rank == self.owner else 0
-        return self.pieces[rank][1]
+        return sum(_size(sizes) for _, sizes in self.pieces[rank])
 
-    def piece_of(self, rank: int) -> tuple[int, int]:
-        """``(start, length)`` of what the owner sends rank ``rank`` back."""
-        return (0, self.numel) if self.pieces is None else self.pieces[rank]
+    def piece_of(self, rank: int) -> tuple[Rectangle, ...]:
+        """The rectangles of what the owner sends rank ``rank`` back (and what it sent)."""
+        return (((0,), (self.numel,)),) if self.pieces is None else self.pieces[rank]
 
 
-def route_of(spec: ShardSpec, piece: torch.Tensor) -> Route | None:
-    """The route of a face of ``spec`` whose local piece is ``piece``, owner not yet set; None
-    where the exchanges do not apply (see the module docstring)."""
-    if spec.mesh.ndim != 1 or piece.device.type != spec.mesh.device_type:
+def flat_route(mesh: DeviceMesh, shape: torch.Size, pieces: tuple[tuple[int, int], ...], owner: int = 0) -> Route:
+    """The route of a tensor whose rank r holds ``pieces[r] = (start, length)`` of its flattened values."""
+    return Route(mesh, shape, tuple((((start,), (length,)),) for start, length in pieces), (shape.numel(),), owner)
+
+
+def _size(sizes: tuple[int, ...]) -> int:
+    numel = 1
+    for size in sizes:
+        numel *= size
+    return numel
+
+
+def _region(grid: torch.Tensor, rectangle: Rectangle) -> torch.Tensor:
+    offsets, sizes = rectangle
+    for dim, (offset, size) in enumerate(zip(offsets, sizes)):
+        grid = grid.narrow(dim, offset, size)
+    return grid
+
+
+def routes_of(specs: list[ShardSpec], pieces: list[torch.Tensor]) -> list[Route | None]:
+    """The route of each face of ``specs`` whose local piece is ``pieces[i]``, owners not yet set;
+    None where the exchanges do not apply (see the module docstring). A face on a mesh of several
+    dims needs every rank's rectangles: one object all-gather per such mesh (every rank of the
+    meshes passes the same faces in the same order)."""
+    routes: list[Route | None] = [None] * len(specs)
+    spread: dict[DeviceMesh, list[int]] = {}
+    for index, (spec, piece) in enumerate(zip(specs, pieces)):
+        if piece.device.type != spec.mesh.device_type:
+            continue
+        flat = (spec.global_shape.numel(),)
+        if spec.layout is None:
+            if all(isinstance(placement, Replicate) for placement in spec.placements) and spec.mesh.ndim == 1:
+                routes[index] = Route(spec.mesh, spec.global_shape, None, flat)
+            continue
+        mesh = _sharded_dims(spec)
+        if mesh is None or spec.layout.dp_dims == 0:
+            continue
+        if mesh.ndim == 1 and spec.layout.dp_dims == 1 and tuple(spec.layout.local_shape) == tuple(spec.global_shape):
+            routes[index] = flat_route(mesh, spec.global_shape, spec.layout.pieces)
+        else:
+            spread.setdefault(mesh, []).append(index)
+    for mesh, indices in spread.items():
+        flat_mesh = mesh._flatten()  # torch's way to one dim over a mesh's ranks (made once, on every rank)
+        told: list = [None] * flat_mesh.size(0)
+        own = (flat_mesh.get_local_rank(0), [_own_rectangles(specs[index]) for index in indices])
+        dist.all_gather_object(told, own, group=flat_mesh.get_group(0))
+        by_rank = dict(told)  # by place in the mesh, as the exchanges count ranks
+        for k, index in enumerate(indices):
+            per_rank = tuple(by_rank[rank][k] for rank in range(flat_mesh.size(0)))
+            routes[index] = Route(flat_mesh, specs[index].global_shape, per_rank, tuple(specs[index].global_shape))
+    return routes
+
+
+def _sharded_dims(spec: ShardSpec) -> DeviceMesh | None:
+    """The mesh of the dims ``spec`` is split over: each replica (HSDP's outer dim, a parameter
+    replicated over tp) exchanges among its own ranks. None where a replicated dim has no name to
+    slice by."""
+    replicated = [isinstance(placement, Replicate) for placement in spec.placements]
+    if not any(replicated):
+        return spec.mesh
+    names = spec.mesh.mesh_dim_names
+    if names is None:
         return None
-    if spec.layout is None:
-        return Route(spec.mesh, spec.global_shape, None) if spec.placements == (Replicate(),) else None
-    if spec.layout.dp_dims != 1 or tuple(spec.layout.local_shape) != tuple(spec.global_shape):
-        return None
-    return Route(spec.mesh, spec.global_shape, spec.layout.pieces)
+    kept = tuple(name for name, dim_replicated in zip(names, replicated) if not dim_replicated)
+    return spec.mesh[kept[0]] if len(kept) == 1 else spec.mesh[kept]
+
+
+def _own_rectangles(spec: ShardSpec) -> tuple[Rectangle, ...]:
+    """The rectangles of the global tensor this rank's piece of ``spec`` covers, in its flat order."""
+    start, length = spec.layout.mine(spec.mesh)
+    return tuple((tuple(offsets), tuple(sizes)) for offsets, sizes, _ in spec.layout.rectangles(start, start + length))
 
 
 def gather_to_owners(routes: list[Route], local_pieces: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -109,10 +180,13 @@ def gather_to_owners(routes: list[Route], local_pieces: list[torch.Tensor]) -> l
     offset = 0
     for rank in range(world):
         for i in mine:
-            length = routes[i].sent_to_owner(rank)
-            start = routes[i].piece_of(rank)[0]
-            wholes[i][start : start + length].copy_(received[offset : offset + length])
-            offset += length
+            if routes[i].sent_to_owner(rank) == 0:
+                continue
+            grid = wholes[i].view(routes[i].grid)
+            for rectangle in routes[i].piece_of(rank):
+                length = _size(rectangle[1])
+                _region(grid, rectangle).copy_(received[offset : offset + length].view(rectangle[1]))
+                offset += length
     return wholes
 
 
@@ -127,22 +201,26 @@ def scatter_from_owners(routes: list[Route], wholes: list[torch.Tensor | None], 
     parts = []
     for rank in range(world):
         for i in mine:
-            start, length = routes[i].piece_of(rank)
-            parts.append(wholes[i].reshape(-1)[start : start + length])
+            grid = wholes[i].view(routes[i].grid)
+            parts.extend(_region(grid, rectangle).reshape(-1) for rectangle in routes[i].piece_of(rank))
     send = torch.cat(parts) if parts else like.new_empty(0)
-    send_splits = [sum(routes[i].piece_of(rank)[1] for i in mine) for rank in range(world)]
+    send_splits = [sum(_piece_length(routes[i], rank) for i in mine) for rank in range(world)]
     from_rank = [[i for i, route in enumerate(routes) if route.owner == rank] for rank in range(world)]
-    received_splits = [sum(routes[i].piece_of(me)[1] for i in from_rank[rank]) for rank in range(world)]
+    received_splits = [sum(_piece_length(routes[i], me) for i in from_rank[rank]) for rank in range(world)]
     received = like.new_empty(sum(received_splits))
     all_to_all_uneven(received, send, received_splits, send_splits, mesh.get_group(0))
     pieces: list[torch.Tensor] = [like.new_empty(0)] * len(routes)
     offset = 0
     for rank in range(world):
         for i in from_rank[rank]:
-            length = routes[i].piece_of(me)[1]
+            length = _piece_length(routes[i], me)
             pieces[i] = received[offset : offset + length]
             offset += length
     return pieces
+
+
+def _piece_length(route: Route, rank: int) -> int:
+    return sum(_size(sizes) for _, sizes in route.piece_of(rank))
 
 
 def any_rank_failed(meshes: list[DeviceMesh], failed: bool) -> bool:
@@ -151,6 +229,6 @@ def any_rank_failed(meshes: list[DeviceMesh], failed: bool) -> bool:
     flag = torch.tensor([1.0 if failed else 0.0])
     for mesh in meshes:
         on_device = flag.to(mesh.device_type)
-        dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=mesh.get_group(0))
+        all_reduce_max(on_device, mesh.get_group(0))
         flag = on_device.cpu()
     return bool(flag.item())

@@ -8,9 +8,11 @@ tensors of the parameters' global shapes holding the main weights, their ``.grad
 gradients. Each tensor has one *owner* rank of its shard group (owner_placement.py): only the
 owner receives it whole, steps it with the optimizer's own step and keeps its state (whole), and
 every rank gets its piece of the new weights back. ``optimizer.state_dict()`` shows that state as
-the same flat-piece DTensors as Adam's (owner_state.py). Faces the exchanges do not cover
-(tensor- or expert-parallel meshes, HFSDP's split pieces), and every face of an optimizer declared
-with ``placement="replicated"``, are gathered and stepped on every rank instead.
+the same flat-piece DTensors as Adam's (owner_state.py). A face split over several mesh dims (tensor
+or expert parallel, HFSDP's split pieces) has its owner among all their ranks; a face replicated
+over a dim (HSDP) has one owner in each replica. Faces the exchanges do not cover (a strided split
+held whole), and every face of an optimizer declared with ``placement="replicated"``, are gathered
+and stepped on every rank instead.
 docs/whole_matrix_optimizers.md has the costs.
 """
 
@@ -28,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from megatron_fsdp.engine.buckets.faces import FaceSource, local_piece
 from megatron_fsdp.engine.groups.collectives import all_gather_shards
 from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
-from megatron_fsdp.optim.owner_placement import Route, any_rank_failed, assign_owners, gather_to_owners, route_of, scatter_from_owners
+from megatron_fsdp.optim.owner_placement import Route, any_rank_failed, assign_owners, gather_to_owners, routes_of, scatter_from_owners
 from megatron_fsdp.optim.owner_state import show_owner_state, state_to_owners
 
 Placement = Literal["owner", "replicated"]
@@ -111,12 +113,14 @@ class WholeTensorSwap:
         key = (_placement(optimizer), tuple(id(face) for face in faces))
         if self._routes_cache is not None and self._routes_cache[0] == key:
             return self._routes_cache[1]
-        routes: dict[nn.Parameter, Route | None] = {}
+        if key[0] == "owner":
+            sources = [self._sources[face] for face in faces]
+            found = routes_of([source.spec for source in sources], [source.piece for source in sources])
+        else:
+            found = [None] * len(faces)
+        routes: dict[nn.Parameter, Route | None] = dict(zip(faces, found))
         per_mesh: dict[DeviceMesh, list[nn.Parameter]] = {}
-        for face in faces:
-            source = self._sources[face]
-            route = route_of(source.spec, source.piece) if key[0] == "owner" else None
-            routes[face] = route
+        for face, route in routes.items():
             if route is not None:
                 per_mesh.setdefault(route.mesh, []).append(face)
         for mesh, members in per_mesh.items():
