@@ -32,7 +32,6 @@ from torch.distributed.tensor import Partial as DTensorPartial
 from torch.distributed.tensor import Replicate as DTensorReplicate
 
 from megatron_fsdp.engine.groups.collectives import all_gather_shards, all_reduce_sum, reduce_scatter_sum
-from megatron_fsdp.engine.groups.process_exit import settle_gloo_at_exit
 from megatron_fsdp.engine.params.layout import BucketLayout, build_bucket_layout
 from megatron_fsdp.engine.params.piece_dtensor import FlatLayout, piece_dtensor
 from megatron_fsdp.experimental.placement import Flat, Partial, Placement, Replicate
@@ -93,8 +92,6 @@ class DBuffer:
                 f"a DBuffer on {device} cannot take part in a {mesh.device_type} mesh's collectives: put the buffer "
                 f"on {mesh.device_type}"
             )
-        if device.type == "cpu":
-            settle_gloo_at_exit()  # its collectives run on gloo
         self.mesh = mesh
         self.placements = _checked_placements(mesh, placements, dtype)
         self.tensor_shapes = _checked_shapes(tensor_shapes)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp.engine.groups.collective_watch import WATCH
+from megatron_fsdp.engine.groups.process_exit import settle_gloo_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ def _launch(collective, arguments: tuple, async_op: bool, **options) -> dist.Wor
     tensors = [argument for argument in arguments if isinstance(argument, torch.Tensor)]
     if tensors[0].device.type != "cpu":
         return collective(*arguments, async_op=async_op, **options)
+    settle_gloo_at_exit()  # for the collectives torch runs itself on these groups
     views = {id(tensor): tensor.view(tensor.shape) for tensor in tensors}
     arguments = tuple(views.get(id(argument), argument) for argument in arguments)
     work = HostWork(collective(*arguments, async_op=True, **options), list(views.values()))

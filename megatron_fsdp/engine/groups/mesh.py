@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from megatron_fsdp.engine.groups.process_exit import settle_gloo_at_exit, uses_gloo
+from megatron_fsdp.engine.groups.process_exit import settle_gloo_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,6 @@ def _group_over(mesh: DeviceMesh | None, root: DeviceMesh | None = None) -> Data
     """The group of a 1-D mesh sliced from ``root`` (the default group without one), with this
     rank's place in it."""
     group = dist.group.WORLD if mesh is None else mesh.get_group()
-    if uses_gloo(group):
-        settle_gloo_at_exit()
     names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
     return DataParallelGroup(
         group=group, rank=dist.get_rank(group), size=dist.get_world_size(group), mesh=mesh, root_mesh=root, dim_names=names

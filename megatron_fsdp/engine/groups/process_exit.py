@@ -36,11 +36,6 @@ def settle_gloo_at_exit(*, destroy_default_group: bool = False) -> None:
         _registered = True
 
 
-def uses_gloo(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` runs its CPU collectives on gloo."""
-    return "gloo" in str(dist.get_backend(group))
-
-
 def _settle() -> None:
     if _destroy_default_group and dist.is_initialized():
         dist.destroy_process_group()
