@@ -565,8 +565,10 @@ class MegatronFSDP(nn.Module):
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full value by name (a collective: call on every rank). Trainable
-        parameters come from the fp32 main parameters, frozen ones from the compute weights."""
+        """Every parameter's full value by name (a collective: call on every rank): gathered over
+        the data-parallel ranks, so under tensor or expert parallelism each rank's own part
+        (``state_dict()`` holds the global tensors). Trainable parameters come from the fp32 main
+        parameters, frozen ones from the compute weights."""
         full = {}
         for unit in self.units:
             for bucket in unit.buckets:
