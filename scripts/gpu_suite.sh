@@ -7,7 +7,7 @@
 # Parts (each sized to finish within 8 minutes on one H100, the build included):
 #   ops           the op tests on CUDA (tests/gpu/test_ops_cuda.py, tests/test_ops.py) and the op
 #                 bandwidth benchmark
-#   engine        parity, mixed precision, state dicts, user buffers, memory (steady state, the
+#   engine        parity, mixed precision, state dicts, Muon (its owner exchanges), user buffers, memory (steady state, the
 #                 plan against the allocator, out-of-memory recovery) over NCCL
 #   faults        a rank killed, silent or out of memory mid-step (tests/gpu/test_faults_nccl.py,
 #                 about 45 s a case at world 4) and restarts after a killed rank
