@@ -1,14 +1,17 @@
 """The engine's collectives on host tensors (gloo) return only once gloo's worker thread has let
-go of the tensors (engine/groups/collectives.py): a worker dropping the last reference during
-interpreter exit aborted one run in three of a script ending right after an HFSDP step.
+go of the tensors (engine/groups/collectives.py): a worker dropping the last reference to a tensor
+Python knows during interpreter exit aborted one run in three of a script ending right after an
+HFSDP step.
 
-Observable from here: right after a collective returns, nothing but this thread references the
-tensors' memory (their storages' use counts are back where they were). torch's own collectives
-leave it referenced about one call in three, so the loops below catch a wait that stops early."""
+Checked right after each collective returns: every alias it ran on is gone, and the caller's
+tensors have their reference counts of before. With the engine's wait removed, an alias outlives
+the call about one call in three (torch's own collectives leave the caller's tensors held as
+often), so the loops below catch a wait that stops early."""
 
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -21,8 +24,12 @@ CALLS = 40
 
 
 def _references(*tensors: torch.Tensor) -> tuple[int, ...]:
-    storages = tuple(torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in tensors)
-    return storages + tuple(sys.getrefcount(t) for t in tensors)
+    return tuple(sys.getrefcount(tensor) for tensor in tensors)
+
+
+def _recorded(alias: torch.Tensor, aliases: list[weakref.ref]) -> torch.Tensor:
+    aliases.append(weakref.ref(alias))
+    return alias
 
 
 def _collectives_let_go(rank: int, world: int) -> list[str]:
@@ -45,15 +52,23 @@ def _collectives_let_go(rank: int, world: int) -> list[str]:
                                                                     [4 // world] * world, group),
                               (received, shard), lambda: bool((received == float(world)).all())),
     }
+    aliases: list[weakref.ref] = []
+    make_alias = collectives._alias
+    # Each alias a collective makes, recorded (this pooled process gets the function back after).
+    collectives._alias = lambda tensor: _recorded(make_alias(tensor), aliases)
     failures = []
-    for name, (call, tensors, result_is_right) in calls.items():
-        before = _references(*tensors)
-        held = 0
-        for _ in range(CALLS):
-            call()
-            held += _references(*tensors) != before
-        if held or not result_is_right():
-            failures.append(f"{name}: still referenced after {held} of {CALLS} calls, result right: {result_is_right()}")
+    try:
+        for name, (call, tensors, result_is_right) in calls.items():
+            before = _references(*tensors)
+            held = 0
+            for _ in range(CALLS):
+                aliases.clear()
+                call()
+                held += _references(*tensors) != before or not aliases or any(alias() is not None for alias in aliases)
+            if held or not result_is_right():
+                failures.append(f"{name}: still referenced after {held} of {CALLS} calls, result right: {result_is_right()}")
+    finally:
+        collectives._alias = make_alias
     return failures
 
 

@@ -7,7 +7,7 @@ Over a group of one rank each is a local copy (or nothing) on the current stream
 work to wait for: the result is the same, and a backend call costs the host about 100 us
 (a one-GPU run, or a mesh dimension of size 1, launches a few per unit and step).
 
-On host tensors (gloo) a collective runs on views that only its :class:`HostWork` knows, and a
+On host tensors (gloo) a collective runs on aliases that only its :class:`HostWork` knows, and a
 wait returns once gloo's worker thread has let go of them. That thread drops its reference to a
 finished work after the waiting thread has moved on; when that is the last reference to a
 tensor Python also holds, it takes the GIL. A process group outlives ``destroy_process_group``
@@ -85,12 +85,14 @@ def all_to_all_uneven(
 
 
 class HostWork:
-    """A collective on host tensors, run on views only this object knows (the module's note):
-    ``wait()`` also waits until gloo's worker thread has let go of them."""
+    """A collective on host tensors, run on aliases only this object knows (the module's note):
+    ``wait()`` also waits until gloo's worker thread has let go of them. The aliases are
+    ``detach()``es, which share the memory but, unlike views, hold no reference to the caller's
+    tensor, so gloo's last drop frees nothing Python knows but the alias."""
 
-    def __init__(self, work: dist.Work, views: list[torch.Tensor]) -> None:
+    def __init__(self, work: dist.Work, aliases: list[torch.Tensor]) -> None:
         self._work: dist.Work | None = work
-        self._views = [weakref.ref(view) for view in views]
+        self._aliases = [weakref.ref(alias) for alias in aliases]
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
@@ -102,12 +104,17 @@ class HostWork:
         self._work.wait()
         self._work = None  # its last reference, unless gloo's worker still holds it
         deadline = time.monotonic() + _RELEASE_TIMEOUT_S
-        while any(view() is not None for view in self._views):
+        while any(alias() is not None for alias in self._aliases):
             if time.monotonic() > deadline:
                 logger.warning("gloo's worker thread still holds a finished collective after %g s", _RELEASE_TIMEOUT_S)
                 break
             time.sleep(1e-5)  # lets the worker take the GIL it needs to drop them
         return True
+
+
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """What a host collective runs on in place of ``tensor`` (see HostWork)."""
+    return tensor.detach()
 
 
 def _launch(collective, arguments: tuple, async_op: bool, **options) -> dist.Work | HostWork | None:
@@ -117,10 +124,10 @@ def _launch(collective, arguments: tuple, async_op: bool, **options) -> dist.Wor
     if tensors[0].device.type != "cpu":
         return collective(*arguments, async_op=async_op, **options)
     settle_gloo_at_exit()  # for the collectives torch runs itself on these groups
-    views = {id(tensor): tensor.view(tensor.shape) for tensor in tensors}
-    arguments = tuple(views.get(id(argument), argument) for argument in arguments)
-    work = HostWork(collective(*arguments, async_op=True, **options), list(views.values()))
-    del views, arguments  # the work's views must have no other reference here
+    aliases = {id(tensor): _alias(tensor) for tensor in tensors}
+    arguments = tuple(aliases.get(id(argument), argument) for argument in arguments)
+    work = HostWork(collective(*arguments, async_op=True, **options), list(aliases.values()))
+    del aliases, arguments  # the work's aliases must have no other reference here
     if async_op:
         return work
     work.wait()
