@@ -17,7 +17,9 @@ its whole update.
 Also: each matrix's momentum lives whole on its owner only, shows in the state dict as pieces of
 its global shape and round-trips through it and through DCP across world sizes (both doors); bad
 input (Muon given a vector), a step that raises on one owner only and an undeclared optimizer that
-needs matrices fail on every rank; a declared one steps whole matrices.
+needs matrices fail on every rank; a declared one steps whole matrices. Over tensor parallelism
+(dp 2 x tp 2, both doors) and HFSDP each matrix is stepped on one rank of the four, under HSDP on
+one rank of each replica.
 """
 
 from __future__ import annotations

@@ -53,15 +53,15 @@ def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group: dist.Proc
     return _launch(_reduce_scatter_single, (shard, full), async_op, op=dist.ReduceOp.SUM, group=group)
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
-    """``tensor`` = the sum of every rank's ``tensor``, in place."""
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
+    """``tensor`` = the sum of every rank's ``tensor``, in place (``group`` None: the default group)."""
     if _runs_locally(group):
         return None
     return _launch(dist.all_reduce, (tensor,), async_op, op=dist.ReduceOp.SUM, group=group)
 
 
-def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
-    """``tensor`` = the elementwise maximum of every rank's ``tensor``, in place."""
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
+    """``tensor`` = the elementwise maximum of every rank's ``tensor``, in place (``group`` None: the default group)."""
     if _runs_locally(group):
         return None
     return _launch(dist.all_reduce, (tensor,), async_op, op=dist.ReduceOp.MAX, group=group)
