@@ -141,6 +141,9 @@ def _ideal(config, device: torch.device) -> dict:
 def _run_row(name: str, config, args, device: torch.device) -> dict:
     muon = name.endswith("Muon")
     row = _ideal(config, device) if muon else {}
+    if device.type == "cuda":  # the ideal's buffers are not the row's memory
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     model, optimizers = (_ours if name.startswith("megatron_fsdp") else _fsdp2)(config, device, muon)
     steps, optimizer_times, losses = [], {type(o).__name__: [] for o in optimizers}, []
     rank = dist.get_rank()
