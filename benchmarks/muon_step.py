@@ -20,6 +20,13 @@ n``) over the world, at the bf16 matmul rate measured here on the largest matrix
 ours's two exchanges (weights and gradients to the owners, ``2 M / W`` values a rank; weights
 back, ``M / W``; fp32) at the all-to-all time measured here for those sizes.
 
+Then a projection, from our Muon row's measured parts, of Muon's step at 8 to 1024 GPUs (each
+GPU's batch kept): the most loaded owner's Newton-Schulz (owners as the engine assigns them: with
+few large matrices and many ranks some own nothing) at the measured matmul rate, plus the
+exchanges (``3 M (W-1)/W^2`` values a rank) at the measured all-to-all rate, which holds within a
+node (across nodes the rate is lower and the exchange share higher), as a share of our AdamW row's
+whole step.
+
 ``--device cpu`` runs it on gloo with a small model: a smoke test of the script, times without
 meaning.
 """
@@ -48,6 +55,7 @@ from step_time import TransformerBlock  # noqa: E402
 ROWS = ("megatron_fsdp AdamW", "megatron_fsdp Muon", "torch FSDP2 AdamW", "torch FSDP2 Muon")
 MUON_LR, ADAMW_LR = 0.02, 1e-4
 NEWTON_SCHULZ_STEPS = 5  # torch.optim.Muon's default
+PROJECTED_WORLDS = [8, 16, 32, 64, 128, 256, 512, 1024]
 
 
 def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
@@ -135,7 +143,36 @@ def _ideal(config, device: torch.device) -> dict:
     tflops = _matmul_tflops(max(shapes, key=lambda s: s[0] * s[1]), device)
     compute = newton_schulz_flops(shapes) / world / (tflops * 1e12)
     exchanges = _all_to_all_seconds(2 * values // world, device) + _all_to_all_seconds(values // world, device)
-    return {"ideal_muon_ms": (compute + exchanges) * 1e3, "matmul_tflops": tflops, "ideal_exchange_ms": exchanges * 1e3}
+    return {
+        "ideal_muon_ms": (compute + exchanges) * 1e3, "matmul_tflops": tflops, "ideal_exchange_ms": exchanges * 1e3,
+        # What a rank sent the others in those two all-to-alls, per second.
+        "exchange_gb_per_s": _exchanged_values(values, world) * 4 / exchanges / 1e9,
+    }
+
+
+def _exchanged_values(values: int, world: int) -> float:
+    """fp32 values a rank sends the others in the owner exchanges for ``values`` values in all:
+    ``2 M (W-1)/W^2`` to the owners (weights and gradients), ``M (W-1)/W^2`` back."""
+    return 3 * values * (world - 1) / world**2
+
+
+def projected_muon_step(shapes: list[tuple[int, int]], worlds: list[int], tflops: float, gb_per_s: float) -> list[dict]:
+    """Muon's step at each world size of ``worlds`` from the parts measured at one: the most loaded
+    owner's Newton-Schulz (owners as the engine assigns them) at ``tflops``, plus the exchanges at
+    ``gb_per_s`` a rank (the measured rate: within a node; across nodes it is lower)."""
+    from megatron_fsdp.optim.owner_placement import assign_owners
+
+    values = sum(rows * columns for rows, columns in shapes)
+    projected = []
+    for world in worlds:
+        load = [0] * world
+        for shape, owner in zip(shapes, assign_owners(shapes, world)):
+            load[owner] += newton_schulz_flops([shape])
+        newton_schulz_ms = max(load) / (tflops * 1e12) * 1e3
+        exchange_ms = _exchanged_values(values, world) * 4 / (gb_per_s * 1e9) * 1e3
+        projected.append({"world": world, "newton_schulz_ms": newton_schulz_ms, "exchange_ms": exchange_ms,
+                          "muon_step_ms": newton_schulz_ms + exchange_ms})
+    return projected
 
 
 def _run_row(name: str, config, args, device: torch.device) -> dict:
@@ -233,6 +270,29 @@ def _report(rows: list[dict]) -> None:
         print(f"{row['implementation']:<22}" + "".join(f"{cell:>10}" for cell in cells))
 
 
+def _report_projection(rows: list[dict], args) -> list[dict]:
+    """How Muon's step would fall with the world (weak scaling: each GPU's batch stays), from our
+    Muon row's measured parts, as a share of our AdamW row's whole step."""
+    muon = next((row for row in rows if row.get("implementation") == "megatron_fsdp Muon" and "error" not in row), None)
+    adamw = next((row for row in rows if row.get("implementation") == "megatron_fsdp AdamW" and "error" not in row), None)
+    if muon is None:
+        return []
+    config = step_time.model_config(args)
+    if args.layers is not None:
+        config = dataclasses.replace(config, layers=args.layers)
+    model = step_time._build(config, torch.device("meta"), torch.float32)
+    shapes = [tuple(p.shape) for n, p in model.named_parameters() if is_muon_matrix(n, p)]
+    projected = projected_muon_step(shapes, PROJECTED_WORLDS, muon["matmul_tflops"], muon["exchange_gb_per_s"])
+    print(f"\nMuon's step by world size, from the parts measured at world {muon['world']} "
+          f"({muon['matmul_tflops']:.0f} TFLOP/s bf16, {muon['exchange_gb_per_s']:.0f} GB/s a rank):")
+    print(f"{'world':>6}{'NS ms':>10}{'exch. ms':>10}{'step ms':>10}{'of AdamW step':>15}")
+    for entry in projected:
+        share = f"{entry['muon_step_ms'] / (adamw['median_step_s'] * 1e3):.1%}" if adamw else "-"
+        print(f"{entry['world']:>6}{entry['newton_schulz_ms']:>10.1f}{entry['exchange_ms']:>10.1f}"
+              f"{entry['muon_step_ms']:>10.1f}{share:>15}")
+    return projected
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     step_time.add_model_arguments(parser)
@@ -263,6 +323,10 @@ def main() -> None:
             with open(args.out, "w") as handle:
                 json.dump({"rows": rows, "arguments": vars(args)}, handle, indent=2)
     _report(rows)
+    projected = _report_projection(rows, args)
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump({"rows": rows, "projected_muon_step": projected, "arguments": vars(args)}, handle, indent=2)
 
 
 if __name__ == "__main__":

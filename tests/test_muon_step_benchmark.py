@@ -40,4 +40,17 @@ def test_the_benchmark_runs_its_muon_rows_on_cpu(tmp_path) -> None:
         assert row["world"] == 2 and row["median_muon_step_ms"] > 0 and row["ideal_muon_ms"] > 0, row
         # The same model, data and first steps: both start from the same loss (ln 32000 ~ 10.4).
         assert abs(row["final_loss"] - rows[0]["final_loss"]) < 0.05 and 9.5 < row["final_loss"] < 11.5, rows
-    assert "x ideal" in run.stdout
+    assert "x ideal" in run.stdout and "Muon's step by world size" in run.stdout, run.stdout
+    projected = json.loads(out.read_text())["projected_muon_step"]
+    assert [entry["world"] for entry in projected] == muon_step.PROJECTED_WORLDS, projected
+
+
+def test_the_projection_takes_the_most_loaded_owner_and_the_exchanged_values() -> None:
+    shapes = [(4, 8)] * 3
+    one = muon_step.newton_schulz_flops([(4, 8)])
+    projected = muon_step.projected_muon_step(shapes, [1, 2, 4], tflops=1e-6, gb_per_s=1e-3)
+    # 1e-6 TFLOP/s is 1e6 FLOP/s; 1e-3 GB/s is 1e6 bytes/s.
+    assert [entry["newton_schulz_ms"] for entry in projected] == pytest.approx([3 * one / 1e3, 2 * one / 1e3, one / 1e3])
+    values = 3 * 32
+    exchanged = [0.0, 3 * values * 1 / 4, 3 * values * 3 / 16]  # 3 M (W-1) / W^2 values of 4 bytes
+    assert [entry["exchange_ms"] for entry in projected] == pytest.approx([4 * v / 1e3 for v in exchanged])
