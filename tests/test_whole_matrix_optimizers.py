@@ -508,27 +508,32 @@ def test_owners_are_balanced_by_newton_schulz_cost_and_the_same_on_every_call() 
     assert max(small) - min(small) <= step_cost((60, 20)), load
 
 
-def _tensor_parallel_muon(rank: int, world: int, door: str) -> tuple[dict[str, float], list[str]]:
-    """Muon and AdamW over a model whose MLPs are tensor-parallel DTensors (Colwise up, Rowwise
-    down) on a 2 x 2 (dp, tp) mesh, sharded by ``door``: the errors of Muon's matrices and of each
-    step's loss against one process on the same global batches (tensor parallelism sums the
-    activations and gradients in another order: held to LOOSE_RTOL, as HSDP), with Muon's state
-    taken through its state dict and back midway, and the matrices whose momentum this rank holds."""
+def muon_over_dp_tp(
+    rank: int, world: int, door: str, tensor_parallel: bool = True, device_type: str = "cpu"
+) -> tuple[dict[str, float], list[str]]:
+    """Muon and AdamW over a model sharded by ``door`` over a (dp, tp) mesh, its MLPs tensor-parallel
+    DTensors (Colwise up, Rowwise down) on dp 2 x tp 2 with ``tensor_parallel``, else sharded over
+    all ``world`` ranks; on ``device_type`` ("cuda": tests/gpu/test_muon_nccl.py). Returns the errors
+    of Muon's matrices and of each step's loss against one process on the same global batches
+    (tensor parallelism sums the activations and gradients in another order: held to LOOSE_RTOL,
+    as HSDP), with Muon's state taken through its state dict and back midway, and the matrices
+    whose momentum this rank holds."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from megatron_fsdp.fsdp2 import fully_shard
 
-    dp_size = 2
-    mesh = init_device_mesh("cpu", (dp_size, world // dp_size), mesh_dim_names=("dp", "tp"))
-    model = make_model(seed=0)
-    for block in model.blocks:
-        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    dp_size = 2 if tensor_parallel else world
+    mesh = init_device_mesh(device_type, (dp_size, world // dp_size), mesh_dim_names=("dp", "tp"))
+    model = make_model(seed=0).to(device)
+    if tensor_parallel:
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     if door == "whole-model":
         muon, adamw = _optimizers(list(model.named_parameters()))
-        model, muon = megatron_fsdp.fully_shard(
-            model, muon, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp", fsdp_unit_modules=[Block]
-        )
+        tp = {"tp_dim": "tp"} if tensor_parallel else {}
+        model, muon = megatron_fsdp.fully_shard(model, muon, device_mesh=mesh, dp_shard_dim="dp", fsdp_unit_modules=[Block], **tp)
         adamw = megatron_fsdp.fully_shard_optimizer(adamw, model=model)
     else:
         for block in model.blocks:
@@ -539,7 +544,7 @@ def _tensor_parallel_muon(rank: int, world: int, door: str) -> tuple[dict[str, f
     losses = []
     for step in range(STEPS):
         tokens, targets = next(_micro_batches(step, dp_rank, dp_size, 1))
-        loss = model(tokens, targets)
+        loss = model(tokens.to(device), targets.to(device))
         loss.backward()
         losses.append(_global_loss(loss))
         if step == 1:
@@ -551,7 +556,7 @@ def _tensor_parallel_muon(rank: int, world: int, door: str) -> tuple[dict[str, f
         for optimizer in (muon, adamw):
             optimizer.zero_grad()
     # Global tensors (the whole-model door's full_parameters() gathers over the data-parallel ranks only).
-    params = {name: value.full_tensor() for name, value in model.state_dict().items()}
+    params = {name: value.full_tensor().cpu() for name, value in model.state_dict().items()}
     expected, expected_losses = _single_process(dp_size, 1, False)
     errors = {name: _relative_error(params[name], want) for name, want in expected.items() if _is_matrix_in_block(name, want)}
     for step, (loss, want) in enumerate(zip(losses, expected_losses)):
@@ -561,19 +566,22 @@ def _tensor_parallel_muon(rank: int, world: int, door: str) -> tuple[dict[str, f
     return errors, held
 
 
-@pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
-def test_muon_over_tensor_parallel_matrices_steps_like_one_process(door: str) -> None:
-    """Also: each tensor-parallel matrix is stepped (its momentum held) on one rank of the four,
-    the others (replicated over tp, sharded over dp) on one rank of each tp rank's dp group."""
-    results = run_distributed(_tensor_parallel_muon, 4, door)
+def check_muon_over_dp_tp(results: list[tuple[dict[str, float], list[str]]], tensor_parallel: bool) -> None:
+    """Every rank within LOOSE_RTOL of one process; each matrix stepped (its momentum held) on one
+    rank, except those tensor parallelism leaves whole: on one rank of each tp rank's dp group."""
     for rank, (errors, _) in enumerate(results):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= LOOSE_RTOL, f"rank {rank}: {worst} differs by {errors[worst]:.2e} relative (allowed {LOOSE_RTOL:.0e}); all: {errors}"
-    holders = {name: sum(name in held for _, held in results) for name in results[0][1] + results[1][1] + results[2][1] + results[3][1]}
-    assert holders == {
-        f"blocks.{block}.{matrix}.weight": 1 if matrix in ("up", "down") else 2
-        for block in (0, 1) for matrix in ("qkv", "proj", "up", "down")
-    }, holders
+    names = [name for name, param in make_model().named_parameters() if _is_matrix_in_block(name, param)]
+    holders = {name: sum(name in held for _, held in results) for name in names}
+    split_by_tp = (".up.", ".down.")
+    wanted = {name: 2 if tensor_parallel and not any(part in name for part in split_by_tp) else 1 for name in names}
+    assert holders == wanted, holders
+
+
+@pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
+def test_muon_over_tensor_parallel_matrices_steps_like_one_process(door: str) -> None:
+    check_muon_over_dp_tp(run_distributed(muon_over_dp_tp, 4, door), tensor_parallel=True)
 
 
 def _matrices_stepped_here(rank: int, world: int, door: str, special: str) -> list[int]:
