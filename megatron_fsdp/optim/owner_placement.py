@@ -18,6 +18,7 @@ mesh's device, has no route: the caller gathers it on every rank.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -79,23 +80,20 @@ class Route:
         """How many values rank ``rank`` sends the owner."""
         if self.pieces is None:
             return self.numel if rank == self.owner else 0
-        return sum(_size(sizes) for _, sizes in self.pieces[rank])
+        return self.piece_length(rank)
 
     def piece_of(self, rank: int) -> tuple[Rectangle, ...]:
         """The rectangles of what the owner sends rank ``rank`` back (and what it sent)."""
         return (((0,), (self.numel,)),) if self.pieces is None else self.pieces[rank]
 
+    def piece_length(self, rank: int) -> int:
+        """How many values the owner sends rank ``rank`` back."""
+        return sum(math.prod(sizes) for _, sizes in self.piece_of(rank))
+
 
 def flat_route(mesh: DeviceMesh, shape: torch.Size, pieces: tuple[tuple[int, int], ...], owner: int = 0) -> Route:
     """The route of a tensor whose rank r holds ``pieces[r] = (start, length)`` of its flattened values."""
     return Route(mesh, shape, tuple((((start,), (length,)),) for start, length in pieces), (shape.numel(),), owner)
-
-
-def _size(sizes: tuple[int, ...]) -> int:
-    numel = 1
-    for size in sizes:
-        numel *= size
-    return numel
 
 
 def _region(grid: torch.Tensor, rectangle: Rectangle) -> torch.Tensor:
@@ -184,7 +182,7 @@ def gather_to_owners(routes: list[Route], local_pieces: list[torch.Tensor]) -> l
                 continue
             grid = wholes[i].view(routes[i].grid)
             for rectangle in routes[i].piece_of(rank):
-                length = _size(rectangle[1])
+                length = math.prod(rectangle[1])
                 _region(grid, rectangle).copy_(received[offset : offset + length].view(rectangle[1]))
                 offset += length
     return wholes
@@ -204,23 +202,19 @@ def scatter_from_owners(routes: list[Route], wholes: list[torch.Tensor | None], 
             grid = wholes[i].view(routes[i].grid)
             parts.extend(_region(grid, rectangle).reshape(-1) for rectangle in routes[i].piece_of(rank))
     send = torch.cat(parts) if parts else like.new_empty(0)
-    send_splits = [sum(_piece_length(routes[i], rank) for i in mine) for rank in range(world)]
+    send_splits = [sum(routes[i].piece_length(rank) for i in mine) for rank in range(world)]
     from_rank = [[i for i, route in enumerate(routes) if route.owner == rank] for rank in range(world)]
-    received_splits = [sum(_piece_length(routes[i], me) for i in from_rank[rank]) for rank in range(world)]
+    received_splits = [sum(routes[i].piece_length(me) for i in from_rank[rank]) for rank in range(world)]
     received = like.new_empty(sum(received_splits))
     all_to_all_uneven(received, send, received_splits, send_splits, mesh.get_group(0))
     pieces: list[torch.Tensor] = [like.new_empty(0)] * len(routes)
     offset = 0
     for rank in range(world):
         for i in from_rank[rank]:
-            length = _piece_length(routes[i], me)
+            length = routes[i].piece_length(me)
             pieces[i] = received[offset : offset + length]
             offset += length
     return pieces
-
-
-def _piece_length(route: Route, rank: int) -> int:
-    return sum(_size(sizes) for _, sizes in route.piece_of(rank))
 
 
 def any_rank_failed(meshes: list[DeviceMesh], failed: bool) -> bool:
