@@ -145,9 +145,27 @@ def _ideal(config, device: torch.device) -> dict:
     exchanges = _all_to_all_seconds(2 * values // world, device) + _all_to_all_seconds(values // world, device)
     return {
         "ideal_muon_ms": (compute + exchanges) * 1e3, "matmul_tflops": tflops, "ideal_exchange_ms": exchanges * 1e3,
+        "torch_muon_on_owned_ms": _torch_muon_on_owned_seconds(shapes, device) * 1e3,
         # What a rank sent the others in those two all-to-alls, per second.
         "exchange_gb_per_s": _exchanged_values(values, world) * 4 / exchanges / 1e9,
     }
+
+
+def _torch_muon_on_owned_seconds(shapes: list[tuple[int, int]], device: torch.device) -> float:
+    """torch's Muon step alone on plain fp32 matrices: those this rank owns (the engine's
+    ``assign_owners``), with gradients, as the owner steps them; the median of five after one."""
+    from megatron_fsdp.optim.owner_placement import assign_owners
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    owned = [shape for shape, owner in zip(shapes, assign_owners(shapes, world)) if owner == rank]
+    matrices = [torch.nn.Parameter(torch.randn(shape, device=device)) for shape in owned]
+    for matrix in matrices:
+        matrix.grad = torch.randn_like(matrix)
+    muon = torch.optim.Muon(matrices, lr=MUON_LR)
+    muon.step()
+    seconds = statistics.median(_timed(device, muon.step) for _ in range(5))
+    dist.barrier()
+    return seconds
 
 
 def _exchanged_values(values: int, world: int) -> float:
@@ -260,6 +278,7 @@ def _row_in_own_processes(name: str, args) -> dict:
 def _report(rows: list[dict]) -> None:
     columns = [("step s", "median_step_s", ".3f"), ("Muon ms", "median_muon_step_ms", ".1f"),
                ("AdamW ms", "median_adamw_step_ms", ".1f"), ("ideal ms", "ideal_muon_ms", ".1f"),
+               ("torch ms", "torch_muon_on_owned_ms", ".1f"),
                ("x ideal", "muon_step_over_ideal", ".2f"), ("peak GiB", "peak_allocated_gib", ".1f")]
     print(f"{'row':<22}" + "".join(f"{title:>10}" for title, _, _ in columns))
     for row in rows:
@@ -276,6 +295,9 @@ def _report_projection(rows: list[dict], args) -> list[dict]:
     muon = next((row for row in rows if row.get("implementation") == "megatron_fsdp Muon" and "error" not in row), None)
     adamw = next((row for row in rows if row.get("implementation") == "megatron_fsdp AdamW" and "error" not in row), None)
     if muon is None:
+        return []
+    if muon["world"] == 1:
+        print("\nNo projection by world size: at world 1 there is no exchange to measure its rate from.")
         return []
     config = step_time.model_config(args)
     if args.layers is not None:

@@ -86,8 +86,8 @@ def owner_step(weights: list[torch.Tensor], grads: list[torch.Tensor], shapes: l
         optimizer.state = {whole: optimizer.state.get(whole, next(iter(optimizer.state.values()), {}))}
         optimizer.step()
         new_wholes[index] = whole.detach()
-    for weight, piece in zip(weights, scatter_from_owners(routes, new_wholes, like=weights[0])):
-        weight[: piece.numel()].copy_(piece)
+    me = mesh.get_local_rank(0)
+    scatter_from_owners(routes, new_wholes, into=[weight[: route.piece_length(me)] for weight, route in zip(weights, routes)])
 
 
 def _pieces(numel: int, world: int) -> tuple[tuple[int, int], ...]:

@@ -471,6 +471,31 @@ def test_muon_resumes_from_a_dcp_checkpoint_at_another_world_size(tmp_path) -> N
     assert errors[worst] <= RTOL, f"{worst} differs by {errors[worst]:.2e} relative after resuming at world 4; all: {errors}"
 
 
+def _round_trip_fresh_then_train(rank: int, world: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], bool]:
+    """Trained without, then with Accelerate's round trip of the fresh optimizers' state dicts
+    first; and whether this rank holds nothing of some matrix (a placeholder no load can write)."""
+    model, optimizers = _sharded_muon_and_adamw(seed=0)
+    _train_rows(model, optimizers, rank, world, range(2))
+    plain = model.full_parameters()
+    model, optimizers = _sharded_muon_and_adamw(seed=0)
+    fresh = optimizers[0].state_dict()
+    empty_here = any(entry["momentum_buffer"]._local_tensor.numel() == 0 for entry in fresh["state"].values())
+    for optimizer in optimizers:
+        optimizer.load_state_dict(optimizer.state_dict())
+    _train_rows(model, optimizers, rank, world, range(2))
+    return plain, model.full_parameters(), empty_here
+
+
+def test_a_fresh_round_trip_leaves_no_muon_state_on_any_rank_even_one_holding_nothing_of_a_matrix() -> None:
+    """A rank whose piece of a matrix is empty cannot tell from its own placeholder whether a load
+    wrote it: it follows its other placeholders (initial_state.py). Were it to keep its entry while
+    the others dropped theirs, the owners' exchange at the next step would mismatch."""
+    results = run_distributed(_round_trip_fresh_then_train, 4)
+    assert any(empty_here for _, _, empty_here in results), "some rank should hold nothing of some matrix at world 4"
+    plain, round_tripped, _ = results[0]
+    for name, want in plain.items():
+        assert torch.equal(round_tripped[name], want), f"{name} changed by the fresh round trip"
+
 def _fsdp2_save_then_train(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
     model, optimizers = _fsdp2_muon_and_adamw(seed=0)
     _train_rows(model, optimizers, rank, world, range(2))

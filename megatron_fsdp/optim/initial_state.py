@@ -72,16 +72,30 @@ class InitialStatePlaceholders:
         """``state`` without the entries whose tensors are placeholders nothing wrote into:
         those parameters had taken no step, and get no state. A step counter need only read 0:
         Accelerate copies it to the device (an unfilled placeholder all the same); and it must,
-        as where this rank's piece of a parameter is empty ``dcp.load`` writes only the counter."""
-        return {key: entries for key, entries in state.items() if not self._unfilled(entries)}
+        as where this rank's piece of a parameter is empty ``dcp.load`` writes only the counter.
 
-    def _unfilled(self, entries: dict[str, Any]) -> bool:
+        A placeholder this rank holds no element of cannot be written: it counts as filled when
+        any placeholder of the same state dict was, so every rank keeps or drops a parameter's
+        state alike (a whole-tensor optimizer's owners exchange it, and a rank that dropped it
+        would leave the exchange). A rank holding no element of any placeholder keeps them."""
+        any_filled = self._any_filled()
+        return {key: entries for key, entries in state.items() if not self._unfilled(entries, any_filled)}
+
+    def _any_filled(self) -> bool:
+        held = [(tensor, version) for reference, version in self._handed_out.values() if (tensor := reference()) is not None and _storage_tensor(tensor).numel() > 0]
+        return not held or any(_storage_tensor(tensor)._version != version for tensor, version in held)
+
+    def _unfilled(self, entries: dict[str, Any], any_filled: bool) -> bool:
         tensors = [(name, value) for name, value in entries.items() if isinstance(value, torch.Tensor)]
         return bool(tensors) and all(
-            value.item() == 0 if name == STEP_COUNTER and value.dim() == 0 else self._is_unfilled_placeholder(value)
+            value.item() == 0 if name == STEP_COUNTER and value.dim() == 0 else self._is_unfilled_placeholder(value, any_filled)
             for name, value in tensors
         )
 
-    def _is_unfilled_placeholder(self, tensor: torch.Tensor) -> bool:
+    def _is_unfilled_placeholder(self, tensor: torch.Tensor, any_filled: bool) -> bool:
         handed_out = self._handed_out.get(id(tensor))
-        return handed_out is not None and handed_out[0]() is tensor and _storage_tensor(tensor)._version == handed_out[1]
+        if handed_out is None or handed_out[0]() is not tensor:
+            return False
+        if _storage_tensor(tensor).numel() == 0:
+            return not any_filled
+        return _storage_tensor(tensor)._version == handed_out[1]

@@ -29,6 +29,11 @@ from torch.distributed.tensor import Replicate
 from megatron_fsdp.engine.groups.collectives import all_reduce_max, all_to_all_uneven
 from megatron_fsdp.engine.params.sharded_params import ShardSpec
 
+# Values an owner receives in one exchange: 256 MiB of fp32 a run, so the send and receive buffers
+# beside the whole tensors stay small (one exchange for everything held about 3x the matrices'
+# size at once) while each all-to-all still moves enough to run at full bandwidth.
+EXCHANGE_CHUNK_VALUES = 1 << 26
+
 
 def step_cost(shape: torch.Size | tuple[int, ...]) -> int:
     """The relative cost of a whole-tensor step on a tensor of ``shape``: Newton-Schulz on the
@@ -157,64 +162,92 @@ def _own_rectangles(spec: ShardSpec) -> tuple[Rectangle, ...]:
     return tuple((tuple(offsets), tuple(sizes)) for offsets, sizes, _ in spec.layout.rectangles(start, start + length))
 
 
-def gather_to_owners(routes: list[Route], local_pieces: list[torch.Tensor]) -> list[torch.Tensor | None]:
+def exchange_chunks(routes: list[Route], world: int, chunk_values: int) -> list[list[int]]:
+    """The routes' indices in runs, in order, each run bringing every owner at most
+    ``chunk_values`` values (a larger tensor makes a run of its own): each run is one exchange,
+    so its buffers stay about ``chunk_values`` long beside the whole tensors. The same on every
+    rank, from the routes alone."""
+    runs: list[list[int]] = []
+    owned = [0] * world
+    for index, route in enumerate(routes):
+        if not runs or owned[route.owner] + route.numel > chunk_values or max(owned) > chunk_values:
+            runs.append([])
+            owned = [0] * world
+        runs[-1].append(index)
+        owned[route.owner] += route.numel
+    return runs
+
+
+def gather_to_owners(
+    routes: list[Route], local_pieces: list[torch.Tensor], chunk_values: int = EXCHANGE_CHUNK_VALUES
+) -> list[torch.Tensor | None]:
     """The whole of each tensor (flat) on its owner, None on every other rank, from each rank's
-    flat ``local_pieces`` (what :meth:`Route.sent_to_owner` says it sends). All routes share one
-    mesh and the pieces one dtype; every rank of the mesh passes the same routes in the same order."""
+    flat ``local_pieces`` (what :meth:`Route.sent_to_owner` says it sends), one all-to-all per run
+    of :func:`exchange_chunks`. All routes share one mesh and the pieces one dtype; every rank of
+    the mesh passes the same routes in the same order."""
     if not routes:
         return []
     mesh = routes[0].mesh
     world, me = mesh.size(0), mesh.get_local_rank(0)
-    sent = [[i for i, route in enumerate(routes) if route.owner == rank] for rank in range(world)]
-    mine = sent[me]
-    send = torch.cat([local_pieces[i].reshape(-1)[: routes[i].sent_to_owner(me)] for rank in range(world) for i in sent[rank]])
-    send_splits = [sum(routes[i].sent_to_owner(me) for i in sent[rank]) for rank in range(world)]
-    received_splits = [sum(routes[i].sent_to_owner(rank) for i in mine) for rank in range(world)]
-    received = send.new_empty(sum(received_splits))
-    all_to_all_uneven(received, send, received_splits, send_splits, mesh.get_group(0))
     wholes: list[torch.Tensor | None] = [None] * len(routes)
-    for i in mine:
-        wholes[i] = send.new_empty(routes[i].numel)
-    offset = 0
-    for rank in range(world):
+    like = local_pieces[0]
+    for run in exchange_chunks(routes, world, chunk_values):
+        to_rank = [[i for i in run if routes[i].owner == rank] for rank in range(world)]
+        mine = to_rank[me]
+        parts = [local_pieces[i].reshape(-1)[: routes[i].sent_to_owner(me)] for rank in range(world) for i in to_rank[rank]]
+        send = torch.cat(parts) if parts else like.new_empty(0)
+        send_splits = [sum(routes[i].sent_to_owner(me) for i in to_rank[rank]) for rank in range(world)]
+        received_splits = [sum(routes[i].sent_to_owner(rank) for i in mine) for rank in range(world)]
+        received = like.new_empty(sum(received_splits))
+        all_to_all_uneven(received, send, received_splits, send_splits, mesh.get_group(0))
+        del send, parts  # before the wholes are made: the run's buffers are what the chunking bounds
         for i in mine:
-            if routes[i].sent_to_owner(rank) == 0:
-                continue
-            grid = wholes[i].view(routes[i].grid)
-            for rectangle in routes[i].piece_of(rank):
-                length = math.prod(rectangle[1])
-                _region(grid, rectangle).copy_(received[offset : offset + length].view(rectangle[1]))
-                offset += length
+            wholes[i] = like.new_empty(routes[i].numel)
+        offset = 0
+        for rank in range(world):
+            for i in mine:
+                if routes[i].sent_to_owner(rank) == 0:
+                    continue
+                grid = wholes[i].view(routes[i].grid)
+                for rectangle in routes[i].piece_of(rank):
+                    length = math.prod(rectangle[1])
+                    _region(grid, rectangle).copy_(received[offset : offset + length].view(rectangle[1]))
+                    offset += length
     return wholes
 
 
-def scatter_from_owners(routes: list[Route], wholes: list[torch.Tensor | None], like: torch.Tensor) -> list[torch.Tensor]:
-    """This rank's piece (flat) of each tensor, sent by its owner from ``wholes`` (the owner's
-    whole tensors; None for the tensors it does not own). ``like`` gives the dtype and device."""
+def scatter_from_owners(
+    routes: list[Route], wholes: list[torch.Tensor | None], into: list[torch.Tensor], chunk_values: int = EXCHANGE_CHUNK_VALUES
+) -> None:
+    """Writes this rank's piece of each tensor, sent by its owner from ``wholes`` (the owner's
+    whole tensors; None for the tensors it does not own), into the flat ``into[i]`` (of
+    :meth:`Route.piece_length` values), one all-to-all per run of :func:`exchange_chunks`."""
     if not routes:
-        return []
+        return
     mesh = routes[0].mesh
     world, me = mesh.size(0), mesh.get_local_rank(0)
-    mine = [i for i, route in enumerate(routes) if route.owner == me]
-    parts = []
-    for rank in range(world):
-        for i in mine:
-            grid = wholes[i].view(routes[i].grid)
-            parts.extend(_region(grid, rectangle).reshape(-1) for rectangle in routes[i].piece_of(rank))
-    send = torch.cat(parts) if parts else like.new_empty(0)
-    send_splits = [sum(routes[i].piece_length(rank) for i in mine) for rank in range(world)]
-    from_rank = [[i for i, route in enumerate(routes) if route.owner == rank] for rank in range(world)]
-    received_splits = [sum(routes[i].piece_length(me) for i in from_rank[rank]) for rank in range(world)]
-    received = like.new_empty(sum(received_splits))
-    all_to_all_uneven(received, send, received_splits, send_splits, mesh.get_group(0))
-    pieces: list[torch.Tensor] = [like.new_empty(0)] * len(routes)
-    offset = 0
-    for rank in range(world):
-        for i in from_rank[rank]:
-            length = routes[i].piece_length(me)
-            pieces[i] = received[offset : offset + length]
-            offset += length
-    return pieces
+    like = into[0]
+    for run in exchange_chunks(routes, world, chunk_values):
+        from_rank = [[i for i in run if routes[i].owner == rank] for rank in range(world)]
+        mine = from_rank[me]
+        parts = [
+            _region(wholes[i].view(routes[i].grid), rectangle).reshape(-1)
+            for rank in range(world)
+            for i in mine
+            for rectangle in routes[i].piece_of(rank)
+        ]
+        send = torch.cat(parts) if parts else like.new_empty(0)
+        send_splits = [sum(routes[i].piece_length(rank) for i in mine) for rank in range(world)]
+        received_splits = [sum(routes[i].piece_length(me) for i in from_rank[rank]) for rank in range(world)]
+        received = like.new_empty(sum(received_splits))
+        all_to_all_uneven(received, send, received_splits, send_splits, mesh.get_group(0))
+        del send, parts
+        offset = 0
+        for rank in range(world):
+            for i in from_rank[rank]:
+                length = routes[i].piece_length(me)
+                into[i].copy_(received[offset : offset + length])
+                offset += length
 
 
 def any_rank_failed(meshes: list[DeviceMesh], failed: bool) -> bool:

@@ -100,7 +100,9 @@ def show_owner_state(
         for dtype, entries in per_dtype.items():
             like = torch.empty(0, dtype=dtype, device=sources[entries[0][1]].piece.device)
             wholes = [state[key][name].detach() if routes[face].owner == me else None for key, face, name in entries]
-            pieces = scatter_from_owners([routes[face] for _, face, _ in entries], wholes, like)
+            entry_routes = [routes[face] for _, face, _ in entries]
+            pieces = [like.new_empty(route.piece_length(me)) for route in entry_routes]
+            scatter_from_owners(entry_routes, wholes, into=pieces)
             for (key, face, name), piece in zip(entries, pieces):
                 source = sources[face]
                 shown[key][name] = sharded_dtensor(piece.view(source.piece.shape), source.spec)

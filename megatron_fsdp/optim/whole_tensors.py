@@ -210,12 +210,13 @@ class WholeTensorSwap:
         # An owner's step may raise where the others' did not: all agree before the exchange back.
         failed = any_rank_failed(meshes, raised) if meshes else raised
         with torch.no_grad():
-            if not failed:
-                self._scatter_back(held)
             for face, whole in held.whole_of.items():
                 if raised and whole.grad is None:
                     with plain_attribute_access():
                         face.grad = None
+                whole.grad = None  # done with: its memory is free for the exchange back
+            if not failed:
+                self._scatter_back(held)
         face_of = {whole: face for face, whole in held.whole_of.items()}
         by_key = {face_of.get(key, key): entries for key, entries in optimizer.state.items()}
         with plain_attribute_access():
@@ -251,9 +252,8 @@ class WholeTensorSwap:
                 source.piece.copy_(local_piece(whole, source.piece, source.start, source.extent, source.spec))
         for members in batches.values():
             wholes = [held.whole_of[face].detach() if face in held.whole_of else None for face in members]
-            pieces = scatter_from_owners([held.routes[face] for face in members], wholes, like=self._sources[members[0]].piece)
-            for face, piece in zip(members, pieces):
-                self._sources[face].piece.copy_(piece.view(self._sources[face].piece.shape))
+            into = [self._sources[face].piece.view(-1) for face in members]
+            scatter_from_owners([held.routes[face] for face in members], wholes, into)
 
     def shown_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A state-dict post-hook: each owner-held state entry as every rank's piece of it
