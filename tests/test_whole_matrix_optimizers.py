@@ -18,8 +18,9 @@ Also: each matrix's momentum lives whole on its owner only, shows in the state d
 its global shape and round-trips through it and through DCP across world sizes (both doors); bad
 input (Muon given a vector), a step that raises on one owner only and an undeclared optimizer that
 needs matrices fail on every rank; a declared one steps whole matrices. Over tensor parallelism
-(dp 2 x tp 2, both doors) and HFSDP each matrix is stepped on one rank of the four, under HSDP on
-one rank of each replica.
+(dp 2 x tp 2, both doors) and HFSDP each matrix is stepped on one rank of the four (one of each dp
+group where tp leaves it whole), under HSDP on one rank of each replica, and where data parallelism
+leaves a tp block whole (no_shard, HSDP over a dp_shard of one rank) on one tp rank of each replica.
 """
 
 from __future__ import annotations
@@ -509,15 +510,18 @@ def test_owners_are_balanced_by_newton_schulz_cost_and_the_same_on_every_call() 
 
 
 def muon_over_dp_tp(
-    rank: int, world: int, door: str, tensor_parallel: bool = True, device_type: str = "cpu"
+    rank: int, world: int, door: str, tensor_parallel: bool = True, device_type: str = "cpu", setup: str = "fsdp"
 ) -> tuple[dict[str, float], list[str]]:
     """Muon and AdamW over a model sharded by ``door`` over a (dp, tp) mesh, its MLPs tensor-parallel
     DTensors (Colwise up, Rowwise down) on dp 2 x tp 2 with ``tensor_parallel``, else sharded over
-    all ``world`` ranks; on ``device_type`` ("cuda": tests/gpu/test_muon_nccl.py). Returns the errors
-    of Muon's matrices and of each step's loss against one process on the same global batches
-    (tensor parallelism sums the activations and gradients in another order: held to LOOSE_RTOL,
-    as HSDP), with Muon's state taken through its state dict and back midway, and the matrices
-    whose momentum this rank holds."""
+    all ``world`` ranks; on ``device_type`` ("cuda": tests/gpu/test_muon_nccl.py). ``setup`` (the
+    whole-model door, with ``tensor_parallel``; see SETUP_HOLDERS): "fsdp" shards over dp
+    (zero_dp_strategy 3), "no_shard" does not (0), "hsdp" is HSDP on the seeds' mesh (dp_outer 2,
+    dp_shard 1, cp 1, tp 2), which leaves each tp block whole too. Returns the errors of Muon's
+    matrices and of each step's loss against one process on the same global batches (tensor
+    parallelism sums the activations and gradients in another order: held to LOOSE_RTOL, as HSDP),
+    with Muon's state taken through its state dict and back midway, and the matrices whose
+    momentum this rank holds."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -525,7 +529,15 @@ def muon_over_dp_tp(
 
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     dp_size = 2 if tensor_parallel else world
-    mesh = init_device_mesh(device_type, (dp_size, world // dp_size), mesh_dim_names=("dp", "tp"))
+    if setup == "hsdp":
+        mesh = init_device_mesh(device_type, (dp_size, 1, 1, world // dp_size), mesh_dim_names=("dp_outer", "dp_shard", "cp", "tp"))
+        mesh[("dp_outer", "dp_shard")]._flatten("dp")
+        mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+        hybrid = {"dp_shard_dim": "dp_shard_cp", "dp_outer_dim": "dp_outer",
+                  "hybrid_fsdp_group": mesh[("dp_outer", "dp_shard", "cp")]._flatten("hsdp").get_group()}
+    else:
+        mesh = init_device_mesh(device_type, (dp_size, world // dp_size), mesh_dim_names=("dp", "tp"))
+        hybrid = {"dp_shard_dim": "dp"}
     model = make_model(seed=0).to(device)
     if tensor_parallel:
         for block in model.blocks:
@@ -533,7 +545,9 @@ def muon_over_dp_tp(
     if door == "whole-model":
         muon, adamw = _optimizers(list(model.named_parameters()))
         tp = {"tp_dim": "tp"} if tensor_parallel else {}
-        model, muon = megatron_fsdp.fully_shard(model, muon, device_mesh=mesh, dp_shard_dim="dp", fsdp_unit_modules=[Block], **tp)
+        model, muon = megatron_fsdp.fully_shard(
+            model, muon, device_mesh=mesh, fsdp_unit_modules=[Block], zero_dp_strategy=0 if setup == "no_shard" else 3, **hybrid, **tp
+        )
         adamw = megatron_fsdp.fully_shard_optimizer(adamw, model=model)
     else:
         for block in model.blocks:
@@ -566,22 +580,30 @@ def muon_over_dp_tp(
     return errors, held
 
 
-def check_muon_over_dp_tp(results: list[tuple[dict[str, float], list[str]]], tensor_parallel: bool) -> None:
-    """Every rank within LOOSE_RTOL of one process; each matrix stepped (its momentum held) on one
-    rank, except those tensor parallelism leaves whole: on one rank of each tp rank's dp group."""
+# muon_over_dp_tp's setup -> on how many of the 4 ranks (dp 2 x tp 2) a matrix split by tp, and one
+# tp leaves whole, is stepped. "fsdp": a tp block is split again over dp, one owner among all 4; a
+# whole matrix is split over dp only, one owner in each tp rank's dp group. "no_shard" and "hsdp"
+# (dp_shard of one rank) leave each tp block whole on its rank: one owner among the tp ranks of
+# each dp replica; a matrix whole on every rank is stepped on every rank.
+SETUP_HOLDERS = {"fsdp": (1, 2), "no_shard": (2, 4), "hsdp": (2, 4)}
+
+
+def check_muon_over_dp_tp(results: list[tuple[dict[str, float], list[str]]], tensor_parallel: bool, setup: str = "fsdp") -> None:
+    """Every rank within LOOSE_RTOL of one process; each matrix stepped (its momentum held) on as
+    many ranks as SETUP_HOLDERS says for ``setup`` (on one without ``tensor_parallel``)."""
     for rank, (errors, _) in enumerate(results):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= LOOSE_RTOL, f"rank {rank}: {worst} differs by {errors[worst]:.2e} relative (allowed {LOOSE_RTOL:.0e}); all: {errors}"
     names = [name for name, param in make_model().named_parameters() if _is_matrix_in_block(name, param)]
     holders = {name: sum(name in held for _, held in results) for name in names}
-    split_by_tp = (".up.", ".down.")
-    wanted = {name: 2 if tensor_parallel and not any(part in name for part in split_by_tp) else 1 for name in names}
+    split_by_tp, whole_on_tp = SETUP_HOLDERS[setup] if tensor_parallel else (1, 1)
+    wanted = {name: split_by_tp if any(part in name for part in (".up.", ".down.")) else whole_on_tp for name in names}
     assert holders == wanted, holders
 
 
-@pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
-def test_muon_over_tensor_parallel_matrices_steps_like_one_process(door: str) -> None:
-    check_muon_over_dp_tp(run_distributed(muon_over_dp_tp, 4, door), tensor_parallel=True)
+@pytest.mark.parametrize("door, setup", [("whole-model", "fsdp"), ("fsdp2", "fsdp"), ("whole-model", "no_shard"), ("whole-model", "hsdp")])
+def test_muon_over_tensor_parallel_matrices_steps_like_one_process(door: str, setup: str) -> None:
+    check_muon_over_dp_tp(run_distributed(muon_over_dp_tp, 4, door, True, "cpu", setup), tensor_parallel=True, setup=setup)
 
 
 def _matrices_stepped_here(rank: int, world: int, door: str, special: str) -> list[int]:
