@@ -20,12 +20,14 @@ input (Muon given a vector), a step that raises on one owner only and an undecla
 needs matrices fail on every rank; a declared one steps whole matrices. Over tensor parallelism
 (dp 2 x tp 2, both doors) and HFSDP each matrix is stepped on one rank of the four (one of each dp
 group where tp leaves it whole), under HSDP on one rank of each replica, and where data parallelism
-leaves a tp block whole (no_shard, HSDP over a dp_shard of one rank) on one tp rank of each replica.
+leaves a tp block whole (no_shard, HSDP over a dp_shard of one rank; megatron-core's strided fc1
+too) on one tp rank of each replica.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import pytest
 import torch
@@ -622,3 +624,57 @@ def test_each_matrix_is_stepped_on_one_rank_of_each_replica(door: str, special: 
     held = run_distributed(_matrices_stepped_here, 4, door, special)
     matrices = sum(1 for name, param in make_model().named_parameters() if _is_matrix_in_block(name, param))
     assert sorted(index for indices in held for index in indices) == sorted(list(range(matrices)) * replicas), held
+
+
+class ReplicatedMuon(torch.optim.Muon):
+    """torch's Muon gathered and stepped on every rank: the reference the owners must match."""
+
+
+megatron_fsdp.whole_tensor_optimizer(ReplicatedMuon, placement="replicated")
+
+
+def _strided_split_held_whole(rank: int, world: int, muon_class: type) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``muon_class`` on the 2-D weights of megatron-core's tensor-parallel blocks
+    (test_megatron_core_tensor_parallel.py: a SwiGLU fc1 split strided, an fc2 split by columns),
+    AdamW on the rest, under HSDP over shard groups of one rank (tp 2), where each rank holds its
+    tp blocks whole, fc1's in its strided rows' layout. The global parameters after STEPS steps and
+    the matrices whose momentum this rank holds."""
+    import test_megatron_core_tensor_parallel as mcore_tp
+
+    from megatron_fsdp.integrations.piece_steps import install_piece_steps
+
+    handles = install_piece_steps()  # megatron-core's optimizer steps the faces as pieces
+    try:
+        adapter = mcore_tp._Adapter(mcore_tp.Layout(outer=2, dp=1, tp=2))
+        named = list(adapter.named_parameters())
+        matrices = {name for name, param in named if ".blocks." in name and param.dim() == 2}
+        muon = muon_class([param for name, param in named if name in matrices], lr=MUON_LR)
+        adamw = torch.optim.AdamW([param for name, param in named if name not in matrices], lr=LR)
+        for step in range(STEPS):
+            tokens, targets = mcore_tp.make_batch(step)
+            rows = slice(adapter.dp_rank * mcore_tp.ROWS // adapter.dp, (adapter.dp_rank + 1) * mcore_tp.ROWS // adapter.dp)
+            adapter.module(tokens[rows], targets[rows]).backward()
+            adapter.module.finish_grad_sync()
+            for optimizer in (muon, adamw):
+                optimizer.step()
+            adapter.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
+            adapter.module.zero_grad_buffer()
+        params = {name: value.full_tensor() for name, value in adapter.module.state_dict().items()}
+        held = [name for name, param in named if name in matrices and "momentum_buffer" in muon.state.get(param, {})]
+        return params, held
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_a_strided_split_held_whole_is_stepped_on_one_tp_rank_of_each_replica() -> None:
+    """megatron-core's strided fc1 and its fc2, each rank's tp block whole (HSDP, dp_shard 1): one
+    owner among the tp ranks of each replica, its strided rows sent as their rectangles; the
+    weights bit-equal to gathering and stepping every matrix on every rank."""
+    owned = run_distributed(_strided_split_held_whole, 4, torch.optim.Muon)
+    replicated = run_distributed(_strided_split_held_whole, 4, ReplicatedMuon)
+    for rank, ((params, _), (want, _)) in enumerate(zip(owned, replicated)):
+        differ = [name for name in want if not torch.equal(params[name], want[name])]
+        assert not differ, f"rank {rank}: {differ} differ from the replicated placement's"
+    holders = Counter(name for _, held in owned for name in held)
+    assert holders == {name: 2 for name in replicated[0][1]}, holders

@@ -13,11 +13,11 @@ leaves whole) is exchanged within each replica, over the other dims. Over severa
 expert parallel, HFSDP's split pieces) the exchanges run over their ranks as one dim, and a piece
 is the rectangles of the global tensor it covers, which the ranks tell each other once
 (:func:`routes_of`). A tensor-parallel block that data parallelism leaves whole (``no_shard``, HSDP
-over a dp_shard of one rank) is such a piece too: one rectangle, where DTensor's placements put it,
-exchanged among the ranks it is split over in each data-parallel replica. A face held whole in a
-strided split's layout (megatron-core's SwiGLU fc1 under TP, which the rows of its local tensor do
-not follow), a face whole on every rank of a mesh of several dims, or one whose pieces sit off the
-mesh's device, has no route: the caller gathers it on every rank.
+over a dp_shard of one rank) is such a piece too, exchanged among the ranks it is split over in
+each data-parallel replica: one rectangle, where DTensor's placements put it, or for a strided
+split held whole (megatron-core's SwiGLU fc1) one per row block, as its layout says. A face whole
+on every rank of a mesh of several dims, or one whose pieces sit off the mesh's device, has no
+route: the caller gathers it on every rank.
 """
 
 from __future__ import annotations
@@ -124,13 +124,14 @@ def routes_of(specs: list[ShardSpec], pieces: list[torch.Tensor]) -> list[Route 
                 routes[index] = Route(spec.mesh, spec.global_shape, None, flat)
             continue
         mesh = _sharded_dims(spec)
-        if mesh is None or (spec.layout is not None and spec.layout.dp_dims == 0):
+        if mesh is None:
             continue
         layout = spec.layout
         if layout is not None and mesh.ndim == 1 and layout.dp_dims == 1 and tuple(layout.local_shape) == tuple(spec.global_shape):
             routes[index] = flat_route(mesh, spec.global_shape, layout.pieces)
         else:
-            # Also a face held whole but split by its own placements (tensor or expert parallel).
+            # Also a face held whole but split by its own placements (tensor or expert parallel,
+            # strided or not).
             spread.setdefault(mesh, []).append(index)
     for mesh, indices in spread.items():
         # torch's way to one dim over a mesh's ranks (made once, on every rank).
