@@ -18,13 +18,16 @@ Also: each matrix's momentum lives whole on its owner only, shows in the state d
 its global shape and round-trips through it and through DCP across world sizes (both doors); bad
 input (Muon given a vector), a step that raises on one owner only and an undeclared optimizer that
 needs matrices fail on every rank; a declared one steps whole matrices. Over tensor parallelism
-(dp 2 x tp 2, both doors) and HFSDP each matrix is stepped on one rank of the four, under HSDP on
-one rank of each replica.
+(dp 2 x tp 2, both doors) and HFSDP each matrix is stepped on one rank of the four (one of each dp
+group where tp leaves it whole), under HSDP on one rank of each replica, and where data parallelism
+leaves a tp block whole (no_shard, HSDP over a dp_shard of one rank; megatron-core's strided fc1
+too) on one tp rank of each replica.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import pytest
 import torch
@@ -534,15 +537,18 @@ def test_owners_are_balanced_by_newton_schulz_cost_and_the_same_on_every_call() 
 
 
 def muon_over_dp_tp(
-    rank: int, world: int, door: str, tensor_parallel: bool = True, device_type: str = "cpu"
+    rank: int, world: int, door: str, tensor_parallel: bool = True, device_type: str = "cpu", setup: str = "fsdp"
 ) -> tuple[dict[str, float], list[str]]:
     """Muon and AdamW over a model sharded by ``door`` over a (dp, tp) mesh, its MLPs tensor-parallel
     DTensors (Colwise up, Rowwise down) on dp 2 x tp 2 with ``tensor_parallel``, else sharded over
-    all ``world`` ranks; on ``device_type`` ("cuda": tests/gpu/test_muon_nccl.py). Returns the errors
-    of Muon's matrices and of each step's loss against one process on the same global batches
-    (tensor parallelism sums the activations and gradients in another order: held to LOOSE_RTOL,
-    as HSDP), with Muon's state taken through its state dict and back midway, and the matrices
-    whose momentum this rank holds."""
+    all ``world`` ranks; on ``device_type`` ("cuda": tests/gpu/test_muon_nccl.py). ``setup`` (the
+    whole-model door, with ``tensor_parallel``; see SETUP_HOLDERS): "fsdp" shards over dp
+    (zero_dp_strategy 3), "no_shard" does not (0), "hsdp" is HSDP on the seeds' mesh (dp_outer 2,
+    dp_shard 1, cp 1, tp 2), which leaves each tp block whole too. Returns the errors of Muon's
+    matrices and of each step's loss against one process on the same global batches (tensor
+    parallelism sums the activations and gradients in another order: held to LOOSE_RTOL, as HSDP),
+    with Muon's state taken through its state dict and back midway, and the matrices whose
+    momentum this rank holds."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -550,7 +556,15 @@ def muon_over_dp_tp(
 
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     dp_size = 2 if tensor_parallel else world
-    mesh = init_device_mesh(device_type, (dp_size, world // dp_size), mesh_dim_names=("dp", "tp"))
+    if setup == "hsdp":
+        mesh = init_device_mesh(device_type, (dp_size, 1, 1, world // dp_size), mesh_dim_names=("dp_outer", "dp_shard", "cp", "tp"))
+        mesh[("dp_outer", "dp_shard")]._flatten("dp")
+        mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+        hybrid = {"dp_shard_dim": "dp_shard_cp", "dp_outer_dim": "dp_outer",
+                  "hybrid_fsdp_group": mesh[("dp_outer", "dp_shard", "cp")]._flatten("hsdp").get_group()}
+    else:
+        mesh = init_device_mesh(device_type, (dp_size, world // dp_size), mesh_dim_names=("dp", "tp"))
+        hybrid = {"dp_shard_dim": "dp"}
     model = make_model(seed=0).to(device)
     if tensor_parallel:
         for block in model.blocks:
@@ -558,7 +572,9 @@ def muon_over_dp_tp(
     if door == "whole-model":
         muon, adamw = _optimizers(list(model.named_parameters()))
         tp = {"tp_dim": "tp"} if tensor_parallel else {}
-        model, muon = megatron_fsdp.fully_shard(model, muon, device_mesh=mesh, dp_shard_dim="dp", fsdp_unit_modules=[Block], **tp)
+        model, muon = megatron_fsdp.fully_shard(
+            model, muon, device_mesh=mesh, fsdp_unit_modules=[Block], zero_dp_strategy=0 if setup == "no_shard" else 3, **hybrid, **tp
+        )
         adamw = megatron_fsdp.fully_shard_optimizer(adamw, model=model)
     else:
         for block in model.blocks:
@@ -591,22 +607,30 @@ def muon_over_dp_tp(
     return errors, held
 
 
-def check_muon_over_dp_tp(results: list[tuple[dict[str, float], list[str]]], tensor_parallel: bool) -> None:
-    """Every rank within LOOSE_RTOL of one process; each matrix stepped (its momentum held) on one
-    rank, except those tensor parallelism leaves whole: on one rank of each tp rank's dp group."""
+# muon_over_dp_tp's setup -> on how many of the 4 ranks (dp 2 x tp 2) a matrix split by tp, and one
+# tp leaves whole, is stepped. "fsdp": a tp block is split again over dp, one owner among all 4; a
+# whole matrix is split over dp only, one owner in each tp rank's dp group. "no_shard" and "hsdp"
+# (dp_shard of one rank) leave each tp block whole on its rank: one owner among the tp ranks of
+# each dp replica; a matrix whole on every rank is stepped on every rank.
+SETUP_HOLDERS = {"fsdp": (1, 2), "no_shard": (2, 4), "hsdp": (2, 4)}
+
+
+def check_muon_over_dp_tp(results: list[tuple[dict[str, float], list[str]]], tensor_parallel: bool, setup: str = "fsdp") -> None:
+    """Every rank within LOOSE_RTOL of one process; each matrix stepped (its momentum held) on as
+    many ranks as SETUP_HOLDERS says for ``setup`` (on one without ``tensor_parallel``)."""
     for rank, (errors, _) in enumerate(results):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= LOOSE_RTOL, f"rank {rank}: {worst} differs by {errors[worst]:.2e} relative (allowed {LOOSE_RTOL:.0e}); all: {errors}"
     names = [name for name, param in make_model().named_parameters() if _is_matrix_in_block(name, param)]
     holders = {name: sum(name in held for _, held in results) for name in names}
-    split_by_tp = (".up.", ".down.")
-    wanted = {name: 2 if tensor_parallel and not any(part in name for part in split_by_tp) else 1 for name in names}
+    split_by_tp, whole_on_tp = SETUP_HOLDERS[setup] if tensor_parallel else (1, 1)
+    wanted = {name: split_by_tp if any(part in name for part in (".up.", ".down.")) else whole_on_tp for name in names}
     assert holders == wanted, holders
 
 
-@pytest.mark.parametrize("door", ["whole-model", "fsdp2"])
-def test_muon_over_tensor_parallel_matrices_steps_like_one_process(door: str) -> None:
-    check_muon_over_dp_tp(run_distributed(muon_over_dp_tp, 4, door), tensor_parallel=True)
+@pytest.mark.parametrize("door, setup", [("whole-model", "fsdp"), ("fsdp2", "fsdp"), ("whole-model", "no_shard"), ("whole-model", "hsdp")])
+def test_muon_over_tensor_parallel_matrices_steps_like_one_process(door: str, setup: str) -> None:
+    check_muon_over_dp_tp(run_distributed(muon_over_dp_tp, 4, door, True, "cpu", setup), tensor_parallel=True, setup=setup)
 
 
 def _matrices_stepped_here(rank: int, world: int, door: str, special: str) -> list[int]:
@@ -625,3 +649,57 @@ def test_each_matrix_is_stepped_on_one_rank_of_each_replica(door: str, special: 
     held = run_distributed(_matrices_stepped_here, 4, door, special)
     matrices = sum(1 for name, param in make_model().named_parameters() if _is_matrix_in_block(name, param))
     assert sorted(index for indices in held for index in indices) == sorted(list(range(matrices)) * replicas), held
+
+
+class ReplicatedMuon(torch.optim.Muon):
+    """torch's Muon gathered and stepped on every rank: the reference the owners must match."""
+
+
+megatron_fsdp.whole_tensor_optimizer(ReplicatedMuon, placement="replicated")
+
+
+def _strided_split_held_whole(rank: int, world: int, muon_class: type) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``muon_class`` on the 2-D weights of megatron-core's tensor-parallel blocks
+    (test_megatron_core_tensor_parallel.py: a SwiGLU fc1 split strided, an fc2 split by columns),
+    AdamW on the rest, under HSDP over shard groups of one rank (tp 2), where each rank holds its
+    tp blocks whole, fc1's in its strided rows' layout. The global parameters after STEPS steps and
+    the matrices whose momentum this rank holds."""
+    import test_megatron_core_tensor_parallel as mcore_tp
+
+    from megatron_fsdp.integrations.piece_steps import install_piece_steps
+
+    handles = install_piece_steps()  # megatron-core's optimizer steps the faces as pieces
+    try:
+        adapter = mcore_tp._Adapter(mcore_tp.Layout(outer=2, dp=1, tp=2))
+        named = list(adapter.named_parameters())
+        matrices = {name for name, param in named if ".blocks." in name and param.dim() == 2}
+        muon = muon_class([param for name, param in named if name in matrices], lr=MUON_LR)
+        adamw = torch.optim.AdamW([param for name, param in named if name not in matrices], lr=LR)
+        for step in range(STEPS):
+            tokens, targets = mcore_tp.make_batch(step)
+            rows = slice(adapter.dp_rank * mcore_tp.ROWS // adapter.dp, (adapter.dp_rank + 1) * mcore_tp.ROWS // adapter.dp)
+            adapter.module(tokens[rows], targets[rows]).backward()
+            adapter.module.finish_grad_sync()
+            for optimizer in (muon, adamw):
+                optimizer.step()
+            adapter.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
+            adapter.module.zero_grad_buffer()
+        params = {name: value.full_tensor() for name, value in adapter.module.state_dict().items()}
+        held = [name for name, param in named if name in matrices and "momentum_buffer" in muon.state.get(param, {})]
+        return params, held
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_a_strided_split_held_whole_is_stepped_on_one_tp_rank_of_each_replica() -> None:
+    """megatron-core's strided fc1 and its fc2, each rank's tp block whole (HSDP, dp_shard 1): one
+    owner among the tp ranks of each replica, its strided rows sent as their rectangles; the
+    weights bit-equal to gathering and stepping every matrix on every rank."""
+    owned = run_distributed(_strided_split_held_whole, 4, torch.optim.Muon)
+    replicated = run_distributed(_strided_split_held_whole, 4, ReplicatedMuon)
+    for rank, ((params, _), (want, _)) in enumerate(zip(owned, replicated)):
+        differ = [name for name in want if not torch.equal(params[name], want[name])]
+        assert not differ, f"rank {rank}: {differ} differ from the replicated placement's"
+    holders = Counter(name for _, held in owned for name in held)
+    assert holders == {name: 2 for name in replicated[0][1]}, holders

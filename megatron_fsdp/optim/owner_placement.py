@@ -12,8 +12,12 @@ other one back). A face replicated over some mesh dims (HSDP's outer dim, a weig
 leaves whole) is exchanged within each replica, over the other dims. Over several dims (tensor or
 expert parallel, HFSDP's split pieces) the exchanges run over their ranks as one dim, and a piece
 is the rectangles of the global tensor it covers, which the ranks tell each other once
-(:func:`routes_of`). A face held whole in a strided split's layout, or whose pieces sit off the
-mesh's device, has no route: the caller gathers it on every rank.
+(:func:`routes_of`). A tensor-parallel block that data parallelism leaves whole (``no_shard``, HSDP
+over a dp_shard of one rank) is such a piece too, exchanged among the ranks it is split over in
+each data-parallel replica: one rectangle, where DTensor's placements put it, or for a strided
+split held whole (megatron-core's SwiGLU fc1) one per row block, as its layout says. A face whole
+on every rank of a mesh of several dims, or one whose pieces sit off the mesh's device, has no
+route: the caller gathers it on every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megatron_fsdp.engine.groups.collectives import all_reduce_max, all_to_all_uneven
 from megatron_fsdp.engine.params.sharded_params import ShardSpec
@@ -111,27 +116,31 @@ def _region(grid: torch.Tensor, rectangle: Rectangle) -> torch.Tensor:
 def routes_of(specs: list[ShardSpec], pieces: list[torch.Tensor]) -> list[Route | None]:
     """The route of each face of ``specs`` whose local piece is ``pieces[i]``, owners not yet set;
     None where the exchanges do not apply (see the module docstring). A face on a mesh of several
-    dims needs every rank's rectangles: one object all-gather per such mesh (every rank of the
-    meshes passes the same faces in the same order)."""
+    dims, or held whole and split by its own placements, needs every rank's rectangles: one object
+    all-gather per such mesh (every rank of the meshes passes the same faces in the same order)."""
     routes: list[Route | None] = [None] * len(specs)
     spread: dict[DeviceMesh, list[int]] = {}
     for index, (spec, piece) in enumerate(zip(specs, pieces)):
         if piece.device.type != spec.mesh.device_type:
             continue
         flat = (spec.global_shape.numel(),)
-        if spec.layout is None:
-            if all(isinstance(placement, Replicate) for placement in spec.placements) and spec.mesh.ndim == 1:
+        if spec.layout is None and all(isinstance(placement, Replicate) for placement in spec.placements):
+            if spec.mesh.ndim == 1:
                 routes[index] = Route(spec.mesh, spec.global_shape, None, flat)
             continue
         mesh = _sharded_dims(spec)
-        if mesh is None or spec.layout.dp_dims == 0:
+        if mesh is None:
             continue
-        if mesh.ndim == 1 and spec.layout.dp_dims == 1 and tuple(spec.layout.local_shape) == tuple(spec.global_shape):
-            routes[index] = flat_route(mesh, spec.global_shape, spec.layout.pieces)
+        layout = spec.layout
+        if layout is not None and mesh.ndim == 1 and layout.dp_dims == 1 and tuple(layout.local_shape) == tuple(spec.global_shape):
+            routes[index] = flat_route(mesh, spec.global_shape, layout.pieces)
         else:
+            # Also a face held whole but split by its own placements (tensor or expert parallel,
+            # strided or not).
             spread.setdefault(mesh, []).append(index)
     for mesh, indices in spread.items():
-        flat_mesh = mesh._flatten()  # torch's way to one dim over a mesh's ranks (made once, on every rank)
+        # torch's way to one dim over a mesh's ranks (made once, on every rank).
+        flat_mesh = mesh if mesh.ndim == 1 else mesh._flatten()
         told: list = [None] * flat_mesh.size(0)
         own = (flat_mesh.get_local_rank(0), [_own_rectangles(specs[index]) for index in indices])
         dist.all_gather_object(told, own, group=flat_mesh.get_group(0))
@@ -157,7 +166,12 @@ def _sharded_dims(spec: ShardSpec) -> DeviceMesh | None:
 
 
 def _own_rectangles(spec: ShardSpec) -> tuple[Rectangle, ...]:
-    """The rectangles of the global tensor this rank's piece of ``spec`` covers, in its flat order."""
+    """The rectangles of the global tensor this rank's piece of ``spec`` covers, in its flat order.
+    A piece without a layout is the rank's whole local tensor: one block, cut as DTensor cuts it
+    (torch.chunk's sizes), whose row-major order is the piece's."""
+    if spec.layout is None:
+        sizes, offsets = compute_local_shape_and_global_offset(spec.global_shape, spec.mesh, spec.placements)
+        return ((tuple(offsets), tuple(sizes)),)
     start, length = spec.layout.mine(spec.mesh)
     return tuple((tuple(offsets), tuple(sizes)) for offsets, sizes, _ in spec.layout.rectangles(start, start + length))
 

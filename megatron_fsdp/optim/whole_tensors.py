@@ -10,9 +10,11 @@ owner receives it whole, steps it with the optimizer's own step and keeps its st
 every rank gets its piece of the new weights back. ``optimizer.state_dict()`` shows that state as
 the same flat-piece DTensors as Adam's (owner_state.py). A face split over several mesh dims (tensor
 or expert parallel, HFSDP's split pieces) has its owner among all their ranks; a face replicated
-over a dim (HSDP) has one owner in each replica. Faces the exchanges do not cover (a strided split
-held whole), and every face of an optimizer declared with ``placement="replicated"``, are gathered
-and stepped on every rank instead.
+over a dim (HSDP) has one owner in each replica, and so has a tensor-parallel block that data
+parallelism leaves whole (``no_shard``, HSDP over a dp_shard of one rank, strided splits too),
+among its tp ranks. Faces the exchanges do not cover (a face whole on every rank of a mesh of
+several dims), and every face of an optimizer declared with ``placement="replicated"``, are
+gathered and stepped on every rank instead.
 docs/whole_matrix_optimizers.md has the costs.
 """
 
