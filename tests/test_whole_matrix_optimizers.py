@@ -611,8 +611,9 @@ def muon_over_dp_tp(
 # tp leaves whole, is stepped. "fsdp": a tp block is split again over dp, one owner among all 4; a
 # whole matrix is split over dp only, one owner in each tp rank's dp group. "no_shard" and "hsdp"
 # (dp_shard of one rank) leave each tp block whole on its rank: one owner among the tp ranks of
-# each dp replica; a matrix whole on every rank is stepped on every rank.
-SETUP_HOLDERS = {"fsdp": (1, 2), "no_shard": (2, 4), "hsdp": (2, 4)}
+# each dp replica; a matrix whole on every rank has one owner among all 4 ("no_shard"), or one in
+# each dp_outer replica ("hsdp", whose replicas step apart).
+SETUP_HOLDERS = {"fsdp": (1, 2), "no_shard": (2, 1), "hsdp": (2, 2)}
 
 
 def check_muon_over_dp_tp(results: list[tuple[dict[str, float], list[str]]], tensor_parallel: bool, setup: str = "fsdp") -> None:

@@ -6,7 +6,8 @@ optimizer does on it (Newton-Schulz on an ``m x n`` matrix costs ~``m n min(m, n
 first, each to the least loaded rank, ties to the lower index and rank, so every rank computes the
 same owners from the faces' metadata alone. The owner receives every rank's piece of the tensor
 (:func:`gather_to_owners`) and, after its step, sends each rank its piece back
-(:func:`scatter_from_owners`): one all-to-all each way for all tensors of one mesh and dtype, moving
+(:func:`scatter_from_owners`): all-to-alls each way for all tensors of one mesh and dtype, in runs
+that bring an owner at most ``EXCHANGE_CHUNK_VALUES`` values each (:func:`exchange_chunks`), moving
 only the pieces (a rank receives ``N (W-1)/W`` values of each tensor it owns, and ``N/W`` of every
 other one back). A face replicated over some mesh dims (HSDP's outer dim, a weight tensor parallelism
 leaves whole) is exchanged within each replica, over the other dims. Over several dims (tensor or
@@ -16,8 +17,9 @@ is the rectangles of the global tensor it covers, which the ranks tell each othe
 over a dp_shard of one rank) is such a piece too, exchanged among the ranks it is split over in
 each data-parallel replica: one rectangle, where DTensor's placements put it, or for a strided
 split held whole (megatron-core's SwiGLU fc1) one per row block, as its layout says. A face whole
-on every rank of a mesh of several dims, or one whose pieces sit off the mesh's device, has no
-route: the caller gathers it on every rank.
+on every rank (``no_shard``, a weight tensor parallelism leaves whole under it) has one owner among
+all the ranks of its mesh, which sends each of them the whole. A face whose pieces sit off the
+mesh's device has no route: the caller gathers it on every rank.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from megatron_fsdp.engine.groups.collectives import all_reduce_max, all_to_all_u
 from megatron_fsdp.engine.params.sharded_params import ShardSpec
 
 # Values an owner receives in one exchange: 256 MiB of fp32 a run, so the send and receive buffers
-# beside the whole tensors stay small (one exchange for everything held about 3x the matrices'
-# size at once) while each all-to-all still moves enough to run at full bandwidth.
+# beside the whole tensors stay small (one exchange for every tensor held them, the size of the
+# whole tensors twice over, at once) while each all-to-all still moves enough for full bandwidth.
 EXCHANGE_CHUNK_VALUES = 1 << 26
 
 
@@ -125,8 +127,10 @@ def routes_of(specs: list[ShardSpec], pieces: list[torch.Tensor]) -> list[Route 
             continue
         flat = (spec.global_shape.numel(),)
         if spec.layout is None and all(isinstance(placement, Replicate) for placement in spec.placements):
-            if spec.mesh.ndim == 1:
-                routes[index] = Route(spec.mesh, spec.global_shape, None, flat)
+            # Held whole on every rank (no_shard, a weight tensor parallelism leaves whole): one
+            # owner among all of them steps it and sends each rank the whole.
+            mesh = spec.mesh if spec.mesh.ndim == 1 else spec.mesh._flatten()
+            routes[index] = Route(mesh, spec.global_shape, None, flat)
             continue
         mesh = _sharded_dims(spec)
         if mesh is None:

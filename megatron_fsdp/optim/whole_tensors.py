@@ -12,9 +12,9 @@ the same flat-piece DTensors as Adam's (owner_state.py). A face split over sever
 or expert parallel, HFSDP's split pieces) has its owner among all their ranks; a face replicated
 over a dim (HSDP) has one owner in each replica, and so has a tensor-parallel block that data
 parallelism leaves whole (``no_shard``, HSDP over a dp_shard of one rank, strided splits too),
-among its tp ranks. Faces the exchanges do not cover (a face whole on every rank of a mesh of
-several dims), and every face of an optimizer declared with ``placement="replicated"``, are
-gathered and stepped on every rank instead.
+among its tp ranks; a face whole on every rank (``no_shard``) has one owner among them all.
+Faces the exchanges do not cover (host pieces of a GPU mesh), and every face of an optimizer
+declared with ``placement="replicated"``, are gathered and stepped on every rank instead.
 docs/whole_matrix_optimizers.md has the costs.
 """
 
