@@ -1,7 +1,7 @@
 """The owner exchanges of whole-tensor optimizers (megatron_fsdp/optim/owner_placement.py) run in
 runs of bounded size: every whole tensor arrives on its owner exactly and every rank's piece comes
 back exactly, while no single all-to-all makes an owner receive more than ``chunk_values`` values
-(or one tensor, where a tensor alone is larger). Flat pieces of uneven length and column blocks
+(or one tensor, where a tensor alone is larger), and an owner's own pieces skip it. Flat pieces of uneven length and column blocks
 (several rectangles a piece) are both covered, at world 2 over gloo."""
 
 from __future__ import annotations
@@ -35,9 +35,14 @@ def _routes(mesh, world: int) -> list[Route]:
     return routes
 
 
-def _piece(whole: torch.Tensor, route: Route, rank: int) -> torch.Tensor:
-    grid = whole.view(route.grid)
-    return torch.cat([owner_placement._region(grid, rectangle).reshape(-1) for rectangle in route.piece_of(rank)])
+def _piece(whole: torch.Tensor, index: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of tensor ``index`` as _routes lays it out, taken by plain slicing."""
+    rows, cols = whole.shape
+    if index % 2 == 0:
+        first = rows * cols // 3
+        return whole.reshape(-1)[:first] if rank == 0 else whole.reshape(-1)[first:]
+    split = cols // 2
+    return (whole[:, :split] if rank == 0 else whole[:, split:]).reshape(-1)
 
 
 def _exchange(rank: int, world: int) -> dict:
@@ -53,7 +58,7 @@ def _exchange(rank: int, world: int) -> dict:
 
     owner_placement.all_to_all_uneven = recording
     try:
-        gathered = gather_to_owners(routes, [_piece(whole, route, rank) for whole, route in zip(wholes, routes)], CHUNK_VALUES)
+        gathered = gather_to_owners(routes, [_piece(whole, index, rank) for index, whole in enumerate(wholes)], CHUNK_VALUES)
         gather_sizes = list(received_sizes)
         # The owners change their tensors; every rank must get its piece of the new values.
         stepped = [2 * whole.view(-1) + 1 if whole is not None else None for whole in gathered]
@@ -65,13 +70,15 @@ def _exchange(rank: int, world: int) -> dict:
         index: (gathered[index] is not None, (gathered[index].view(SHAPES[index]) - wholes[index]).abs().max().item() if gathered[index] is not None else None)
         for index in range(len(SHAPES))
     }
-    scatter_errors = [(piece - _piece(2 * whole + 1, route, rank)).abs().max().item() for piece, whole, route in zip(into, wholes, routes)]
+    scatter_errors = [(piece - _piece(2 * whole + 1, index, rank)).abs().max().item() for index, (piece, whole) in enumerate(zip(into, wholes))]
     return {
         "owners": [route.owner for route in routes],
         "gather": gather_errors,
         "scatter": scatter_errors,
         "gather_sizes": gather_sizes,
         "runs": len(exchange_chunks(routes, world, CHUNK_VALUES)),
+        # An owner's own pieces skip the exchange: it receives only the other ranks' pieces.
+        "others_pieces": sum(route.numel - route.sent_to_owner(rank) for route in routes if route.owner == rank),
     }
 
 
@@ -82,6 +89,7 @@ def test_exchanges_in_bounded_runs_bring_every_tensor_whole_and_every_piece_back
         assert result["runs"] > 1, "the test's sizes should need several runs"
         assert len(result["gather_sizes"]) == result["runs"]
         assert max(result["gather_sizes"]) <= max(CHUNK_VALUES, largest), result["gather_sizes"]
+        assert sum(result["gather_sizes"]) == result["others_pieces"], "an owner should receive only the other ranks' pieces"
         for index, (held, error) in result["gather"].items():
             assert held == (result["owners"][index] == rank), f"tensor {index} on rank {rank}"
             assert error is None or error == 0.0, f"tensor {index} arrived on its owner changed by {error}"

@@ -201,8 +201,9 @@ def gather_to_owners(
 ) -> list[torch.Tensor | None]:
     """The whole of each tensor (flat) on its owner, None on every other rank, from each rank's
     flat ``local_pieces`` (what :meth:`Route.sent_to_owner` says it sends), one all-to-all per run
-    of :func:`exchange_chunks`. All routes share one mesh and the pieces one dtype; every rank of
-    the mesh passes the same routes in the same order."""
+    of :func:`exchange_chunks`; an owner's own pieces go straight into its wholes. All routes share
+    one mesh and the pieces one dtype; every rank of the mesh passes the same routes in the same
+    order."""
     if not routes:
         return []
     mesh = routes[0].mesh
@@ -212,26 +213,35 @@ def gather_to_owners(
     for run in exchange_chunks(routes, world, chunk_values):
         to_rank = [[i for i in run if routes[i].owner == rank] for rank in range(world)]
         mine = to_rank[me]
-        parts = [local_pieces[i].reshape(-1)[: routes[i].sent_to_owner(me)] for rank in range(world) for i in to_rank[rank]]
+        others = [rank for rank in range(world) if rank != me]
+        parts = [local_pieces[i].reshape(-1)[: routes[i].sent_to_owner(me)] for rank in others for i in to_rank[rank]]
         send = torch.cat(parts) if parts else like.new_empty(0)
-        send_splits = [sum(routes[i].sent_to_owner(me) for i in to_rank[rank]) for rank in range(world)]
-        received_splits = [sum(routes[i].sent_to_owner(rank) for i in mine) for rank in range(world)]
+        send_splits = [0 if rank == me else sum(routes[i].sent_to_owner(me) for i in to_rank[rank]) for rank in range(world)]
+        received_splits = [0 if rank == me else sum(routes[i].sent_to_owner(rank) for i in mine) for rank in range(world)]
         received = like.new_empty(sum(received_splits))
         all_to_all_uneven(received, send, received_splits, send_splits, mesh.get_group(0))
         del send, parts  # before the wholes are made: the run's buffers are what the chunking bounds
         for i in mine:
             wholes[i] = like.new_empty(routes[i].numel)
+            _place(wholes[i], routes[i], me, local_pieces[i].reshape(-1))
         offset = 0
-        for rank in range(world):
+        for rank in others:
             for i in mine:
-                if routes[i].sent_to_owner(rank) == 0:
-                    continue
-                grid = wholes[i].view(routes[i].grid)
-                for rectangle in routes[i].piece_of(rank):
-                    length = math.prod(rectangle[1])
-                    _region(grid, rectangle).copy_(received[offset : offset + length].view(rectangle[1]))
-                    offset += length
+                length = routes[i].sent_to_owner(rank)
+                _place(wholes[i], routes[i], rank, received[offset : offset + length])
+                offset += length
     return wholes
+
+
+def _place(whole: torch.Tensor, route: Route, rank: int, values: torch.Tensor) -> None:
+    """Writes rank ``rank``'s piece, ``values`` (flat, in the piece's order), into ``whole``."""
+    if route.sent_to_owner(rank) == 0:
+        return
+    grid, offset = whole.view(route.grid), 0
+    for rectangle in route.piece_of(rank):
+        length = math.prod(rectangle[1])
+        _region(grid, rectangle).copy_(values[offset : offset + length].view(rectangle[1]))
+        offset += length
 
 
 def scatter_from_owners(
@@ -239,7 +249,8 @@ def scatter_from_owners(
 ) -> None:
     """Writes this rank's piece of each tensor, sent by its owner from ``wholes`` (the owner's
     whole tensors; None for the tensors it does not own), into the flat ``into[i]`` (of
-    :meth:`Route.piece_length` values), one all-to-all per run of :func:`exchange_chunks`."""
+    :meth:`Route.piece_length` values), one all-to-all per run of :func:`exchange_chunks`; an
+    owner's own pieces go straight from its wholes."""
     if not routes:
         return
     mesh = routes[0].mesh
@@ -248,24 +259,30 @@ def scatter_from_owners(
     for run in exchange_chunks(routes, world, chunk_values):
         from_rank = [[i for i in run if routes[i].owner == rank] for rank in range(world)]
         mine = from_rank[me]
-        parts = [
-            _region(wholes[i].view(routes[i].grid), rectangle).reshape(-1)
-            for rank in range(world)
-            for i in mine
-            for rectangle in routes[i].piece_of(rank)
-        ]
+        others = [rank for rank in range(world) if rank != me]
+        parts = [_piece(wholes[i], routes[i], rank) for rank in others for i in mine]
         send = torch.cat(parts) if parts else like.new_empty(0)
-        send_splits = [sum(routes[i].piece_length(rank) for i in mine) for rank in range(world)]
-        received_splits = [sum(routes[i].piece_length(me) for i in from_rank[rank]) for rank in range(world)]
+        send_splits = [0 if rank == me else sum(routes[i].piece_length(rank) for i in mine) for rank in range(world)]
+        received_splits = [0 if rank == me else sum(routes[i].piece_length(me) for i in from_rank[rank]) for rank in range(world)]
         received = like.new_empty(sum(received_splits))
         all_to_all_uneven(received, send, received_splits, send_splits, mesh.get_group(0))
         del send, parts
+        for i in mine:
+            into[i].copy_(_piece(wholes[i], routes[i], me))
         offset = 0
-        for rank in range(world):
+        for rank in others:
             for i in from_rank[rank]:
                 length = routes[i].piece_length(me)
                 into[i].copy_(received[offset : offset + length])
                 offset += length
+
+
+def _piece(whole: torch.Tensor, route: Route, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of ``whole``, flat in the piece's order (a view where it is one
+    contiguous range)."""
+    grid = whole.view(route.grid)
+    regions = [_region(grid, rectangle).reshape(-1) for rectangle in route.piece_of(rank)]
+    return regions[0] if len(regions) == 1 else torch.cat(regions) if regions else whole.new_empty(0)
 
 
 def any_rank_failed(meshes: list[DeviceMesh], failed: bool) -> bool:
