@@ -81,6 +81,21 @@ def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch
     return total.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
 
 
+def finalize_model_grads(adapter: nn.Module, tp_group: dist.ProcessGroup) -> None:
+    """megatron-core's finalize_model_grads for Megatron-FSDP: the gradient sync, then the partial
+    gradients of parameters marked ``sequence_parallel`` (each rank saw its slice of the sequence)
+    summed over the tensor-parallel group in place, through the faces' local gradients (flattened
+    into one all-reduce, as it does)."""
+    adapter.module.finish_grad_sync()
+    grads = [p.grad._local_tensor.data for p in adapter.parameters() if getattr(p, "sequence_parallel", False)]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=tp_group)
+    for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(summed.view_as(grad))
+
+
 def megatron_core_clip(
     optimizer: torch.optim.Optimizer, max_norm: float, tp_group: dist.ProcessGroup | None = None,
     instance_group: dist.ProcessGroup | None = None,

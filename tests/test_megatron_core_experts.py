@@ -14,6 +14,13 @@ Experts see the tokens of their expert-model-parallel group (expert-parallel x e
 parallel ranks, megatron-core's dispatcher): gathered along the sequence, every local expert
 (or its tensor-parallel block) runs on the tokens routed to it, and the outputs, partial sums
 under expert tensor parallelism, are summed and scattered back.
+
+With dense tensor parallelism as well (``--tensor-model-parallel-size 2``, with the sequence
+parallelism megatron-core requires of MoE under TP) the embedding and the output layer are
+vocabulary-parallel over the dense mesh's ``tp`` dim, and each rank's layers see its slice of
+the sequence: the norms and the router, duplicated, are marked ``sequence_parallel`` and their
+partial gradients summed over the dense tensor-parallel group (``finalize_model_grads``).
+
 Tolerances as in tests/test_megatron_core_tensor_parallel.py (fp32: 1e-5 against one process,
 parameters also 1e-5 absolute for Adam's near-zero gradients, a resume bit-equal at the same
 sizes, 1e-6 resharded); megatron_fsdp's own norm (``total_grad_norm``: fp32 per piece) within
@@ -32,12 +39,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from _dist import run_distributed
 from mcore_flow import (
+    GatherLastDim,
     GatherSequence,
     ReduceScatterSequence,
+    finalize_model_grads,
     fsdp_dtensor_state,
     load_fsdp_dtensor,
     megatron_core_clip,
@@ -50,18 +59,20 @@ import megatron_fsdp
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
 from megatron_fsdp.integrations.piece_steps import install_piece_steps
 
-VOCAB, HIDDEN, FFN, SEQ, ROWS, EXPERTS = 37, 20, 14, 6, 4, 4
+VOCAB, HIDDEN, FFN, SEQ, ROWS, EXPERTS = 38, 20, 14, 6, 4, 4
 STEPS, SAVED_AT = 5, 3
 LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
 
 
 class Layout(NamedTuple):
-    """Expert-parallel and expert-tensor-parallel sizes at world 4 (dense: DP4); the experts are
-    sharded over the remaining ``4 / (ep * etp)`` expert-data-parallel ranks."""
+    """Expert-parallel and expert-tensor-parallel sizes at world 4; the experts are sharded over
+    the remaining ``4 / (ep * etp)`` expert-data-parallel ranks, the dense layers over
+    ``4 / tp`` data-parallel ranks."""
 
     ep: int
     etp: int
     outer: int = 1  # HSDP: megatron-core's distributed-optimizer instances, each replicating the shards
+    tp: int = 1  # dense tensor-parallel size, sequence-parallel when above 1
 
 
 class Expert(nn.Module):
@@ -101,9 +112,10 @@ class ExpertGroups(NamedTuple):
 
 
 class MoELayer(nn.Module):
-    """Top-1 routing over ``EXPERTS`` experts, this rank holding ``EXPERTS / ep`` of them."""
+    """Top-1 routing over ``EXPERTS`` experts, this rank holding ``EXPERTS / ep`` of them; under
+    sequence parallelism on this rank's slice of the sequence."""
 
-    def __init__(self, groups: ExpertGroups) -> None:
+    def __init__(self, groups: ExpertGroups, sequence_parallel: bool) -> None:
         super().__init__()
         self.token_group = groups.tokens
         self.first_expert = groups.ep_rank * EXPERTS // groups.ep
@@ -111,6 +123,8 @@ class MoELayer(nn.Module):
         self.mlp = nn.Module()
         self.mlp.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
         self.mlp.experts = Experts(EXPERTS // groups.ep, groups.etp)
+        for param in (self.norm.weight, self.norm.bias, self.mlp.router.weight):
+            param.sequence_parallel = sequence_parallel  # megatron-core's mark: a partial gradient
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
@@ -128,30 +142,51 @@ class MoELayer(nn.Module):
 
 
 class MoEGPT(nn.Module):
-    def __init__(self, groups: ExpertGroups = ExpertGroups()) -> None:
+    """A vocabulary-parallel embedding and output layer (whole without ``tp_group``) around MoE
+    layers; with ``tp_group`` sequence-parallel over it."""
+
+    def __init__(self, groups: ExpertGroups = ExpertGroups(), tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
-        self.embedding = nn.Embedding(VOCAB, HIDDEN)
+        self.tp_group = tp_group
+        self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self.embedding = nn.Embedding(VOCAB // self.tp, HIDDEN)
         self.decoder = nn.Module()
-        self.decoder.layers = nn.ModuleList(MoELayer(groups) for _ in range(2))
-        self.output = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.decoder.layers = nn.ModuleList(MoELayer(groups, tp_group is not None) for _ in range(2))
+        self.output = nn.Linear(HIDDEN, VOCAB // self.tp, bias=False)
+        for param in (self.embedding.weight, self.output.weight):  # split by vocabulary rows
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
         self.first_expert = self.decoder.layers[0].first_expert
         self.load_local_experts_of(_full_initial_weights(), groups)
 
     def load_local_experts_of(self, full: dict[str, torch.Tensor], groups: ExpertGroups) -> None:
         """Every parameter from the full model's, local experts from their global index's, each
-        split expert weight its expert-tensor-parallel rank's block."""
+        split expert weight its expert-tensor-parallel rank's block, each split dense weight its
+        tensor-parallel rank's."""
         with torch.no_grad():
             for name, param in self.named_parameters():
                 value = full[global_expert_name(name, self.first_expert)]
                 if getattr(param, "tensor_model_parallel", False):
-                    value = tensor_parallel_block(value, param, groups.etp, groups.etp_rank)
+                    expert = not getattr(param, "allreduce", True)
+                    size, rank = (groups.etp, groups.etp_rank) if expert else (self.tp, self.tp_rank)
+                    value = tensor_parallel_block(value, param, size, rank)
                 param.copy_(value)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(tokens)
+        rows = VOCAB // self.tp
+        local = tokens - self.tp_rank * rows
+        outside = (local < 0) | (local >= rows)
+        x = self.embedding(local.clamp(0, rows - 1)).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.tp_group is not None:
+            x = ReduceScatterSequence.apply(x, self.tp_group)
         for layer in self.decoder.layers:
             x = layer(x)
-        return F.cross_entropy(self.output(x).reshape(-1, VOCAB), targets.reshape(-1))
+        if self.tp_group is not None:
+            x = GatherSequence.apply(x, self.tp_group)
+        logits = self.output(x)
+        if self.tp_group is not None:
+            logits = GatherLastDim.apply(logits, self.tp_group)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def global_expert_name(name: str, first_expert: int) -> str:
@@ -182,11 +217,13 @@ def make_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _meshes(layout: Layout) -> tuple[megatron_fsdp.FSDPDistributedIndex, ExpertGroups]:
-    """megatron-core's meshes: the dense ``(dp_cp, tp)`` over every rank, the expert
-    ``(dp_cp, tp)`` over the ranks holding the same experts (its ``tp`` the expert-tensor-parallel
-    ranks), ranks laid out ``(expert dp, ep, etp)`` as megatron-core's."""
+    """megatron-core's meshes: the dense ``(dp_cp, tp)`` over every rank, ranks laid out
+    ``(dp, tp)``, the expert ``(dp_cp, tp)`` over the ranks holding the same experts (its ``tp``
+    the expert-tensor-parallel ranks), ranks laid out ``(expert dp, ep, etp)`` as megatron-core's."""
     world, outer = dist.get_world_size(), layout.outer
-    dense = dist.init_device_mesh("cpu", (outer, world // outer, 1), mesh_dim_names=("outer_fsdp_dp", "dp_cp", "tp"))
+    dense = dist.init_device_mesh(
+        "cpu", (outer, world // (outer * layout.tp), layout.tp), mesh_dim_names=("outer_fsdp_dp", "dp_cp", "tp")
+    )
     expert = dist.init_device_mesh(
         "cpu", (outer, world // (outer * layout.ep * layout.etp), layout.ep, layout.etp),
         mesh_dim_names=("outer_fsdp_dp", "dp_cp", "ep", "tp"),
@@ -215,13 +252,14 @@ class _Adapter(nn.Module):
         index, groups = _meshes(layout)
         self.tp_group = index.device_mesh["tp"].get_group()
         # megatron-core sums the norm's squares within one distributed-optimizer instance.
-        self.instance_group = index.device_mesh["dp_cp"].get_group() if layout.outer > 1 else None
-        self.dp_rank = dist.get_rank()
+        self.instance_group = index.device_mesh["dp_cp", "tp"]._flatten("instance").get_group() if layout.outer > 1 else None
+        # Tensor-parallel ranks see the same rows of the batch.
+        self.dp_rank, self.dp = dist.get_rank() // layout.tp, dist.get_world_size() // layout.tp
         config = megatron_fsdp.DistributedDataParallelConfig(
             data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, overlap_param_gather=True,
             outer_dp_sharding_strategy="no_shard", num_distributed_optimizer_instances=layout.outer,
         )
-        model = MoEGPT(groups)
+        model = MoEGPT(groups, self.tp_group if layout.tp > 1 else None)
         self.first_expert = model.first_expert
         self.module = MegatronCoreFSDP(model, index, config, fsdp_unit_modules=[MoELayer])
 
@@ -236,17 +274,17 @@ def _optimizer(adapter: nn.Module) -> torch.optim.Optimizer:
 def _train_step(adapter: _Adapter, optimizer: torch.optim.Optimizer, step: int) -> tuple[float, float, float]:
     """The step's loss, megatron-core's gradient norm, and megatron_fsdp's own over its pieces."""
     tokens, targets = make_batch(step)
-    rows = slice(adapter.dp_rank * ROWS // dist.get_world_size(), (adapter.dp_rank + 1) * ROWS // dist.get_world_size())
+    rows = slice(adapter.dp_rank * ROWS // adapter.dp, (adapter.dp_rank + 1) * ROWS // adapter.dp)
     loss = adapter.module(tokens[rows], targets[rows])
     loss.backward()
-    adapter.module.finish_grad_sync()
+    finalize_model_grads(adapter, adapter.tp_group)
     engine_norm = megatron_fsdp.total_grad_norm(adapter.module).item()
     norm = megatron_core_clip(optimizer, 0.5, adapter.tp_group, adapter.instance_group)
     optimizer.step()
     adapter.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
     adapter.module.zero_grad_buffer()
     total = loss.detach().clone()
-    dist.all_reduce(total)
+    dist.all_reduce(total)  # every tensor-parallel rank holds the same loss
     return total.item() / dist.get_world_size(), norm, engine_norm
 
 
@@ -297,6 +335,14 @@ LAYOUTS = {
     # HSDP: 2 replicas of DP2 (megatron-core's 2 distributed-optimizer instances), experts at
     # EP2 summed over the replicas too.
     "hsdp2-ep2-to-ep1": (Layout(ep=2, etp=1, outer=2), Layout(ep=1, etp=1)),
+    # Dense TP2 x DP2 (sequence-parallel) with experts at EP2 x ETP2 (expert-data-parallel size 1):
+    # --tensor-model-parallel-size 2 --expert-model-parallel-size 2 --expert-tensor-parallel-size 2.
+    # The expert-tensor-parallel pairs are the dense tensor-parallel pairs, the expert-parallel
+    # pairs the dense data-parallel ones.
+    "tp2-ep2-etp2-to-ep2": (Layout(ep=2, etp=2, tp=2), Layout(ep=2, etp=1)),
+    # Dense TP2 x DP2 with experts at EP2 x EDP2 (ETP1): the expert-parallel pairs are the dense
+    # tensor-parallel pairs, the expert-data-parallel pairs the dense data-parallel ones.
+    "tp2-ep2-edp2-to-ep1": (Layout(ep=2, etp=1, tp=2), Layout(ep=1, etp=1)),
 }
 
 
@@ -320,6 +366,9 @@ def test_local_experts_train_checkpoint_under_global_names_and_reshard_like_one_
     if layout.etp > 1:
         fc1, fc2 = (ours["placements"][f"decoder.layers.0.mlp.experts.local_experts.0.linear_fc{i}.weight"] for i in (1, 2))
         assert fc1[-1] == Shard(0) and fc2[-1] == Shard(1), (fc1, fc2)
+    if layout.tp > 1:
+        embedding, router = (ours["placements"][k] for k in ("embedding.weight", "decoder.layers.0.mlp.router.weight"))
+        assert embedding[-1] == Shard(0) and router[-1] == Replicate(), (embedding, router)
     continued = ours["history"][SAVED_AT:]
     assert ours["same_sizes"] == continued, f"resumed {ours['same_sizes']} vs continued {continued}"
     for step, ((loss, norm, _), (ref_loss, ref_norm, _)) in enumerate(zip(ours["resharded"], continued), start=SAVED_AT):

@@ -41,6 +41,7 @@ from mcore_flow import (
     GatherLastDim,
     GatherSequence,
     ReduceScatterSequence,
+    finalize_model_grads,
     fsdp_dtensor_state,
     load_fsdp_dtensor,
     megatron_core_clip,
@@ -222,7 +223,6 @@ class _Adapter(nn.Module):
             outer_dp_sharding_strategy="optim" if layout.hfsdp else "no_shard",
             num_distributed_optimizer_instances=layout.outer,
         )
-        self.sequence_parallel = layout.sequence_parallel
         model = TensorParallelGPT(layout.tp, self.tp_group if layout.tp > 1 else None, layout.sequence_parallel)
         self.module = MegatronCoreFSDP(model, index, config, fsdp_unit_modules=[TensorParallelMLPBlock])
 
@@ -244,26 +244,12 @@ def _optimizer(adapter: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(adapter.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _finalize_model_grads(adapter: _Adapter) -> None:
-    """megatron-core's finalize_model_grads for Megatron-FSDP: the gradient sync, then under
-    sequence parallelism the partial gradients summed over the tensor-parallel group in place,
-    through the faces' local gradients (flattened into one all-reduce, as it does)."""
-    adapter.module.finish_grad_sync()
-    if not adapter.sequence_parallel:
-        return
-    grads = [p.grad._local_tensor.data for p in adapter.parameters() if getattr(p, "sequence_parallel", False)]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=adapter.tp_group)
-    for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
-        grad.copy_(summed.view_as(grad))
-
-
 def _train_step(adapter: _Adapter, optimizer: torch.optim.Optimizer, step: int) -> tuple[float, float]:
     tokens, targets = make_batch(step)
     rows = slice(adapter.dp_rank * ROWS // adapter.dp, (adapter.dp_rank + 1) * ROWS // adapter.dp)
     loss = adapter.module(tokens[rows], targets[rows])
     loss.backward()
-    _finalize_model_grads(adapter)
+    finalize_model_grads(adapter, adapter.tp_group)
     norm = megatron_core_clip(optimizer, 0.5, adapter.tp_group, adapter.instance_group)
     optimizer.step()
     adapter.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
