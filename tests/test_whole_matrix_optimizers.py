@@ -27,6 +27,9 @@ too) on one tp rank of each replica.
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -397,10 +400,24 @@ def test_a_step_that_raises_on_one_owner_raises_on_every_rank() -> None:
     """The owner of qkv raises its own error; the other rank, whose step passed, learns of it
     before the exchange back and raises too; neither changes its weights. (On FSDP2's door torch
     runs no hook after a step that raised: the other ranks wait until the raising rank's next
-    step, state_dict() or forward, docs/whole_matrix_optimizers.md.)"""
+    step, state_dict() or forward, or the end of its program, docs/whole_matrix_optimizers.md.)"""
     messages = sorted(run_distributed(_errors_on_every_rank, 2, "whole-model", "raises on its owner"))
     assert messages[0].startswith("RuntimeError: RefusesQkv's step raised on another rank"), messages
     assert messages[1] == "ValueError: RefusesQkv refuses a qkv matrix", messages
+
+
+def test_an_owner_step_error_that_ends_the_program_reaches_the_other_ranks_on_fsdp2s_door() -> None:
+    """The raising rank's program ends on the error; on its way out it joins the others' agreement,
+    so they raise ours at once instead of waiting out their collective timeout (a hang here)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               os.path.join(tests, "owner_raises_drill.py")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    log = run.stdout + run.stderr
+    assert run.returncode != 0, log[-3000:]
+    assert "ValueError: RefusesQkv refuses a qkv matrix" in log, log[-3000:]
+    assert "RuntimeError: RefusesQkv's step raised on another rank" in log, log[-3000:]
 
 
 @pytest.mark.parametrize("door", ["whole-model", "fsdp2"])

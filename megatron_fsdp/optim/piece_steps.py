@@ -13,12 +13,18 @@ sharded by ``fully_shard_optimizer`` (``_megatron_fsdp_model``) swaps by itself 
 
 A step that raised leaves the pieces in its optimizer (torch runs no post-hook then) until the
 first of: that optimizer's next step, its ``state_dict()`` or ``load_state_dict()``, or a call to
-:func:`end_unfinished_steps` (the next forward of a module sharded in place makes one). Until then
-its ``param_groups`` list the pieces.
+:func:`end_unfinished_steps` (the next forward of a module sharded in place makes one, and so does
+the exception's end of the program). Until then its ``param_groups`` list the pieces. Ending it
+matters beyond this rank: where a whole-tensor optimizer's owner raised and the others' steps
+passed, the others wait to agree on it (whole_tensors.py) and raise once this rank joins, so an
+error that ends the program joins first (:func:`sys.excepthook`) instead of leaving them to
+their collective timeout.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -31,6 +37,8 @@ from torch.utils.hooks import RemovableHandle
 
 from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.optim.piece_swap import PieceSwap
+
+logger = logging.getLogger(__name__)
 
 
 class PieceOwner(Protocol):
@@ -77,7 +85,22 @@ def step_faces_as_pieces(resolver: OwnerResolver) -> RemovableHandle:
     if not _hooks:
         _hooks.append(register_optimizer_step_pre_hook(_before_step))
         _hooks.append(register_optimizer_step_post_hook(_after_step))
+        sys.excepthook = _ending_unfinished_steps(sys.excepthook)
     return handle
+
+
+def _ending_unfinished_steps(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """``previous`` (an uncaught exception's hook), after ending the steps the exception left."""
+
+    def excepthook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        if _in_step:
+            try:
+                end_unfinished_steps()
+            except Exception as failure:  # the error that ends the program is the one to show
+                logger.warning("ending the optimizer step that raised failed too: %s", failure)
+        previous(kind, error, traceback)
+
+    return excepthook
 
 
 def end_unfinished_steps() -> None:
