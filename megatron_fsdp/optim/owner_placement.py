@@ -282,7 +282,9 @@ def _piece(whole: torch.Tensor, route: Route, rank: int) -> torch.Tensor:
     contiguous range)."""
     grid = whole.view(route.grid)
     regions = [_region(grid, rectangle).reshape(-1) for rectangle in route.piece_of(rank)]
-    return regions[0] if len(regions) == 1 else torch.cat(regions) if regions else whole.new_empty(0)
+    if len(regions) == 1:
+        return regions[0]
+    return torch.cat(regions) if regions else whole.new_empty(0)
 
 
 def any_rank_failed(meshes: list[DeviceMesh], failed: bool) -> bool:
