@@ -6,7 +6,7 @@ import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -263,6 +263,17 @@ class MegatronFSDP(nn.Module):
             self._abandon_failed_step()
         for bucket in self.trainable_buckets():
             bucket.zero_main_grad(set_to_none)
+
+    def zero_main_grads_of(self, params: Collection[nn.Parameter]) -> None:
+        """Zeroes in place the main gradients of ``params`` (faces), keeping every other
+        parameter's: what the ``zero_grad()`` of an optimizer over part of the model clears
+        (optim/grad_release.py). After a backward that raised, drops that whole step as
+        :meth:`zero_grad_buffer` does."""
+        if self.scheduler.backward_failed():
+            self.zero_grad_buffer()
+            return
+        for bucket in self.trainable_buckets():
+            bucket.zero_main_grads_of(params)
 
     def _abandon_failed_step(self) -> None:
         """A hook for faces that register other tensors during a step (megatron-core's)."""

@@ -128,10 +128,10 @@ def _whole_model_door(rank: int, world: int, strategy: int, accumulate: int, cli
         losses.append(_global_loss(loss))
         if clip:
             megatron_fsdp.clip_grad_norm_(model, MAX_NORM)
-        # Both step before either zeroes: the wrapper's zero_grad releases all main gradients.
+        # Each steps and zeroes in turn, as the one-process loop: Muon's zero_grad must leave
+        # AdamW's gradients (optim/grad_release.py).
         for optimizer in (muon, adamw):
             optimizer.step()
-        for optimizer in (muon, adamw):
             optimizer.zero_grad()
     return model, muon, {name: param.float() for name, param in model.full_parameters().items()}, losses
 
@@ -435,6 +435,78 @@ def test_a_declared_optimizer_steps_whole_matrices(door: str) -> None:
     assert run_distributed(_errors_on_every_rank, 2, door, "declared") == ["stepped", "stepped"]
 
 
+def _zero_grad_in_turn(rank: int, world: int) -> dict[str, object]:
+    """After a backward: Muon steps and zeroes, then AdamW steps and zeroes, as torch's loop."""
+    model = megatron_fsdp.fully_shard_model(make_model(seed=0), fsdp_unit_modules=[Block])
+    named = list(model.named_parameters())
+    muon, adamw = (megatron_fsdp.fully_shard_optimizer(optimizer, model=model) for optimizer in _optimizers(named))
+    tokens, targets = next(_micro_batches(0, rank, world, 1))
+    model(tokens, targets).backward()
+    adamw_grads = {name: param.grad.full_tensor() for name, param in named if not _is_matrix_in_block(name, param)}
+    muon.step()
+    muon.zero_grad()
+    kept = {name: param.grad is not None and torch.equal(param.grad.full_tensor(), adamw_grads[name]) for name, param in named if name in adamw_grads}
+    muon_grads_gone = all(param.grad is None for name, param in named if _is_matrix_in_block(name, param))
+    held_after_muon = sum(bucket.main_grad is not None for bucket in model.trainable_buckets())
+    adamw.step()
+    adamw.zero_grad()
+    held_after_both = sum(bucket.main_grad is not None for bucket in model.trainable_buckets())
+    return {"kept": kept, "muon_grads_gone": muon_grads_gone, "held_after_muon": held_after_muon, "held_after_both": held_after_both}
+
+
+def _train_zeroing_only_muon(model, muon, adamw, world: int, rows: slice) -> None:
+    """STEPS steps in which only Muon zeroes its gradients: AdamW's accumulate from step to step
+    (as torch's would), Muon's start from zero each step."""
+    for step in range(STEPS):
+        tokens, targets = make_batch(step, world * ROWS)
+        model(tokens[rows], targets[rows]).backward()
+        muon.step()
+        muon.zero_grad()
+        adamw.step()
+
+
+def _only_muon_zeroes(rank: int, world: int, special: str) -> dict[str, torch.Tensor]:
+    """_train_zeroing_only_muon sharded (``special``: "" or "hfsdp", where the main gradient spans
+    more than the range the optimizer steps)."""
+    hybrid = {}
+    if special == "hfsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
+        hybrid = {"device_mesh": mesh, "dp_shard_dim": "dp_shard", "dp_outer_dim": "dp_outer", "outer_dp_sharding_strategy": "optim"}
+    model = megatron_fsdp.fully_shard_model(make_model(seed=0), fsdp_unit_modules=[Block], **hybrid)
+    muon, adamw = (megatron_fsdp.fully_shard_optimizer(optimizer, model=model) for optimizer in _optimizers(list(model.named_parameters())))
+    _train_zeroing_only_muon(model, muon, adamw, world, slice(rank * ROWS, (rank + 1) * ROWS))
+    return {name: param.float() for name, param in model.full_parameters().items()}
+
+
+@pytest.mark.parametrize("special, world", [("", 2), ("hfsdp", 4)])
+def test_gradients_one_optimizer_never_zeroes_accumulate_as_torchs(special: str, world: int) -> None:
+    """Muon's zero_grad zeroes its own parameters' gradients in place and keeps AdamW's, which
+    then accumulate over the steps as in one process; under HFSDP the main gradient covers the
+    whole shard, the optimizer a part of it, and each is zeroed at its own offsets. Held to
+    LOOSE_RTOL on Muon's matrices: here the gradients round one bf16 entry differently from one
+    process (the module docstring), 4.5e-3 at world 2 (measured); Muon's gradients not zeroed,
+    or zeroed at the wrong offsets, are off by whole updates."""
+    sharded = run_distributed(_only_muon_zeroes, world, special)[0]
+    single = make_model(seed=0)
+    _train_zeroing_only_muon(single, *_optimizers(list(single.named_parameters())), world, slice(None))
+    errors = {name: _relative_error(sharded[name], want.detach()) for name, want in single.named_parameters() if _is_matrix_in_block(name, want)}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= LOOSE_RTOL, f"{worst} differs by {errors[worst]:.2e} (allowed {LOOSE_RTOL:.0e}); all: {errors}"
+
+
+def test_one_optimizers_zero_grad_keeps_the_other_optimizers_gradients_until_both_are_zeroed() -> None:
+    """torch's zero_grad clears its own parameters only; the main gradients the two optimizers'
+    parameters share buckets in are released once both have zeroed (optim/grad_release.py). Before,
+    Muon's zero_grad released them all, and AdamW then stepped on no gradients, silently."""
+    for rank, result in enumerate(run_distributed(_zero_grad_in_turn, 2)):
+        assert all(result["kept"].values()), f"rank {rank}: AdamW's gradients changed by Muon's zero_grad: {result['kept']}"
+        assert result["muon_grads_gone"], f"rank {rank}: Muon's parameters still show gradients after its zero_grad"
+        assert result["held_after_muon"] > 0, f"rank {rank}: the main gradients were released while AdamW still needed them"
+        assert result["held_after_both"] == 0, f"rank {rank}: {result['held_after_both']} buckets still hold main gradients"
+
+
 GLOBAL_ROWS = 4  # one global batch for every world size below
 
 
@@ -566,12 +638,43 @@ def muon_over_dp_tp(
     parallelism sums the activations and gradients in another order: held to LOOSE_RTOL, as HSDP),
     with Muon's state taken through its state dict and back midway, and the matrices whose
     momentum this rank holds."""
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    dp_size = 2 if tensor_parallel else world
+    model, muon, adamw, mesh = _muon_model_over_dp_tp(world, door, tensor_parallel, device, setup)
+    dp_rank = mesh["dp"].get_local_rank()
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = next(_micro_batches(step, dp_rank, dp_size, 1))
+        loss = model(tokens.to(device), targets.to(device))
+        loss.backward()
+        losses.append(_global_loss(loss))
+        if step == 1:
+            # Through the state dict and back (momentum as pieces of its global shape, gathered
+            # to the owners at the next step): a wrong piece moves the matrices by a whole update.
+            muon.load_state_dict(muon.state_dict())
+        for optimizer in (muon, adamw):
+            optimizer.step()
+        for optimizer in (muon, adamw):
+            optimizer.zero_grad()
+    # Global tensors (the whole-model door's full_parameters() gathers over the data-parallel ranks only).
+    params = {name: value.full_tensor().cpu() for name, value in model.state_dict().items()}
+    expected, expected_losses = _single_process(dp_size, 1, False)
+    errors = {name: _relative_error(params[name], want) for name, want in expected.items() if _is_matrix_in_block(name, want)}
+    for step, (loss, want) in enumerate(zip(losses, expected_losses)):
+        errors[f"loss at step {step}"] = abs(loss - want) / abs(want)
+    names = [name for name, param in make_model().named_parameters() if _is_matrix_in_block(name, param)]
+    held = [name for name, param in zip(names, muon.param_groups[0]["params"]) if "momentum_buffer" in muon.state.get(param, {})]
+    return errors, held
+
+
+def _muon_model_over_dp_tp(world: int, door: str, tensor_parallel: bool, device: torch.device, setup: str = "fsdp"):
+    """muon_over_dp_tp's model, sharded by ``door``, with its Muon and AdamW, and its mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from megatron_fsdp.fsdp2 import fully_shard
 
-    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    device_type = device.type
     dp_size = 2 if tensor_parallel else world
     if setup == "hsdp":
         mesh = init_device_mesh(device_type, (dp_size, 1, 1, world // dp_size), mesh_dim_names=("dp_outer", "dp_shard", "cp", "tp"))
@@ -598,30 +701,7 @@ def muon_over_dp_tp(
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         muon, adamw = _optimizers(list(model.named_parameters()))
-    dp_rank = mesh["dp"].get_local_rank()
-    losses = []
-    for step in range(STEPS):
-        tokens, targets = next(_micro_batches(step, dp_rank, dp_size, 1))
-        loss = model(tokens.to(device), targets.to(device))
-        loss.backward()
-        losses.append(_global_loss(loss))
-        if step == 1:
-            # Through the state dict and back (momentum as pieces of its global shape, gathered
-            # to the owners at the next step): a wrong piece moves the matrices by a whole update.
-            muon.load_state_dict(muon.state_dict())
-        for optimizer in (muon, adamw):
-            optimizer.step()
-        for optimizer in (muon, adamw):
-            optimizer.zero_grad()
-    # Global tensors (the whole-model door's full_parameters() gathers over the data-parallel ranks only).
-    params = {name: value.full_tensor().cpu() for name, value in model.state_dict().items()}
-    expected, expected_losses = _single_process(dp_size, 1, False)
-    errors = {name: _relative_error(params[name], want) for name, want in expected.items() if _is_matrix_in_block(name, want)}
-    for step, (loss, want) in enumerate(zip(losses, expected_losses)):
-        errors[f"loss at step {step}"] = abs(loss - want) / abs(want)
-    names = [name for name, param in make_model().named_parameters() if _is_matrix_in_block(name, param)]
-    held = [name for name, param in zip(names, muon.param_groups[0]["params"]) if "momentum_buffer" in muon.state.get(param, {})]
-    return errors, held
+    return model, muon, adamw, mesh
 
 
 # muon_over_dp_tp's setup -> on how many of the 4 ranks (dp 2 x tp 2) a matrix split by tp, and one
@@ -649,6 +729,52 @@ def check_muon_over_dp_tp(results: list[tuple[dict[str, float], list[str]]], ten
 @pytest.mark.parametrize("door, setup", [("whole-model", "fsdp"), ("fsdp2", "fsdp"), ("whole-model", "no_shard"), ("whole-model", "hsdp")])
 def test_muon_over_tensor_parallel_matrices_steps_like_one_process(door: str, setup: str) -> None:
     check_muon_over_dp_tp(run_distributed(muon_over_dp_tp, 4, door, True, "cpu", setup), tensor_parallel=True, setup=setup)
+
+
+def _muon_across_tensor_parallel_sizes(rank: int, world: int, path: str, phase: str, keep_muon_state: bool = True) -> dict[str, torch.Tensor]:
+    """"save": STEPS - 1 steps over dp 2 x tp 2, then a DCP checkpoint; "load": the checkpoint
+    into the model over dp 4 (no tensor parallelism) and the last step. Both doors' whole-model
+    wrapper; the same 2 * ROWS rows a step either way (ROWS a rank at dp 2, ROWS / 2 at dp 4).
+    ``keep_muon_state`` False loads the model and AdamW only: the control a lost momentum fails."""
+    import torch.distributed.checkpoint as dcp
+
+    tensor_parallel = phase == "save"
+    model, muon, adamw, mesh = _muon_model_over_dp_tp(world, "whole-model", tensor_parallel, torch.device("cpu"))
+    dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    steps = range(STEPS - 1) if phase == "save" else range(STEPS - 1, STEPS)
+    if phase == "load":
+        state = {"model": model.state_dict(), "muon": muon.state_dict(), "adamw": adamw.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        if keep_muon_state:
+            muon.load_state_dict(state["muon"])
+        adamw.load_state_dict(state["adamw"])
+    for step in steps:
+        tokens, targets = make_batch(step, 2 * ROWS)
+        rows = slice(dp_rank * 2 * ROWS // dp_size, (dp_rank + 1) * 2 * ROWS // dp_size)
+        model(tokens[rows], targets[rows]).backward()
+        for optimizer in (muon, adamw):
+            optimizer.step()
+            optimizer.zero_grad()
+    if phase == "save":
+        dcp.save({"model": model.state_dict(), "muon": muon.state_dict(), "adamw": adamw.state_dict()}, checkpoint_id=path)
+    return {name: value.full_tensor() for name, value in model.state_dict().items()}
+
+
+def test_muon_state_saved_over_tensor_parallelism_resumes_without_it(tmp_path) -> None:
+    """A checkpoint of dp 2 x tp 2 (Muon's momentum as pieces of TP blocks split again over dp)
+    loaded over dp 4: the last step lands where one process's does, within LOOSE_RTOL (tensor
+    parallelism's sums, as above); the same load without Muon's state is off by far more."""
+    path = str(tmp_path / "ckpt")
+    run_distributed(_muon_across_tensor_parallel_sizes, 4, path, "save")
+    resumed = run_distributed(_muon_across_tensor_parallel_sizes, 4, path, "load")[0]
+    lost = run_distributed(_muon_across_tensor_parallel_sizes, 4, path, "load", False)[0]
+    expected, _ = _single_process(2, 1, False)
+    errors = {name: _relative_error(resumed[name], want) for name, want in expected.items() if _is_matrix_in_block(name, want)}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= LOOSE_RTOL, f"{worst} differs by {errors[worst]:.2e} after resuming at dp 4; all: {errors}"
+    control = max(_relative_error(lost[name], want) for name, want in expected.items() if _is_matrix_in_block(name, want))
+    assert control > 2 * LOOSE_RTOL, f"without Muon's state the step should be far off, it is {control:.2e}"
 
 
 def _matrices_stepped_here(rank: int, world: int, door: str, special: str) -> list[int]:

@@ -12,6 +12,7 @@ import torch
 
 from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
 from megatron_fsdp.engine.step.sharded_model import ShardedModel
+from megatron_fsdp.optim.grad_release import grad_release_of
 from megatron_fsdp.optim.initial_state import InitialStatePlaceholders
 from megatron_fsdp.optim.kernel_step import kernel_step_for, reads_main_grads_as_they_are
 from megatron_fsdp.optim.piece_swap import PieceSwap
@@ -71,6 +72,8 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: ShardedModel) 
 
     original_step = optimizer.step
     original_zero_grad = optimizer.zero_grad
+    release = grad_release_of(model)
+    release.add(optimizer)
     steps_with_ops = model.settings.cpu_offload or reads_main_grads_as_they_are(optimizer, model.trainable_buckets())
 
     @functools.wraps(original_step)
@@ -109,7 +112,7 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: ShardedModel) 
     def zero_grad(self, set_to_none: bool = True, zero_grad_buffer: bool = True) -> None:
         """``zero_grad_buffer=False`` (upstream's keyword) keeps the main gradients."""
         if zero_grad_buffer:
-            model.zero_grad_buffer(set_to_none)
+            release.zero_grad(self, set_to_none)
         if set_to_none:
             with plain_attribute_access():  # torch's zero_grad then only reads and clears .grad
                 original_zero_grad(set_to_none)

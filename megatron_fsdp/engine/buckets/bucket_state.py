@@ -39,8 +39,10 @@ class BucketState:
         self._holding = [False] * num_params
         # Reduced over the shard group, not yet averaged over dp_outer (HSDP).
         self.outer_sync_due = False
-        # Whether the optimizer's pieces and the faces show the current reduced gradients.
+        # Whether the optimizer's pieces and the faces show the current reduced gradients, and
+        # how many times they changed (an optimizer's zero_grad counts what it cleared since).
         self.grads_shown = True
+        self.grad_changes = 0
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -95,6 +97,7 @@ class BucketState:
 
     def grads_changing(self) -> None:
         self.grads_shown = False
+        self.grad_changes += 1
 
     def grads_now_shown(self) -> None:
         self.grads_shown = True

@@ -12,7 +12,7 @@ bucket_state.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 
 import torch
@@ -472,6 +472,23 @@ class Bucket(BucketCheckpointing):
         else:
             for grad in self._held_grads():
                 grad.zero_()
+
+    def zero_main_grads_of(self, params: Collection[nn.Parameter]) -> None:
+        """Zeroes in place the main gradients of those of this bucket's faces that are in
+        ``params``, in every copy this bucket holds; its other faces' stay (an optimizer over part
+        of the model clears its own, optim/grad_release.py). The main gradient covers the
+        gradient range; the outer one, the optimizer's copy and the host's the main range (under
+        HFSDP a part of it)."""
+        indices = [index for index, face in enumerate(self.faces) if face.param in params]
+        zeroed: set[int] = set()
+        if self.main_grad is not None:
+            for lo, hi in (self.geometry.piece(index, self.grad_start, self.grad_end) for index in indices):
+                self.main_grad[lo - self.grad_start : hi - self.grad_start].zero_()
+            zeroed.add(id(self.main_grad))
+        for grad in self._held_grads():
+            if id(grad) not in zeroed:
+                for lo, hi in (self.optim_ranges[index] for index in indices):
+                    grad[lo:hi].zero_()
 
     def scale_grads(self, factor: float) -> None:
         """Multiplies every gradient this bucket holds by ``factor``: held back un-reduced, the

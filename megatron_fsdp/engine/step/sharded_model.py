@@ -4,7 +4,7 @@ its shape here instead of importing it (the dependency runs one way)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -57,3 +57,5 @@ class ShardedModel(Protocol):
     def install_optimized_model_weights(self) -> None: ...
 
     def zero_grad_buffer(self, set_to_none: bool = True) -> None: ...
+
+    def zero_main_grads_of(self, params: Collection[nn.Parameter]) -> None: ...

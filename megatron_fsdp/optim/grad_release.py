@@ -1,0 +1,65 @@
+"""What an optimizer's ``zero_grad()`` clears when several optimizers share one sharded model
+(Muon on the blocks' matrices and AdamW on the rest, say).
+
+torch's ``zero_grad`` clears its own parameters' gradients only, and a loop that steps and zeroes
+each optimizer in turn relies on that: the second optimizer still steps on its gradients. Here the
+main gradients live per bucket, and a bucket holds parameters of several optimizers. So an
+optimizer's ``zero_grad`` zeroes its own parameters' ranges in place, and the buffers are released
+(``zero_grad_buffer``) once every optimizer sharded over the model has cleared its parameters
+since the gradients last changed. An optimizer alone over the model releases at once.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from megatron_fsdp.engine.step.sharded_model import ShardedModel
+
+
+class SharedGradRelease:
+    """The optimizers sharded over one model, and which of their parameters' gradients were
+    cleared since the gradients last changed."""
+
+    def __init__(self, model: ShardedModel) -> None:
+        self._model = model
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._cleared: set[nn.Parameter] = set()
+        self._cleared_at_change = -1
+
+    def add(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizers.add(optimizer)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        """``optimizer``'s gradients cleared: all of them released or zeroed when that leaves none
+        of the model's optimizers with gradients, else its own zeroed in place."""
+        if self._grad_changes() != self._cleared_at_change:
+            self._cleared = set()
+        mine = _params_of(optimizer)
+        stepped = set().union(*(_params_of(other) for other in self._optimizers))
+        if stepped <= self._cleared | mine:
+            self._model.zero_grad_buffer(set_to_none)
+            self._cleared = set()
+        else:
+            self._model.zero_main_grads_of(mine)
+            self._cleared |= mine
+        self._cleared_at_change = self._grad_changes()
+
+    def _grad_changes(self) -> int:
+        return sum(bucket.state.grad_changes for bucket in self._model.trainable_buckets())
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> set[nn.Parameter]:
+    return {param for group in optimizer.param_groups for param in group["params"]}
+
+
+_releases: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def grad_release_of(model: ShardedModel) -> SharedGradRelease:
+    """The model's :class:`SharedGradRelease`, made at its first optimizer."""
+    if model not in _releases:
+        _releases[model] = SharedGradRelease(model)
+    return _releases[model]
