@@ -253,27 +253,21 @@ class MegatronFSDP(nn.Module):
         gradients behind them are released (or zeroed)."""
         self.zero_grad_buffer(set_to_none)
 
-    def zero_grad_buffer(self, set_to_none: bool = True) -> None:
+    def zero_grad_buffer(self, set_to_none: bool = True, params: Collection[nn.Parameter] | None = None) -> None:
         """Releases the main gradients, or with ``set_to_none=False`` zeroes them in place
         (``optimizer.zero_grad(set_to_none)`` calls it). Released gradients are re-created by
         the next reduction, so forward runs without them. After a backward that raised, it also
         drops that step's gradients not yet reduced and reshards every unit: the next forward
-        starts a new step."""
+        starts a new step. ``params`` (faces): zero only theirs, in place, keeping the others'
+        (an optimizer over part of the model, optim/grad_release.py), unless a backward raised."""
         if self.scheduler.backward_failed():
             self._abandon_failed_step()
+            params = None
         for bucket in self.trainable_buckets():
-            bucket.zero_main_grad(set_to_none)
-
-    def zero_main_grads_of(self, params: Collection[nn.Parameter]) -> None:
-        """Zeroes in place the main gradients of ``params`` (faces), keeping every other
-        parameter's: what the ``zero_grad()`` of an optimizer over part of the model clears
-        (optim/grad_release.py). After a backward that raised, drops that whole step as
-        :meth:`zero_grad_buffer` does."""
-        if self.scheduler.backward_failed():
-            self.zero_grad_buffer()
-            return
-        for bucket in self.trainable_buckets():
-            bucket.zero_main_grads_of(params)
+            if params is None:
+                bucket.zero_main_grad(set_to_none)
+            else:
+                bucket.zero_main_grads_of(params)
 
     def _abandon_failed_step(self) -> None:
         """A hook for faces that register other tensors during a step (megatron-core's)."""

@@ -27,7 +27,7 @@ State-dict keys are upstream's: the wrapped model sits under ``module.``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from torch import nn
@@ -123,9 +123,9 @@ class MegatronCoreFSDP(MegatronFSDP):
         self._register_faces(True)
         self._show_main_grads()
 
-    def zero_grad_buffer(self, set_to_none: bool = True) -> None:
+    def zero_grad_buffer(self, set_to_none: bool = True, params: Collection[nn.Parameter] | None = None) -> None:
         """As :meth:`MegatronFSDP.zero_grad_buffer`; each face's ``main_grad`` follows its ``.grad``."""
-        super().zero_grad_buffer(set_to_none)
+        super().zero_grad_buffer(set_to_none, params)
         self._show_main_grads()
 
     def _show_main_grads(self) -> None:

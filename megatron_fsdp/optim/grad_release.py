@@ -43,7 +43,7 @@ class SharedGradRelease:
             self._model.zero_grad_buffer(set_to_none)
             self._cleared = set()
         else:
-            self._model.zero_main_grads_of(mine)
+            self._model.zero_grad_buffer(params=mine)
             self._cleared |= mine
         self._cleared_at_change = self._grad_changes()
 
