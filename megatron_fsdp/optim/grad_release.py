@@ -38,8 +38,8 @@ class SharedGradRelease:
         if self._grad_changes() != self._cleared_at_change:
             self._cleared = set()
         mine = _params_of(optimizer)
-        stepped = set().union(*(_params_of(other) for other in self._optimizers))
-        if stepped <= self._cleared | mine:
+        every_optimizers = set().union(*(_params_of(other) for other in self._optimizers))
+        if every_optimizers <= self._cleared | mine:
             self._model.zero_grad_buffer(set_to_none)
             self._cleared = set()
         else:
