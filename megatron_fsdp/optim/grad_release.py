@@ -24,7 +24,8 @@ class SharedGradRelease:
     cleared since the gradients last changed."""
 
     def __init__(self, model: ShardedModel) -> None:
-        self._model = model
+        # Weakly: this object is the value of a weak-keyed table keyed by the model.
+        self._model = weakref.ref(model)
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._cleared: set[nn.Parameter] = set()
         self._cleared_at_change = -1
@@ -35,20 +36,22 @@ class SharedGradRelease:
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         """``optimizer``'s gradients cleared: all of them released or zeroed when that leaves none
         of the model's optimizers with gradients, else its own zeroed in place."""
-        if self._grad_changes() != self._cleared_at_change:
+        model = self._model()
+        if self._grad_changes(model) != self._cleared_at_change:
             self._cleared = set()
         mine = _params_of(optimizer)
         every_optimizers = set().union(*(_params_of(other) for other in self._optimizers))
         if every_optimizers <= self._cleared | mine:
-            self._model.zero_grad_buffer(set_to_none)
+            model.zero_grad_buffer(set_to_none)
             self._cleared = set()
         else:
-            self._model.zero_grad_buffer(params=mine)
+            model.zero_grad_buffer(params=mine)
             self._cleared |= mine
-        self._cleared_at_change = self._grad_changes()
+        self._cleared_at_change = self._grad_changes(model)
 
-    def _grad_changes(self) -> int:
-        return sum(bucket.state.grad_changes for bucket in self._model.trainable_buckets())
+    @staticmethod
+    def _grad_changes(model: ShardedModel) -> int:
+        return sum(bucket.state.grad_changes for bucket in model.trainable_buckets())
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> set[nn.Parameter]:
