@@ -37,7 +37,9 @@ class SharedGradRelease:
         """``optimizer``'s gradients cleared: all of them released or zeroed when that leaves none
         of the model's optimizers with gradients, else its own zeroed in place."""
         model = self._model()
-        if self._grad_changes(model) != self._cleared_at_change:
+        # Zeroing changes no gradient count, so the count now is also the count after.
+        changes = sum(bucket.state.grad_changes for bucket in model.trainable_buckets())
+        if changes != self._cleared_at_change:
             self._cleared = set()
         mine = _params_of(optimizer)
         every_optimizers = set().union(*(_params_of(other) for other in self._optimizers))
@@ -47,11 +49,7 @@ class SharedGradRelease:
         else:
             model.zero_grad_buffer(params=mine)
             self._cleared |= mine
-        self._cleared_at_change = self._grad_changes(model)
-
-    @staticmethod
-    def _grad_changes(model: ShardedModel) -> int:
-        return sum(bucket.state.grad_changes for bucket in model.trainable_buckets())
+        self._cleared_at_change = changes
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> set[nn.Parameter]:

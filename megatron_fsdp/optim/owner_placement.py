@@ -214,13 +214,15 @@ def gather_to_owners(
         to_rank = [[i for i in run if routes[i].owner == rank] for rank in range(world)]
         mine = to_rank[me]
         others = [rank for rank in range(world) if rank != me]
-        parts = [local_pieces[i].reshape(-1)[: routes[i].sent_to_owner(me)] for rank in others for i in to_rank[rank]]
-        send = torch.cat(parts) if parts else like.new_empty(0)
-        send_splits = [0 if rank == me else sum(routes[i].sent_to_owner(me) for i in to_rank[rank]) for rank in range(world)]
-        received_splits = [0 if rank == me else sum(routes[i].sent_to_owner(rank) for i in mine) for rank in range(world)]
-        received = like.new_empty(sum(received_splits))
-        all_to_all_uneven(received, send, received_splits, send_splits, mesh.get_group(0))
-        del send, parts  # before the wholes are made: the run's buffers are what the chunking bounds
+        # The send buffer is gone before the wholes are made: the run's buffers are what the
+        # chunking bounds.
+        received = _exchange(
+            [local_pieces[i].reshape(-1)[: routes[i].sent_to_owner(me)] for rank in others for i in to_rank[rank]],
+            [0 if rank == me else sum(routes[i].sent_to_owner(me) for i in to_rank[rank]) for rank in range(world)],
+            [0 if rank == me else sum(routes[i].sent_to_owner(rank) for i in mine) for rank in range(world)],
+            like,
+            mesh,
+        )
         for i in mine:
             wholes[i] = like.new_empty(routes[i].numel)
             _place(wholes[i], routes[i], me, local_pieces[i].reshape(-1))
@@ -231,6 +233,17 @@ def gather_to_owners(
                 _place(wholes[i], routes[i], rank, received[offset : offset + length])
                 offset += length
     return wholes
+
+
+def _exchange(
+    parts: list[torch.Tensor], sent_splits: list[int], received_splits: list[int], like: torch.Tensor, mesh: DeviceMesh
+) -> torch.Tensor:
+    """One uneven all-to-all over ``mesh``: ``parts`` back to back, ``sent_splits[r]`` values of
+    them to rank r; returns what each rank sent this one, in rank order."""
+    send = torch.cat(parts) if parts else like.new_empty(0)
+    received = like.new_empty(sum(received_splits))
+    all_to_all_uneven(received, send, received_splits, sent_splits, mesh.get_group(0))
+    return received
 
 
 def _place(whole: torch.Tensor, route: Route, rank: int, values: torch.Tensor) -> None:
@@ -260,13 +273,13 @@ def scatter_from_owners(
         from_rank = [[i for i in run if routes[i].owner == rank] for rank in range(world)]
         mine = from_rank[me]
         others = [rank for rank in range(world) if rank != me]
-        parts = [_piece(wholes[i], routes[i], rank) for rank in others for i in mine]
-        send = torch.cat(parts) if parts else like.new_empty(0)
-        send_splits = [0 if rank == me else sum(routes[i].piece_length(rank) for i in mine) for rank in range(world)]
-        received_splits = [0 if rank == me else sum(routes[i].piece_length(me) for i in from_rank[rank]) for rank in range(world)]
-        received = like.new_empty(sum(received_splits))
-        all_to_all_uneven(received, send, received_splits, send_splits, mesh.get_group(0))
-        del send, parts
+        received = _exchange(
+            [_piece(wholes[i], routes[i], rank) for rank in others for i in mine],
+            [0 if rank == me else sum(routes[i].piece_length(rank) for i in mine) for rank in range(world)],
+            [0 if rank == me else sum(routes[i].piece_length(me) for i in from_rank[rank]) for rank in range(world)],
+            like,
+            mesh,
+        )
         for i in mine:
             into[i].copy_(_piece(wholes[i], routes[i], me))
         offset = 0
