@@ -4,9 +4,12 @@ table's test column names tests that exist."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -144,3 +147,112 @@ def test_the_troubleshooting_table_names_tests_that_exist() -> None:
         if not os.path.exists(path) or not re.search(rf"^def {test}\(", open(path).read(), re.MULTILINE):
             missing.append(f"{file}::{test}")
     assert not missing, f"docs/troubleshooting.md names tests that do not exist: {sorted(missing)}"
+
+
+
+# What docs/troubleshooting.md's message column writes for the parts a real message fills in: a
+# name or number (`X`, `N`, ... a capital letter alone, or PATH, FILE, DIR, ITEM) and "..." for
+# text left out. Anything else in the column is quoted from the message.
+PLACEHOLDER = re.compile(r"\b(?:[A-Z]|PATH|FILE|DIR|ITEM)\b")
+COMPUTED = "\0"  # a computed part of a source string: an f-string's {...}, an operand of +
+# A source string is a candidate for a quoted run when it holds at least half the run's words.
+WORD = re.compile(r"[A-Za-z_][\w.]{3,}")
+# At most this many characters (or a third of a quoted run, if more) may be values the table
+# writes out where the message computes them (`device_mesh has N dims` for
+# `{mesh_argument} has {ndim} dims`): enough for a name, too few to stand in for a clause.
+MOST_FILLED = 16
+
+
+def _package_strings() -> list[str]:
+    """Every string literal of megatron_fsdp's source, each f-string's (and ``+`` chain's)
+    computed parts as COMPUTED."""
+
+    def text(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Constant):
+            return node.value if isinstance(node.value, str) else None
+        if isinstance(node, ast.JoinedStr):
+            return "".join(text(part) or COMPUTED for part in node.values)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            left, right = text(node.left), text(node.right)
+            return None if left is None and right is None else (left or COMPUTED) + (right or COMPUTED)
+        return None
+
+    strings = []
+    for where, _, names in os.walk(os.path.join(REPO, "megatron_fsdp")):
+        for name in (n for n in names if n.endswith(".py")):
+            with open(os.path.join(where, name)) as handle:
+                strings += [s for s in map(text, ast.walk(ast.parse(handle.read()))) if s and s.strip(COMPUTED)]
+    return strings
+
+
+@functools.cache
+def _positions(source: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Where ``source`` has computed parts (a mask, one longer than the source) and where each of
+    its characters is."""
+    codes = np.array([ord(c) for c in source] + [-1])
+    return codes == ord(COMPUTED), {c: np.flatnonzero(codes == ord(c)) for c in set(source)}
+
+
+def _fewest_filled(source: str, quoted: list[str | tuple[str]]) -> int | None:
+    """The fewest characters of ``quoted`` (a run of the table's column: characters, and
+    placeholders as 1-tuples of their text) that must fall in computed parts of ``source`` for
+    some text the source produces to hold it; None if none does. A placeholder falls in a
+    computed part, free, or is the source's own text (`N` in `pass --num-... N with N > 1`); a
+    character matches the source's, or falls in a computed part (the table wrote out a value
+    the message computes)."""
+    computed, at = _positions(source)
+    never = sum(len(t) if isinstance(t, str) else len(t[0]) for t in quoted) + 1
+    # cost[j]: fewest filled characters with source[:j] matched; the quote may start anywhere
+    cost = np.zeros(len(source) + 1, dtype=np.int64)
+
+    def through_empty_computed(cost: np.ndarray) -> np.ndarray:
+        for j in np.flatnonzero(computed):  # in order, so runs of computed parts pass through
+            cost[j + 1] = min(cost[j + 1], cost[j])
+        return cost
+
+    cost = through_empty_computed(cost)
+    for token in quoted:
+        text = token if isinstance(token, str) else token[0]
+        step = np.full_like(cost, never)
+        starts = at.get(text)
+        if starts is None:  # a placeholder's text
+            starts = np.array([j for j in range(len(source)) if source.startswith(text, j)], dtype=np.int64)
+        step[starts + len(text)] = cost[starts]
+        stay = np.where(computed, cost + (isinstance(token, str)), never)
+        cost = through_empty_computed(np.minimum(stay, step))
+        if cost.min() >= never:
+            return None
+    return int(cost.min())
+
+
+def _tokens(run: str) -> list[str | tuple[str]]:
+    """A run of the table's column as characters and (placeholder,)s."""
+    tokens: list[str | tuple[str]] = []
+    for index, piece in enumerate(re.split(f"({PLACEHOLDER.pattern})", run)):
+        tokens += [(piece,)] if index % 2 else list(piece)
+    return tokens
+
+
+def troubleshooting_messages() -> list[tuple[int, str]]:
+    """(line, message column) of every table row of docs/troubleshooting.md."""
+    with open(os.path.join(REPO, "docs", "troubleshooting.md")) as handle:
+        rows = [(number, line) for number, line in enumerate(handle, start=1) if re.match(r"^\| `\w+`", line)]
+    return [(number, re.split(r"(?<!\\) \| ", line)[1]) for number, line in rows]
+
+
+def test_every_message_the_troubleshooting_table_quotes_is_one_the_package_raises() -> None:
+    """Each run of quoted text (between the "..." that leave text out) is one that a string of
+    the package produces, so a message reworded in the code and not in the table fails here."""
+    strings = [(s, set(WORD.findall(s))) for s in _package_strings()]
+    messages = troubleshooting_messages()
+    assert len(messages) > 80, "the table's rows are missing"
+    stale = []
+    for number, message in messages:
+        # A run's edges are often the brackets around a left-out list: "(...); name the one..."
+        for run in filter(None, (r.strip(" ([]);,:.") for r in message.split("..."))):
+            quoted = _tokens(run)
+            words = set(WORD.findall(PLACEHOLDER.sub(" ", run)))
+            fills = [_fewest_filled(s, quoted) for s, held in strings if len(words & held) >= len(words) / 2]
+            if not any(f is not None and f <= max(MOST_FILLED, len(run) / 3) for f in fills):
+                stale.append(f"docs/troubleshooting.md:{number}: {run!r}")
+    assert not stale, "messages the table quotes that no string of megatron_fsdp produces:\n" + "\n".join(stale)

@@ -54,7 +54,8 @@ FLAG_ERRORS = {
         ValueError, "--cpu-offloading works only without activation recomputation, got --recompute-granularity full",
     ),
     "pipeline parallelism": (
-        ["--use-megatron-fsdp", "--pipeline-model-parallel-size", "4"], NotImplementedError, "use --pipeline-model-parallel-size 1",
+        ["--use-megatron-fsdp", "--pipeline-model-parallel-size", "4"],
+        ValueError, "--pipeline-model-parallel-size 4: ddp_config_from_args configures fully_shard over every rank",
     ),
 }
 

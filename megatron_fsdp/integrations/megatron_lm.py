@@ -67,7 +67,8 @@ def add_megatron_fsdp_args(parser: argparse.ArgumentParser) -> argparse.Argument
         group.add_argument("--clip-grad", type=float, default=1.0,
                            help="clip the global gradient norm to this with megatron_fsdp.clip_grad_norm_; 0 turns it off")
     # Present for the validity checks Megatron-LM makes together with Megatron-FSDP.
-    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                       help="1 here; pipeline parallelism runs through megatron-core's install() (docs/megatron_lm.md)")
     group.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                        help="activation recomputation")
     return parser
@@ -96,9 +97,15 @@ def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelCon
             f"{args.recompute_granularity}: drop one of them"
         )
     if args.pipeline_model_parallel_size != 1:
-        raise NotImplementedError(
-            "megatron_fsdp shards data parallelism only; pipeline parallelism needs Megatron-LM: "
-            "use --pipeline-model-parallel-size 1"
+        # The config's mesh and fully_shard_kwargs span every rank as one data-parallel group: a
+        # pipeline stage's group is a part of it, which only megatron-core's own groups give.
+        raise ValueError(
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: ddp_config_from_args configures "
+            "fully_shard over every rank as one data-parallel group, so it has no pipeline stages. Run pipeline "
+            "parallelism through megatron-core on megatron_fsdp (megatron_fsdp.integrations.megatron_core.install(), "
+            "or python -m megatron_fsdp.integrations.launch pretrain_gpt.py ...: docs/megatron_lm.md), or through "
+            "torch.distributed.pipelining over stages sharded with megatron_fsdp.fsdp2.fully_shard (docs/fsdp2.md); "
+            "here pass --pipeline-model-parallel-size 1"
         )
     return DistributedDataParallelConfig(
         data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
