@@ -19,8 +19,9 @@ from megatron_fsdp.megatron_fsdp import MegatronFSDP
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.optim.grad_clip import clip_grad_norm_, total_grad_norm
 from megatron_fsdp.optim.whole_tensors import whole_tensor_optimizer
-# The function: the package megatron_fsdp.plan_memory holds it and the command (python -m).
-from megatron_fsdp.plan_memory import plan_memory
+# The function: the package megatron_fsdp.plan_memory holds it and the command (python -m);
+# OptimizerSpec describes to it an optimizer it does not know by name.
+from megatron_fsdp.plan_memory import OptimizerSpec, plan_memory
 from megatron_fsdp.package_info import (
     __contact_emails__,
     __contact_names__,
@@ -41,6 +42,7 @@ __all__ = [
     "FSDPDistributedIndex",
     "MegatronFSDP",
     "MixedPrecisionPolicy",
+    "OptimizerSpec",
     "SafeFileSystemReader",
     "ShardedSaveError",
     "ShardingStrategy",

@@ -1,19 +1,26 @@
-"""Every ```python block of README.md and docs/*.md runs, so the docs cannot drift from the code.
+"""Every ```python block of README.md and docs/*.md runs as the page says to run it, so the docs
+cannot drift from the code.
 
-Each block runs as a reader runs it: saved as a script in a temporary working directory and
-launched with ``python -m torch.distributed.run --standalone --nproc-per-node N`` (torchrun; on
-CPU, so gloo), from this checkout (``PYTHONPATH`` at its root, for ``examples/``). Nothing is set
-up for it: a block that needs a process group creates it, or lets ``fully_shard`` create it
-from torchrun's environment. An HTML comment on the line before a block changes how it runs:
+A runnable block is followed by its launch line, shown to the reader in a ```bash block of one
+line: ``torchrun --standalone --nproc-per-node N NAME.py`` (N processes; on CPU, so gloo) or
+``python NAME.py``. The test saves the block as NAME.py in a temporary directory and runs exactly
+that line there (``torchrun`` and ``python`` being this interpreter's), with the package under
+test importable as an installed one is, and nothing else: no checkout on the path. A block that
+imports ``examples.`` (the repository's example models) is run from the repository root, and
+the text before its launch line must say so; the test gives its directory the root's
+``examples/``. Nothing else is set up: a block that needs a process group creates it, or lets
+``fully_shard`` create it from torchrun's environment.
 
-- ``<!-- doc-test: ranks=N -->``: N processes (default 1).
-- ``<!-- doc-test: skip (why) -->``: do not run it; the reason is required. Kept to a minimum.
+``<!-- doc-test: skip (why) -->`` on the line before a block: do not run it; the reason is
+required. Kept to a minimum.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,7 +30,13 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md"] + sorted(os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md"))
-BLOCK = re.compile(r"(?:<!-- doc-test: (?P<marker>[^>]*?) -->\n)?```python\n(?P<code>.*?)```", re.DOTALL)
+BLOCK = re.compile(
+    r"(?:<!-- doc-test: (?P<marker>[^>]*?) -->\n)?```python\n(?P<code>.*?)```\n"
+    r"(?:(?P<intro>(?:(?!```)[^\n]*\n)*?)```bash\n(?P<launch>[^\n]*)\n```)?",
+    re.DOTALL,
+)
+# What a launch line may be: torchrun on one machine, or python, of the block saved as NAME.py.
+LAUNCH = re.compile(r"(?:torchrun --standalone --nproc-per-node (?P<ranks>\d+)|python) (?P<script>\w+\.py)")
 MAX_SKIPPED = 2
 
 
@@ -32,22 +45,30 @@ class DocBlock:
     path: str
     line: int
     code: str
-    ranks: int
+    launch: str | None
+    intro: str
     skip_reason: str | None
 
     @property
     def name(self) -> str:
         return f"{self.path}:{self.line}"
 
+    @property
+    def ranks(self) -> int:
+        match = LAUNCH.fullmatch(self.launch or "")
+        return int(match["ranks"] or 1) if match else 1
 
-def _parse_marker(marker: str | None, where: str) -> tuple[int, str | None]:
+    @property
+    def from_root(self) -> bool:
+        return bool(re.search(r"^(?:from|import) examples\b", self.code, re.MULTILINE))
+
+
+def _skip_reason(marker: str | None, where: str) -> str | None:
     if marker is None:
-        return 1, None
-    if match := re.fullmatch(r"ranks=(\d+)", marker):
-        return int(match.group(1)), None
+        return None
     if match := re.fullmatch(r"skip \((.+)\)", marker):
-        return 1, match.group(1)
-    raise ValueError(f"{where}: unknown doc-test marker {marker!r}: use 'ranks=N' or 'skip (reason)'")
+        return match.group(1)
+    raise ValueError(f"{where}: unknown doc-test marker {marker!r}: use 'skip (reason)', and show the launch line")
 
 
 def collect_blocks() -> list[DocBlock]:
@@ -57,46 +78,73 @@ def collect_blocks() -> list[DocBlock]:
             text = handle.read()
         for match in BLOCK.finditer(text):
             line = text.count("\n", 0, match.start("code"))
-            ranks, reason = _parse_marker(match.group("marker"), f"{path}:{line}")
-            blocks.append(DocBlock(path, line, match.group("code"), ranks, reason))
+            reason = _skip_reason(match.group("marker"), f"{path}:{line}")
+            blocks.append(DocBlock(path, line, match.group("code"), match.group("launch"), match.group("intro") or "", reason))
     return blocks
 
 
 BLOCKS = collect_blocks()
+RUNNABLE = [b for b in BLOCKS if b.skip_reason is None]
+
+
+def test_every_runnable_block_shows_how_to_launch_it() -> None:
+    """The line a reader types follows each block, in the form the test runs; a block that needs
+    the repository root says so before it."""
+    problems = [f"{b.name}: follow it with ```bash\\ntorchrun --standalone --nproc-per-node N NAME.py\\n``` (or python NAME.py)"
+                for b in RUNNABLE if not LAUNCH.fullmatch(b.launch or "")]
+    problems += [f"{b.name}: it imports examples/: say before its launch line that it runs from the repository root"
+                 for b in RUNNABLE if b.from_root and "repository root" not in b.intro]
+    names = [LAUNCH.fullmatch(b.launch)["script"] for b in RUNNABLE if LAUNCH.fullmatch(b.launch or "")]
+    problems += [f"script name {name} is used twice" for name in sorted({n for n in names if names.count(n) > 1})]
+    assert not problems, "\n".join(problems)
 
 
 # A block that runs longer is stopped and fails (the slowest take ~15 s on a 2-core machine).
 BLOCK_TIMEOUT_S = 180
 
 
-def _run_as_script(block: DocBlock, workdir: str) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node N`` of the block saved as a script in ``workdir``;
-    stopped with every process it started after ``BLOCK_TIMEOUT_S``."""
-    script = os.path.join(workdir, "doc_block.py")
-    with open(script, "w") as handle:
-        handle.write(block.code)
-    env = {
+def _environment(workdir: str) -> dict[str, str]:
+    """The block's environment: the package under test importable from a directory of its own
+    (a link to it), as an installed package is; this checkout itself is not on the path."""
+    site = os.path.join(workdir, "site")
+    os.makedirs(site)
+    os.symlink(os.path.join(ROOT, "megatron_fsdp"), os.path.join(site, "megatron_fsdp"))
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.realpath(p) != ROOT]
+    return {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+        "PYTHONPATH": os.pathsep.join([site, *inherited]),
         "OMP_NUM_THREADS": "1",  # torchrun's own default for several processes, set here to keep its warning out
     }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={block.ranks}", script]
+
+
+def _run_as_shown(block: DocBlock, workdir: str) -> subprocess.CompletedProcess:
+    """The block's launch line, run in ``workdir`` holding the block as the script it names;
+    stopped with every process it started after ``BLOCK_TIMEOUT_S``."""
+    command = shlex.split(block.launch)
+    with open(os.path.join(workdir, command[-1]), "w") as handle:
+        handle.write(block.code)
+    if block.from_root:  # what the repository root holds for it
+        os.symlink(os.path.join(ROOT, "examples"), os.path.join(workdir, "examples"))
+    program = {"torchrun": [sys.executable, "-m", "torch.distributed.run"], "python": [sys.executable]}[command[0]]
     launcher = subprocess.Popen(
-        command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        program + command[1:], cwd=workdir, env=_environment(workdir), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
-        output, _ = launcher.communicate(timeout=BLOCK_TIMEOUT_S)
+        output, errors = launcher.communicate(timeout=BLOCK_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(launcher.pid, signal.SIGKILL)  # torchrun and the ranks it started: their own session
-        output, _ = launcher.communicate()
-        output += f"\n[stopped after {BLOCK_TIMEOUT_S} s]"
-    return subprocess.CompletedProcess(command, launcher.returncode, output)
+        output, errors = launcher.communicate()
+        errors += f"\n[stopped after {BLOCK_TIMEOUT_S} s]"
+    return subprocess.CompletedProcess(command, launcher.returncode, output, errors)
 
 
-@pytest.mark.parametrize("block", [b for b in BLOCKS if b.skip_reason is None], ids=lambda b: b.name)
-def test_doc_code_block_runs_under_torchrun(block: DocBlock, tmp_path) -> None:
-    run = _run_as_script(block, str(tmp_path))
-    assert run.returncode == 0, f"{block.name} under torchrun exited {run.returncode}:\n{run.stdout[-8000:]}"
+@pytest.mark.parametrize("block", [b for b in RUNNABLE if LAUNCH.fullmatch(b.launch or "")], ids=lambda b: b.name)
+def test_doc_code_block_runs_as_shown(block: DocBlock, tmp_path) -> None:
+    run = _run_as_shown(block, str(tmp_path))
+    assert run.returncode == 0, f"{block.name}: `{block.launch}` exited {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    # A reader sees what it did: each example prints its losses, what it saved and where.
+    assert run.stdout.strip(), f"{block.name}: `{block.launch}` printed nothing:\n{run.stderr[-3000:]}"
 
 
 def test_few_doc_blocks_are_skipped_and_each_says_why() -> None:
@@ -126,6 +174,32 @@ def test_every_path_the_docs_name_exists() -> None:
                 missing += [f"{path}:{number}: {name}" for name in REPO_PATH.findall(line)
                             if not os.path.exists(os.path.join(ROOT, name.rstrip("/")))]
     assert not missing, "paths named in the docs that are not in the tree:\n" + "\n".join(missing)
+
+
+# A name of the package in backticks, as the docs name what to import: `megatron_fsdp.OptimizerSpec`.
+PACKAGE_NAME = re.compile(r"`(megatron_fsdp(?:\.\w+)+)(?![\w./])")
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            if not hasattr(found, attribute):
+                return False
+            found = getattr(found, attribute)
+        return True
+    return False
+
+
+def test_every_package_name_the_docs_give_can_be_imported() -> None:
+    named = {(name, path) for path in DOCS for name in PACKAGE_NAME.findall(open(os.path.join(ROOT, path)).read())
+             if not name.endswith(".py")}
+    missing = sorted(f"{path}: {name}" for name, path in named if not _resolves(name))
+    assert not missing, "names the docs give that megatron_fsdp does not have:\n" + "\n".join(missing)
 
 
 ARCHITECTURE = os.path.join(ROOT, "docs", "architecture.md")
