@@ -132,7 +132,7 @@ def main() -> None:
     model, optimizer = apply_fsdp(build_model(config).to(device), args.strategy, args.lr)
     tokens = corpus_tokens()
     losses = train(model, optimizer, tokens, args.steps, args.rows, args.seq_len, device)
-    megatron_fsdp.save_checkpoint(os.path.join(args.out, "checkpoints"), args.steps, model, optimizer)
+    saved = megatron_fsdp.save_checkpoint(os.path.join(args.out, "checkpoints"), args.steps, model, optimizer)
     export_dir = os.path.join(args.out, "hf")
     export_pretrained(model, config, export_dir)
 
@@ -148,7 +148,8 @@ def main() -> None:
             loaded_loss = loaded(input_ids=batch, labels=batch).loss.item()
         logger.info("loss %.3f -> %.3f over %d steps on %d ranks (%s)", losses[0], losses[-1], args.steps,
                     dist.get_world_size(), megatron_fsdp.ShardingStrategy.parse(args.strategy).label)
-        logger.info("exported to %s; held-out loss: sharded %.6f, from_pretrained %.6f", export_dir, sharded_loss, loaded_loss)
+        logger.info("saved the sharded checkpoint in %s, exported to %s; held-out loss: sharded %.6f, from_pretrained %.6f",
+                    saved, export_dir, sharded_loss, loaded_loss)
     dist.destroy_process_group()
 
 

@@ -73,7 +73,9 @@ def main() -> None:
             shown = f" | grad norm {grad_norm.item():.3f}" if grad_norm is not None else ""
             logger.info("iteration %d: lm loss %.4f%s", step, loss.item(), shown)
     if args.save:
-        megatron_fsdp.save_checkpoint(args.save, args.train_iters, model, optimizer)
+        saved = megatron_fsdp.save_checkpoint(args.save, args.train_iters, model, optimizer)
+        if rank == 0:
+            logger.info("saved iteration %d in %s", args.train_iters, saved)
     dist.destroy_process_group()
 
 

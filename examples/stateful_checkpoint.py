@@ -97,7 +97,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(marker, "w") as handle:  # written after every rank finished saving
             handle.write(str(stop))
-        logging.info("steps %d..%d, loss %.3f -> %.3f; saved step %d", start, stop, losses[0], losses[-1], stop)
+        logging.info("steps %d..%d, loss %.3f -> %.3f; saved step %d in %s", start, stop, losses[0], losses[-1], stop,
+                     os.path.join(args.checkpoint_dir, f"step_{stop}"))
     dist.destroy_process_group()
 
 

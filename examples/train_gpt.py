@@ -313,14 +313,16 @@ def main() -> None:
 
     if end_step < args.steps:
         if rank == 0:
-            logging.info("stopped at step %d of %d (loss %.3f); launch again to resume", end_step, args.steps, last_loss)
+            logging.info("stopped at step %d of %d (loss %.3f), saved in %s; launch again to resume", end_step, args.steps,
+                         last_loss, args.checkpoint_dir)
         dist.destroy_process_group()
         return
     model.eval()
     sample = generate(model, data, "Shall I compare thee", args.sample_chars, device)
     if rank == 0 and last_loss is not None:
-        logging.info("loss %.3f -> %.3f over steps %d..%d (%s, %d ranks)", first_loss, last_loss, start_step, end_step,
-                     megatron_fsdp.ShardingStrategy.parse(args.strategy).label, world)
+        logging.info("loss %.3f -> %.3f over steps %d..%d (%s, %d ranks); checkpoints of the last steps in %s",
+                     first_loss, last_loss, start_step, end_step, megatron_fsdp.ShardingStrategy.parse(args.strategy).label,
+                     world, args.checkpoint_dir)
         logging.info("sample:\n%s", sample)
         plot_path = os.path.join(args.checkpoint_dir, "loss_curve.png")
         plot_losses(losses, plot_path)

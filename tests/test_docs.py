@@ -8,7 +8,8 @@ that line there (``torchrun`` and ``python`` being this interpreter's), with the
 test importable as an installed one is, and nothing else: no checkout on the path. A block that
 imports ``examples.`` (the repository's example models) is run from the repository root, and
 the text before its launch line must say so; the test gives its directory the root's
-``examples/``. Nothing else is set up: a block that needs a process group creates it, or lets
+``examples/``. A ```text block right after the launch line shows what the block prints, exactly.
+Nothing else is set up: a block that needs a process group creates it, or lets
 ``fully_shard`` create it from torchrun's environment.
 
 ``<!-- doc-test: skip (why) -->`` on the line before a block: do not run it; the reason is
@@ -32,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md"] + sorted(os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md"))
 BLOCK = re.compile(
     r"(?:<!-- doc-test: (?P<marker>[^>]*?) -->\n)?```python\n(?P<code>.*?)```\n"
-    r"(?:(?P<intro>(?:(?!```)[^\n]*\n)*?)```bash\n(?P<launch>[^\n]*)\n```)?",
+    r"(?:(?P<intro>(?:(?!```)[^\n]*\n)*?)```bash\n(?P<launch>[^\n]*)\n```\n(?:\n```text\n(?P<output>[^`]*)```)?)?",
     re.DOTALL,
 )
 # What a launch line may be: torchrun on one machine, or python, of the block saved as NAME.py.
@@ -47,6 +48,7 @@ class DocBlock:
     code: str
     launch: str | None
     intro: str
+    output: str | None  # what the page shows it prints, in a ```text block right after the launch line
     skip_reason: str | None
 
     @property
@@ -79,7 +81,8 @@ def collect_blocks() -> list[DocBlock]:
         for match in BLOCK.finditer(text):
             line = text.count("\n", 0, match.start("code"))
             reason = _skip_reason(match.group("marker"), f"{path}:{line}")
-            blocks.append(DocBlock(path, line, match.group("code"), match.group("launch"), match.group("intro") or "", reason))
+            blocks.append(DocBlock(path, line, match.group("code"), match.group("launch"), match.group("intro") or "",
+                                   match.group("output"), reason))
     return blocks
 
 
@@ -145,6 +148,8 @@ def test_doc_code_block_runs_as_shown(block: DocBlock, tmp_path) -> None:
     assert run.returncode == 0, f"{block.name}: `{block.launch}` exited {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
     # A reader sees what it did: each example prints its losses, what it saved and where.
     assert run.stdout.strip(), f"{block.name}: `{block.launch}` printed nothing:\n{run.stderr[-3000:]}"
+    if block.output is not None:  # the output the page shows is the output it gives
+        assert run.stdout.strip() == block.output.strip(), f"{block.name} printed, where the page shows another output:\n{run.stdout}"
 
 
 def test_few_doc_blocks_are_skipped_and_each_says_why() -> None:
