@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp.checkpoint.agreement import first_problem_of_any_rank
@@ -136,9 +137,11 @@ def save_pretrained(
     dist.barrier()
     try:
         dcp.save(state, storage_writer=PieceSafetensorsWriter(partial, file_indices(state, parse_size(max_shard_size))))
-    except BaseException:
+    except BaseException as error:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(error, CheckpointException):  # a BaseException: on every rank, naming each rank's failure
+            raise RuntimeError(f"save_pretrained({final}) failed, the previous save is as it was: {error}") from error
         raise
     problem = None
     if rank == 0:

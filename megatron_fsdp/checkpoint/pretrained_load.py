@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megatron_fsdp.checkpoint.agreement import first_problem_of_any_rank
@@ -60,7 +61,10 @@ def load_pretrained(model: nn.Module, pretrained_model_name_or_path: str, strict
     found = first_problem_of_any_rank(problem)
     if found is not None:
         raise RuntimeError(f"load_pretrained: rank {found[0]} found: {found[1]}")
-    dcp.load(to_load, storage_reader=reader)
+    try:
+        dcp.load(to_load, storage_reader=reader)
+    except CheckpointException as error:  # a BaseException: on every rank, naming each rank's failure
+        raise RuntimeError(f"load_pretrained({directory}) failed reading the files; the model is partly loaded: {error}") from error
     model.load_state_dict(to_load, strict=False)
     _compute_non_persistent_buffers(hf_model)
     logger.info(
