@@ -6,8 +6,8 @@ Loading: a tiny ``LlamaForCausalLM`` written by ``save_pretrained`` (fp32, split
 ``max_shard_size`` into files with an index, or one ``model.safetensors``) loads into a model
 built on the meta device and sharded by either door; its weights (gathered) and logits equal, bit
 for bit, ``from_pretrained`` then the same ``fully_shard``: at world 1, at world 2 with every
-strategy (whole-model door) and FSDP2's door, at world 4 with HFSDP (outer and inner shards) and
-with tensor parallelism (2 x 2). The same values, cast the same way and read into the same pieces,
+strategy (whole-model door) and FSDP2's door, at world 4 with HSDP and HFSDP (2 x 2: replicated or
+sharded outer dim) and with tensor parallelism (2 x 2). The same values, cast the same way and read into the same pieces,
 so any difference is a wrong byte range: equality is the only tolerance.
 
 Memory: a model of 55 MB in fp32 (27 MB as bf16 files) loads at world 2 with each rank's host
@@ -316,11 +316,13 @@ def _world_4(rank: int, world: int, root: str) -> dict:
     directory = os.path.join(root, "pretrained")
     _write_pretrained(directory, config, max_shard_size="40KB")
     results = {}
-    hfsdp = dict(device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard")), dp_shard_dim="dp_shard",
-                 dp_outer_dim="dp_outer", outer_dp_sharding_strategy="optim", zero_dp_strategy="optim_grads_params")
-    loaded = _whole_model_door(None, config, **hfsdp)
-    megatron_fsdp.load_pretrained(loaded, directory)
-    results["hfsdp"] = _differences(loaded, _whole_model_door(directory, config, **hfsdp))
+    outer_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    for outer in ("no_shard", "optim"):  # HSDP (replicas of the shards), HFSDP (the outer dim shards too)
+        hybrid = dict(device_mesh=outer_mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                      outer_dp_sharding_strategy=outer, zero_dp_strategy="optim_grads_params")
+        loaded = _whole_model_door(None, config, **hybrid)
+        megatron_fsdp.load_pretrained(loaded, directory)
+        results[f"outer {outer}"] = _differences(loaded, _whole_model_door(directory, config, **hybrid))
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     by_tp = _loaded_by_fsdp2_door(directory, config, mesh["dp"], mesh["tp"])
@@ -335,9 +337,9 @@ def world_4(tmp_path_factory) -> list[dict]:
     return run_distributed(_world_4, 4, str(tmp_path_factory.mktemp("hf_pretrained_4")))
 
 
-def test_hfsdp_and_tensor_parallel_load_at_world_4_as_from_pretrained(world_4) -> None:
+def test_hsdp_hfsdp_and_tensor_parallel_load_at_world_4_as_from_pretrained(world_4) -> None:
     for rank, results in enumerate(world_4):
-        for case in ("hfsdp", "tp"):
+        for case in ("outer no_shard", "outer optim", "tp"):
             assert results[case] == [], f"rank {rank}, {case}: differ from from_pretrained then the same sharding: {results[case]}"
 
 

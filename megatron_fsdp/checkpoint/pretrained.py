@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp.checkpoint.agreement import first_problem_of_any_rank
-from megatron_fsdp.checkpoint.hf_names import hugging_face_module, tensor_aliases
+from megatron_fsdp.checkpoint.pretrained_names import hugging_face_module, tensor_aliases
 from megatron_fsdp.checkpoint.safetensors_storage import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, PieceSafetensorsWriter
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megatron_fsdp.checkpoint.agreement import first_problem_of_any_rank
-from megatron_fsdp.checkpoint.hf_names import hugging_face_module, tensor_aliases
+from megatron_fsdp.checkpoint.pretrained_names import hugging_face_module, tensor_aliases
 from megatron_fsdp.checkpoint.safetensors_storage import SafetensorsRangeReader
 from megatron_fsdp.engine.planning.meta_init import transformers_init_owners
 
@@ -56,8 +56,8 @@ def load_pretrained(model: nn.Module, pretrained_model_name_or_path: str, strict
     problem, to_load = None, {}
     try:
         to_load = _entries_to_load(state, hf_model, reader.read_metadata(), strict, directory)
-    except (OSError, ValueError, RuntimeError) as error:
-        problem = str(error)
+    except Exception as error:  # noqa: BLE001 - a rank that raised alone would leave the others waiting
+        problem = str(error) if isinstance(error, RuntimeError) else f"{type(error).__name__}: {error}"
     found = first_problem_of_any_rank(problem)
     if found is not None:
         raise RuntimeError(f"load_pretrained: rank {found[0]} found: {found[1]}")
