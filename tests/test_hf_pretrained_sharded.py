@@ -6,18 +6,21 @@ Loading: a tiny ``LlamaForCausalLM`` written by ``save_pretrained`` (fp32, split
 ``max_shard_size`` into files with an index, or one ``model.safetensors``) loads into a model
 built on the meta device and sharded by either door; its weights (gathered) and logits equal, bit
 for bit, ``from_pretrained`` then the same ``fully_shard``: at world 1, at world 2 with every
-strategy (whole-model door) and FSDP2's door, at world 4 with HSDP and HFSDP (2 x 2: replicated or
-sharded outer dim) and with tensor parallelism (2 x 2). The same values, cast the same way and read into the same pieces,
-so any difference is a wrong byte range: equality is the only tolerance.
+strategy (whole-model door) and FSDP2's door, at world 4 with HSDP and HFSDP (2 x 2: replicated
+or sharded outer dim) and with tensor parallelism (2 x 2). Rows of 40 elements put some pieces'
+starts inside a row, so a rank holds several rectangles of one tensor. The same values, cast the
+same way and read into the same pieces: any difference is a wrong byte range, so equality is the
+only tolerance.
 
 Memory: a model of 55 MB in fp32 (27 MB as bf16 files) loads at world 2 with each rank's host
 memory growing by at most one tensor as bf16 (the peak resident set, reset before the load) and
 each rank reading the bytes of its own pieces exactly (``/proc/self/io``), the two ranks' bytes
 together the files' tensors once.
 
-Saving: trained two steps at world 2 (and loaded at world 4 with TP), the model saves with every
-rank writing its pieces; ``from_pretrained`` of the directory gives the sharded model's logits
-exactly, and a save that fails midway (the first rank's join of the pieces raising, as on a full
+Saving: trained two steps at world 2, the model saves with every rank writing its pieces;
+``from_pretrained`` of the directory gives the sharded model's logits exactly (fp32, the same
+weights through the same kernels); loaded and saved untouched at world 4 with TP, the files
+``from_pretrained`` reads hold the original weights exactly; and a save that fails midway (the first rank's join of the pieces raising, as on a full
 disk) leaves the previous save byte for byte and no partial directory.
 """
 

@@ -134,6 +134,7 @@ def save_pretrained(
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that died
         os.makedirs(partial)
+        logger.info("save_pretrained: every rank writing its pieces of %d tensors, then rank 0 joining them into %s", len(state), final)
     dist.barrier()
     try:
         dcp.save(state, storage_writer=PieceSafetensorsWriter(partial, file_indices(state, parse_size(max_shard_size))))
@@ -160,14 +161,16 @@ def save_pretrained(
 
 
 def _tensors_to_write(state_dict: dict[str, Any], hf_model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Each tensor once, under the name Transformers keeps, cast to ``dtype``; anything that is
-    not a tensor is refused (safetensors holds tensors only)."""
+    """Each tensor once, under the name Transformers keeps, cast to ``dtype``, without the names
+    the model's ``_keys_to_ignore_on_save`` lists (as Transformers); anything that is not a
+    tensor is refused (safetensors holds tensors only)."""
     others = [name for name, value in state_dict.items() if not isinstance(value, torch.Tensor)]
     if others:
         raise TypeError(f"save_pretrained writes tensors only; the state dict also holds {others}")
+    ignored = set(getattr(hf_model, "_keys_to_ignore_on_save", None) or ())
     state = {}
     with torch.no_grad():
-        for names in tensor_aliases(state_dict, hf_model):
+        for names in tensor_aliases({k: v for k, v in state_dict.items() if k not in ignored}, hf_model):
             value = state_dict[names[0]].detach()
             state[names[0]] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
     return state

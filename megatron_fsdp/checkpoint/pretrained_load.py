@@ -61,6 +61,8 @@ def load_pretrained(model: nn.Module, pretrained_model_name_or_path: str, strict
     found = first_problem_of_any_rank(problem)
     if found is not None:
         raise RuntimeError(f"load_pretrained: rank {found[0]} found: {found[1]}")
+    if dist.get_rank() == 0:
+        logger.info("load_pretrained: each rank reading its pieces of %d tensors from %s", len(to_load), directory)
     try:
         dcp.load(to_load, storage_reader=reader)
     except CheckpointException as error:  # a BaseException: on every rank, naming each rank's failure

@@ -9,9 +9,9 @@ files with DCP; two things they do not do for megatron_fsdp's pieces are done he
   ``pread`` (one read per contiguous run of the rectangle), straight into the piece where the file
   holds its dtype, else into one rectangle's buffer that is then cast. torch 2.13's reader reads
   the same slices through memory maps, whose touched pages stay mapped (as much again as the
-  rank's share of the file) until the file is closed; earlier releases read whole files. Which
-  files: those ``from_pretrained`` reads (``model.safetensors``, else the index's), not every
-  ``*.safetensors`` of the directory.
+  rank's share of the file) until the file is closed; its first releases read whole files.
+  Which files: those ``from_pretrained`` reads (``model.safetensors``, else the index's), not
+  every ``*.safetensors`` of the directory.
 - **Several pieces of one tensor on one rank.** torch's writer keys each rank's file by tensor
   name, so a second rectangle of the same parameter would replace the first.
   :class:`PieceSafetensorsWriter` writes a rank's k-th rectangles of its tensors to a k-th file,
