@@ -1,10 +1,13 @@
 """Shard a Hugging Face Transformers Llama with megatron_fsdp, train it, checkpoint it and
-export it as a safetensors model directory that ``LlamaForCausalLM.from_pretrained`` loads.
+save it as a safetensors model directory that ``LlamaForCausalLM.from_pretrained`` loads.
 
     torchrun --standalone --nproc_per_node 2 examples/hf_llama.py --out runs/hf_llama
+    torchrun --standalone --nproc_per_node 2 examples/hf_llama.py --out runs/again --pretrained runs/hf_llama/hf
 
-The model is built from a small ``LlamaConfig`` with random weights (nothing is downloaded) and
-learns the bytes of examples/data/corpus.txt. CPU with gloo, or CUDA with NCCL when GPUs exist.
+The model is built from a small ``LlamaConfig`` with random weights (nothing is downloaded), or
+with ``--pretrained DIR`` from a Hugging Face directory's config and weights, built on the meta
+device and loaded into the shards (no rank holds the whole model), and learns the bytes of
+examples/data/corpus.txt. CPU with gloo, or CUDA with NCCL when GPUs exist.
 Written for Transformers 5 (scripts/setup.sh pins the version; tested with 5.17 and 5.23).
 """
 
@@ -51,10 +54,26 @@ def build_model(config: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def apply_fsdp(model: LlamaForCausalLM, strategy: str, lr: float) -> tuple[megatron_fsdp.MegatronFSDP, torch.optim.Optimizer]:
-    """Every LlamaDecoderLayer is a unit; embeddings, final norm and head form the root unit."""
+def apply_fsdp(
+    model: LlamaForCausalLM, strategy: str, lr: float, on_meta_device: bool = False
+) -> tuple[megatron_fsdp.MegatronFSDP, torch.optim.Optimizer]:
+    """Every LlamaDecoderLayer is a unit; embeddings, final norm and head form the root unit.
+    ``on_meta_device``: the model was built on the meta device; each unit gets its memory and
+    Transformers' initialisation as it is sharded."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    return megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[LLAMA_UNIT], zero_dp_strategy=strategy)
+    return megatron_fsdp.fully_shard(
+        model, optimizer, fsdp_unit_modules=[LLAMA_UNIT], zero_dp_strategy=strategy, init_model_with_meta_device=on_meta_device
+    )
+
+
+def pretrained_model(directory: str, strategy: str, lr: float) -> tuple[megatron_fsdp.MegatronFSDP, torch.optim.Optimizer]:
+    """The Hugging Face model in ``directory``, sharded: built on the meta device from its
+    config, then each rank reads its pieces of the weights (``megatron_fsdp.load_pretrained``)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig.from_pretrained(directory))
+    model, optimizer = apply_fsdp(model, strategy, lr, on_meta_device=True)
+    megatron_fsdp.load_pretrained(model, directory)
+    return model, optimizer
 
 
 def corpus_tokens(path: str = CORPUS) -> torch.Tensor:
@@ -96,14 +115,10 @@ def train(
     return losses
 
 
-def export_pretrained(model: megatron_fsdp.MegatronFSDP, config: LlamaConfig, out_dir: str) -> None:
-    """A directory ``from_pretrained`` loads: model.safetensors (gathered full weights) and
-    config.json. A collective; rank 0 writes."""
-    if dist.get_rank() == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        config.save_pretrained(out_dir)
-    dist.barrier()
-    megatron_fsdp.export_safetensors(model, os.path.join(out_dir, "model.safetensors"))
+def export_pretrained(model: megatron_fsdp.MegatronFSDP, out_dir: str) -> None:
+    """A directory ``from_pretrained`` loads (safetensors, config.json), every rank writing its
+    own pieces: nothing is gathered. A collective."""
+    megatron_fsdp.save_pretrained(model, out_dir)
 
 
 def setup_distributed() -> torch.device:
@@ -124,17 +139,20 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--untied", action="store_true", help="tie_word_embeddings=False")
+    parser.add_argument("--pretrained", help="start from this Hugging Face directory (its config and weights)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     device = setup_distributed()
 
-    config = tiny_llama_config(tie_word_embeddings=not args.untied)
-    model, optimizer = apply_fsdp(build_model(config).to(device), args.strategy, args.lr)
+    if args.pretrained:
+        model, optimizer = pretrained_model(args.pretrained, args.strategy, args.lr)
+    else:
+        model, optimizer = apply_fsdp(build_model(tiny_llama_config(not args.untied)).to(device), args.strategy, args.lr)
     tokens = corpus_tokens()
     losses = train(model, optimizer, tokens, args.steps, args.rows, args.seq_len, device)
     saved = megatron_fsdp.save_checkpoint(os.path.join(args.out, "checkpoints"), args.steps, model, optimizer)
     export_dir = os.path.join(args.out, "hf")
-    export_pretrained(model, config, export_dir)
+    export_pretrained(model, export_dir)
 
     # The exported model, loaded by plain Transformers, scores a batch as the sharded one does.
     batch = global_batch(tokens, args.steps, 2, args.seq_len).to(device)

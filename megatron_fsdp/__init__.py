@@ -1,6 +1,8 @@
 """megatron_fsdp: fully sharded data parallelism for PyTorch on flat, per-unit, dtype-aware buffers."""
 
 from megatron_fsdp.checkpoint.integrity import CheckpointCorruptError
+from megatron_fsdp.checkpoint.pretrained import save_pretrained
+from megatron_fsdp.checkpoint.pretrained_load import load_pretrained
 from megatron_fsdp.checkpoint.io import (
     export_safetensors,
     full_state_dict,
@@ -57,8 +59,10 @@ __all__ = [
     "fully_shard_optimizer",
     "latest_checkpoint_step",
     "load_checkpoint",
+    "load_pretrained",
     "plan_memory",
     "save_checkpoint",
+    "save_pretrained",
     "total_grad_norm",
     "whole_tensor_optimizer",
     "__contact_emails__",

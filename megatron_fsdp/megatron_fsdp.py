@@ -549,13 +549,11 @@ class MegatronFSDP(nn.Module):
         state_dicts.load_model_state_dict(self, state_dict, strict=strict)
         return nn.modules.module._IncompatibleKeys(*state_dicts.incompatible_keys(self, state_dict))
 
-    def save_pretrained(self, save_directory: str, *args: Any, state_dict: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        """Hugging Face's ``save_pretrained`` of the wrapped model with its full weights, which
-        ``from_pretrained`` loads: a collective, call it on every rank. ``state_dict``: this
-        model's :meth:`state_dict` (``accelerator.get_state_dict(model)``), any of its DTensor
-        values gathered; None: this model's. The first rank writes, where ``is_main_process``
-        (default True) allows; the other keywords go to the wrapped model's ``save_pretrained``."""
-        pretrained.save_pretrained(self, save_directory, *args, state_dict=state_dict, **kwargs)
+    def save_pretrained(self, save_directory: str, *args: Any, **kwargs: Any) -> str:
+        """Hugging Face's ``save_pretrained`` of the wrapped model, every rank writing its own
+        pieces (nothing gathered): the directory ``from_pretrained`` loads. A collective, call it
+        on every rank; arguments and defaults: :func:`megatron_fsdp.save_pretrained`."""
+        return pretrained.save_pretrained(self, save_directory, *args, **kwargs)
 
     # -- inspection ---------------------------------------------------------------------------
 

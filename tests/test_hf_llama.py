@@ -1,6 +1,7 @@
 """examples/hf_llama.py on 2 gloo ranks: a Transformers Llama sharded by its decoder-layer
-import path trains like the unsharded model on the same global batches, and its safetensors
-export loads with ``LlamaForCausalLM.from_pretrained`` into the same weights and logits."""
+import path trains like the unsharded model on the same global batches; its save (every rank
+writing its pieces) loads with ``LlamaForCausalLM.from_pretrained`` into the same weights and
+logits, and back into a model built on the meta device (``--pretrained``) into the same weights."""
 
 from __future__ import annotations
 
@@ -35,11 +36,15 @@ def _sharded(rank: int, world: int, out_dir: str) -> dict:
         model, optimizer = hf_llama.apply_fsdp(hf_llama.build_model(config), strategy, LR)
         losses = hf_llama.train(model, optimizer, hf_llama.corpus_tokens(), STEPS, ROWS, SEQ, torch.device("cpu"))
         export_dir = os.path.join(out_dir, name)
-        hf_llama.export_pretrained(model, config, export_dir)
+        hf_llama.export_pretrained(model, export_dir)
         model.eval()
         with torch.no_grad():
             logits = model(input_ids=_probe_batch()).logits
-        results[name] = {"losses": losses, "params": model.full_parameters(), "logits": logits, "dir": export_dir}
+        reloaded, _ = hf_llama.pretrained_model(export_dir, strategy, LR)
+        results[name] = {
+            "losses": losses, "params": model.full_parameters(), "logits": logits, "dir": export_dir,
+            "reloaded": reloaded.full_parameters(),
+        }
     return results
 
 
@@ -104,3 +109,11 @@ def test_safetensors_export_loads_with_from_pretrained(sharded, name: str) -> No
         logits = loaded(input_ids=_probe_batch()).logits
     # Same weights, same input, same kernels on one process: the logits agree to the bit.
     assert torch.equal(logits, got["logits"]), f"{name}: max logit difference {(logits - got['logits']).abs().max():.2e}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_saved_directory_loads_back_into_a_model_built_on_the_meta_device(sharded, name: str) -> None:
+    got = sharded[name]
+    assert got["reloaded"].keys() == got["params"].keys()
+    for param_name, value in got["params"].items():
+        assert torch.equal(got["reloaded"][param_name], value), f"{name}: {param_name} differs after save and load_pretrained"

@@ -31,7 +31,10 @@ from _dist import run_distributed  # noqa: E402
 
 WORLD, ROWS, SEQ = 2, 2, 16
 # What every refusal names: the ways that write a sharded model.
-WAYS = ("MegatronFSDPTrainer", "megatron_fsdp.integrations.hugging_face.full_state_dicts", "megatron_fsdp.save_checkpoint")
+WAYS = (
+    "MegatronFSDPTrainer", "megatron_fsdp.integrations.hugging_face.full_state_dicts", "megatron_fsdp.save_checkpoint",
+    "megatron_fsdp.save_pretrained",
+)
 
 
 def _reset_accelerate() -> None:

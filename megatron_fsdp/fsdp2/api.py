@@ -424,7 +424,8 @@ def _save_pretrained_of_full_tensors(cls: type) -> Callable[..., Any]:
             raise refuse_one_process_write(
                 f"{type(self).__name__}.save_pretrained of a model sharded in place by megatron_fsdp.fsdp2, "
                 "without full tensors in state_dict (pass state_dict=get_model_state_dict(model, "
-                "options=StateDictOptions(full_state_dict=True, cpu_offload=True)), gathered on every rank, as under FSDP2)"
+                "options=StateDictOptions(full_state_dict=True, cpu_offload=True)), gathered on every rank, as under FSDP2; "
+                "or call megatron_fsdp.save_pretrained(model, directory) on every rank, which gathers nothing)"
             )
         return cls.save_pretrained(self, *args, state_dict=state_dict, **kwargs)
 

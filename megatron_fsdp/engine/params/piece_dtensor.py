@@ -114,7 +114,8 @@ SAVE_INSTEAD = (
     "use megatron_fsdp.integrations.hugging_face.MegatronFSDPTrainer in transformers.Trainer's place; "
     "wrap accelerator.save_state/load_state in megatron_fsdp.integrations.hugging_face.full_state_dicts(model, "
     "optimizer); or write each rank's pieces with megatron_fsdp.save_checkpoint (torch.distributed.checkpoint; "
-    "docs/checkpointing.md, docs/hugging_face.md); a model sharded in place by megatron_fsdp.fsdp2 saves as under "
+    "docs/checkpointing.md, docs/hugging_face.md), or as a Hugging Face directory with megatron_fsdp.save_pretrained(model, "
+    "directory) on every rank; a model sharded in place by megatron_fsdp.fsdp2 saves as under "
     "FSDP2: torch.distributed.checkpoint of model.state_dict(), or get_model_state_dict(model, "
     "options=StateDictOptions(full_state_dict=True)) on every rank"
 )

@@ -2,11 +2,14 @@
 module by module, children before their parent (the order constructors initialise in: a parent's
 ``__init__`` resets its own weights after building its children, and may re-initialise theirs,
 as ``nn.MultiheadAttention`` zeroes ``out_proj.bias``), each by its ``reset_parameters()`` or
-``_reset_parameters()``. Every unit is sharded as soon as its last parameter is initialised, so
-the full model never exists at once (the root unit, built last, and one unit at a time do)."""
+``_reset_parameters()``; a module of a Transformers model by that model's ``_init_weights(module)``
+instead, as Transformers' own construction does (its norms and rotary embeddings have no reset
+method). Every unit is sharded as soon as its last parameter is initialised, so the full model
+never exists at once (the root unit, built last, and one unit at a time do)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 
@@ -37,9 +40,10 @@ def materialize_unit_by_unit(
     built: dict[nn.Module | None, object] = {}
     live = peak = 0
     order = list(_children_first(module))
+    owners = transformers_init_owners(module)
     # Every module is checked before any is materialised: a refused model is left as it was.
     for name, submodule in order:
-        if _holds_meta_tensors(submodule) and _reset_method(submodule) is None:
+        if _holds_meta_tensors(submodule) and _reset_method(submodule, owners) is None:
             raise ValueError(
                 f"init_model_with_meta_device: module {name or '<root>'} ({type(submodule).__name__}) holds "
                 "meta tensors but has no reset_parameters() or _reset_parameters() to initialise them; give it "
@@ -50,11 +54,14 @@ def materialize_unit_by_unit(
         meta_buffers = {k: b for k, b in submodule._buffers.items() if b is not None and b.is_meta}
         if not meta_params and not meta_buffers:
             continue
-        reset = _reset_method(submodule)
+        reset = _reset_method(submodule, owners)
         for key, param in meta_params.items():
             if param not in replacements:
                 replacements[param] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
-                replacements[param].__dict__.update(param.__dict__)  # what marks it (a float8 weight's spec)
+                # What marks it (a float8 weight's spec); not Transformers' "loaded" mark, which
+                # would have its init skip the empty memory.
+                marks = {k: v for k, v in param.__dict__.items() if k != "_is_hf_initialized"}
+                replacements[param].__dict__.update(marks)
                 live += param.numel() * param.element_size()
                 waiting[owner_of[param]].discard(param)
             submodule._parameters[key] = replacements[param]
@@ -89,6 +96,26 @@ def _holds_meta_tensors(module: nn.Module) -> bool:
     return any(t is not None and t.is_meta for t in tensors)
 
 
-def _reset_method(module: nn.Module) -> Callable[[], None] | None:
+def transformers_init_owners(model: nn.Module) -> dict[nn.Module, nn.Module | None]:
+    """Each module of ``model`` -> the nearest module at or above it that is a Transformers
+    ``PreTrainedModel`` (whose ``_init_weights(module)`` covers its submodules), or None."""
+    owners: dict[nn.Module, nn.Module | None] = {}
+    for module in model.modules():  # parents before children
+        inherited = owners.get(module)
+        owners[module] = module if _is_pretrained_model(module) else inherited
+        for child in module.children():
+            owners.setdefault(child, owners[module])
+    return owners
+
+
+def _is_pretrained_model(module: nn.Module) -> bool:
+    # By name: Transformers need not be installed, and importing it costs seconds.
+    return any(c.__name__ == "PreTrainedModel" and c.__module__ == "transformers.modeling_utils" for c in type(module).__mro__)
+
+
+def _reset_method(module: nn.Module, owners: dict[nn.Module, nn.Module | None]) -> Callable[[], None] | None:
+    owner = owners.get(module)
+    if owner is not None:
+        return functools.partial(owner._init_weights, module)
     # torch.nn.MultiheadAttention (and others) name theirs _reset_parameters; upstream takes either.
     return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
