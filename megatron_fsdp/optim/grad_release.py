@@ -38,7 +38,7 @@ class SharedGradRelease:
         of the model's optimizers with gradients, else its own zeroed in place."""
         model = self._model()
         # Zeroing changes no gradient count, so the count now is also the count after.
-        changes = sum(bucket.state.grad_changes for bucket in model.trainable_buckets())
+        changes = sum(bucket.grads.state.grad_changes for bucket in model.trainable_buckets())
         if changes != self._cleared_at_change:
             self._cleared = set()
         mine = _params_of(optimizer)
