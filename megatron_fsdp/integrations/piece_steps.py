@@ -37,8 +37,9 @@ class _WrapperFaces:
         """megatron-core installs the weights itself (``install_optimized_model_weights``)."""
 
 
-# One per model, living as long as it (the hooks hold owners weakly).
-_owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The attribute of a model that holds its owner: one per model, living as long as it (the hooks
+# hold owners weakly).
+_ATTRIBUTE = "_megatron_fsdp_piece_owner"
 
 
 def install_piece_steps() -> tuple[RemovableHandle]:
@@ -51,7 +52,8 @@ def _wrapper_faces(param: torch.Tensor) -> _WrapperFaces | None:
     model = getattr(param, "_megatron_fsdp_model", None)
     if not isinstance(model, MegatronFSDP):
         return None
-    owner = _owners.get(model)
+    owner = vars(model).get(_ATTRIBUTE)
     if owner is None:
-        owner = _owners[model] = _WrapperFaces(model)
+        owner = _WrapperFaces(model)
+        setattr(model, _ATTRIBUTE, owner)
     return owner

@@ -112,7 +112,7 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: ShardedModel) 
     def zero_grad(self, set_to_none: bool = True, zero_grad_buffer: bool = True) -> None:
         """``zero_grad_buffer=False`` (upstream's keyword) keeps the main gradients."""
         if zero_grad_buffer:
-            release.zero_grad(self, set_to_none)
+            release.zero_grad(model, self, set_to_none)
         if set_to_none:
             with plain_attribute_access():  # torch's zero_grad then only reads and clears .grad
                 original_zero_grad(set_to_none)
