@@ -277,6 +277,13 @@ class WholeTensorSwap:
         show_owner_state(state_dict["state"], known, routes, self._sources)
         return state_dict
 
+    def face_layouts(self, state: dict[Any, dict[str, Any]], keys: list[Any], faces: list[torch.Tensor]) -> dict:
+        """Loaded as it is; the next step brings it to the tensors' owners (owner_state.py)."""
+        return state
+
+    def note_step_error(self, error: BaseException, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing to add: the step saw whole tensors, as it asked."""
+
     def _known(self, param: torch.Tensor, strict: bool) -> bool:
         """Whether ``param`` is a face to gather; another tensor stays in the step as it is, or
         raises when ``strict``."""
