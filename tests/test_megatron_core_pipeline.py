@@ -55,7 +55,7 @@ from megatron_fsdp.engine.buckets.bucket_weights import BucketWeights
 from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.step.units import ROOT_UNIT_NAME, bucket_groups
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
-from megatron_fsdp.integrations.piece_steps import install_piece_steps
+from megatron_fsdp.integrations.mcore_optimizer_steps import install_piece_steps
 
 VOCAB, HIDDEN, FFN, SEQ, LAYERS = 24, 16, 32, 6, 4
 PP, DP, MICRO_BATCHES, MICRO_ROWS = 2, 2, 4, 2

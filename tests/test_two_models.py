@@ -2,7 +2,7 @@
 each with its own optimizer and trained interleaved, train exactly as each would alone, and
 neither sees the other's state: what megatron_fsdp keeps per model (which optimizer's gradients
 were cleared, optim/grad_release.py; the swap of a plain optimizer's faces for their pieces,
-optim/piece_steps.py) hangs off that model or its optimizer and goes with it.
+optim/global_step_hooks.py) hangs off that model or its optimizer and goes with it.
 
 One gloo rank: the sharded step is then the plain step on the same values, elementwise and in the
 same order, so the reference is a plain torch model and optimizer and the comparison is exact.

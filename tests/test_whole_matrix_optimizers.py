@@ -818,7 +818,7 @@ def _strided_split_held_whole(rank: int, world: int, muon_class: type) -> tuple[
     the matrices whose momentum this rank holds."""
     import test_megatron_core_tensor_parallel as mcore_tp
 
-    from megatron_fsdp.integrations.piece_steps import install_piece_steps
+    from megatron_fsdp.integrations.mcore_optimizer_steps import install_piece_steps
 
     handles = install_piece_steps()  # megatron-core's optimizer steps the faces as pieces
     try:

@@ -35,7 +35,7 @@ from megatron_fsdp.engine.step.step_hooks import StepHooks, tensors_requiring_gr
 from megatron_fsdp.engine.step.units import FSDPUnit
 from megatron_fsdp.fsdp2 import optimizer_state
 from megatron_fsdp.fsdp2.unused_grads import UnusedGrads
-from megatron_fsdp.optim.piece_steps import end_unfinished_steps
+from megatron_fsdp.optim.global_step_hooks import end_unfinished_steps
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class ModuleShardingState:
         """After an optimizer stepped this unit's pieces: offloaded buckets send the stepped main
         parameters (on the host) to the device weights the next gather reads. The whole-model
         wrapper does this in its optimizer's step; a plain optimizer's step is seen by torch's
-        global step post-hook (``optim/piece_steps.py``). Float8 buckets cast them to their
+        global step post-hook (``optim/global_step_hooks.py``). Float8 buckets cast them to their
         float8 weights (engine/buckets/float8_bucket.py). Elsewhere the gathers read the main parameters."""
         for bucket in self.unit.trainable_buckets:
             if bucket.host is not None or bucket.float8_weights:
@@ -353,7 +353,7 @@ def _before_step(step: RootStep) -> None:
     """At the first forward of a step (the root's, or a non-root's run on its own): what FSDP2
     takes from the parameters' ``.grad`` (which ``optimizer.zero_grad()`` cleared) and from
     ``set_post_optim_event``. An optimizer step that raised first gives its optimizer the faces
-    back (optim/piece_steps.py)."""
+    back (optim/global_step_hooks.py)."""
     end_unfinished_steps()
     for state in step.states:
         if state.post_optim_event is not None:

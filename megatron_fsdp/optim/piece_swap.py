@@ -7,7 +7,7 @@ pieces under the faces (the same storage) with plain gradients and state, so no 
 lands in the step and torch's foreach kernels take them. :class:`PieceSwap` makes that swap over
 the buckets of any units, the whole-model wrapper's or ``megatron_fsdp.fsdp2``'s: the wrapper's
 optimizer (optimizer.py) swaps inside its own ``step``; a plain torch optimizer is swapped by
-torch's global step hooks (piece_steps.py).
+torch's global step hooks (global_step_hooks.py).
 
 What goes in for the step depends on the optimizer's kind, asked in one place
 (:meth:`PieceSwap.kind_of`): an elementwise optimizer (Adam, SGD, ...) steps the pieces
