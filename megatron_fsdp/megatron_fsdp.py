@@ -265,9 +265,9 @@ class MegatronFSDP(nn.Module):
             params = None
         for bucket in self.trainable_buckets():
             if params is None:
-                bucket.zero_main_grad(set_to_none)
+                bucket.grads.zero(set_to_none)
             else:
-                bucket.zero_main_grads_of(params)
+                bucket.grads.zero_of(params)
 
     def _abandon_failed_step(self) -> None:
         """A hook for faces that register other tensors during a step (megatron-core's)."""
@@ -338,7 +338,7 @@ class MegatronFSDP(nn.Module):
         by ``scaling_factor``; reductions in flight are finished first, so they are scaled too."""
         self.scheduler.finish_pending_reductions()
         for bucket in self.trainable_buckets():
-            bucket.scale_grads(float(scaling_factor))
+            bucket.grads.scale(float(scaling_factor))
 
     @torch.no_grad()
     def broadcast_params(self) -> None:
@@ -352,7 +352,7 @@ class MegatronFSDP(nn.Module):
         """Writes the stepped main weights into the compute weights (gathering them for
         strategies 1/2). The optimizer step does it; for ``optimizer.step()`` run by other code."""
         for bucket in self.trainable_buckets():
-            bucket.install_main_params()
+            bucket.weights.install()
 
     def all_gather_and_wait_parameters_ready(
         self,
@@ -585,10 +585,10 @@ class MegatronFSDP(nn.Module):
         ``finish_grad_sync()``."""
         full = {}
         for bucket in self.trainable_buckets():
-            source = bucket.optimizer_grad_source()
-            if bucket.host is not None and bucket.optimizer_grads is not None:
+            source = bucket.grads.optimizer_source()
+            if bucket.host is not None and bucket.grads.optimizer_grads is not None:
                 # Offloaded: what the host step reads, where a clip scaled them.
-                source = bucket.optimizer_grads.to(bucket.dtypes.main_grads)
+                source = bucket.grads.optimizer_grads.to(bucket.dtypes.main_grads)
             if source is None:  # nothing reduced since zero_grad
                 source = torch.zeros(bucket.main_end - bucket.main_start, dtype=bucket.dtypes.main_grads, device=bucket.device)
             full.update(zip(bucket.names, bucket.split_full(bucket.gather_full(source))))

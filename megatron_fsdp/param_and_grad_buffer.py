@@ -12,7 +12,8 @@ face over megatron_fsdp's buckets (megatron_fsdp/engine/buckets/buffer.py), not 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -28,9 +29,6 @@ from megatron_fsdp.engine.params.dtensor_params import (
     using_tensor_parallel,
 )
 from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata, update_uneven_dtensor_chunk_metadata
-
-if TYPE_CHECKING:
-    from megatron_fsdp.megatron_fsdp import MegatronFSDP
 
 __all__ = ["BufferView", "ParamAndGradBuffer", "ParameterGroup", "make_fsdp_dtensor", "to_local_if_dtensor"]
 
@@ -64,10 +62,27 @@ class ParameterGroup:
         self.main_grad_buffer = BufferView(self.params, strategy.shards_grads) if bucket.requires_grad else None
 
 
+class BufferOwner(Protocol):
+    """What the face reads of the :class:`~megatron_fsdp.MegatronFSDP` that holds it (named so,
+    not imported: the wrapper sits above this module)."""
+
+    def all_buckets(self) -> list[Bucket]: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def install_optimizer_step(self) -> None: ...
+
+    def attach_grad_to_optimizer_state(self) -> None: ...
+
+    def zero_grad_buffer(self) -> None: ...
+
+    def scale_gradients(self, scaling_factor: float) -> None: ...
+
+
 class ParamAndGradBuffer:
     """``model.param_and_grad_buffer`` of a :class:`~megatron_fsdp.MegatronFSDP` ``model``."""
 
-    def __init__(self, model: MegatronFSDP) -> None:
+    def __init__(self, model: BufferOwner) -> None:
         self._model = model
         self.parameter_groups = [ParameterGroup(bucket) for bucket in model.all_buckets()]
 

@@ -189,7 +189,7 @@ def _no_shard_buffers(rank: int, world: int) -> dict:
     optimizer = megatron_fsdp.fully_shard_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model)
     buckets = [b for u in model.units for b in u.buckets]
     views_share_buffer = all(
-        p.untyped_storage().data_ptr() == b.full_weight.untyped_storage().data_ptr() for b in buckets for p in b.params
+        p.untyped_storage().data_ptr() == b.weights.full.untyped_storage().data_ptr() for b in buckets for p in b.params
     )
     for step in range(2):
         tokens, targets = make_batch(step, 2 * world)
@@ -197,7 +197,7 @@ def _no_shard_buffers(rank: int, world: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
     return {
-        "buffers": [b.full_weight.untyped_storage().nbytes() for b in buckets],
+        "buffers": [b.weights.full.untyped_storage().nbytes() for b in buckets],
         "views_share_buffer": views_share_buffer,
         "state_dict": {k: v.clone() for k, v in model.module.state_dict().items()},
     }
@@ -264,18 +264,18 @@ def test_zero_grad_releases_main_grads_until_the_next_reduction(single_rank_grou
     model = make_model()
     model, optimizer = megatron_fsdp.fully_shard(model, torch.optim.Adam(model.parameters(), lr=0.1), fsdp_unit_modules=[Block])
     buckets = [b for unit in model.units for b in unit.trainable_buckets]
-    assert all(b.main_grad is None for b in buckets), "main grads exist before any backward"
+    assert all(b.grads.main_grad is None for b in buckets), "main grads exist before any backward"
     model(*make_batch(0, 2)).backward()
     grads = model.full_gradients()
-    assert all(b.main_grad is not None for b in buckets)
+    assert all(b.grads.main_grad is not None for b in buckets)
     optimizer.zero_grad(set_to_none=False)  # kept, zeroed
-    assert all(b.main_grad is not None and not b.main_grad.any() for b in buckets)
+    assert all(b.grads.main_grad is not None and not b.grads.main_grad.any() for b in buckets)
     model(*make_batch(0, 2)).backward()
     for name, grad in model.full_gradients().items():
         torch.testing.assert_close(grad, grads[name], rtol=0, atol=0)
     optimizer.step()
     optimizer.zero_grad()  # set_to_none=True: released, as torch's own .grad
-    assert all(b.main_grad is None for b in buckets)
+    assert all(b.grads.main_grad is None for b in buckets)
     # A step without gradients leaves every parameter alone, as torch's optimizers do for
     # parameters whose .grad is None (zero gradients would still move Adam's state).
     before = model.full_parameters()

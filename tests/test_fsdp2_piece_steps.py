@@ -1,5 +1,5 @@
 """A plain torch optimizer over parameters sharded in place by megatron_fsdp.fsdp2 steps the plain
-pieces under the DTensor faces (megatron_fsdp/optim/piece_steps.py) and trains as torch's FSDP2.
+pieces under the DTensor faces (megatron_fsdp/optim/global_step_hooks.py) and trains as torch's FSDP2.
 
 What the step sees is read through torch's public surface: a step pre-hook the test registers on
 the optimizer runs after the global hooks, so it sees what torch's update then iterates (its

@@ -3,8 +3,9 @@ modules of its own layer or below, nothing imports the package root, and no impo
 back to where it started.
 
 Read from the source with ``ast``, so the test needs no import of the package. Imports under
-``if TYPE_CHECKING:`` are left out: they name a type for annotations and never run (the same rule
-as import-linter's ``exclude_type_checking_imports``).
+``if TYPE_CHECKING:`` name a type for annotations and never run: they keep to the layers too, but
+the circle check leaves them out (the same rule as import-linter's
+``exclude_type_checking_imports``), so an owned object may name its owner's type.
 """
 
 from __future__ import annotations
@@ -62,12 +63,13 @@ def _is_type_checking_block(node: ast.AST) -> bool:
     )
 
 
-def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+def _imports(tree: ast.AST, type_checking: bool) -> list[ast.Import | ast.ImportFrom]:
+    """The imports of ``tree``; those under ``if TYPE_CHECKING:`` only with ``type_checking``."""
     found: list[ast.Import | ast.ImportFrom] = []
     pending = list(ast.iter_child_nodes(tree))
     while pending:
         node = pending.pop()
-        if _is_type_checking_block(node):
+        if _is_type_checking_block(node) and not type_checking:
             pending.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -76,10 +78,11 @@ def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules that ``name`` imports when it runs (the extension left out)."""
+def imported_modules(name: str, path: Path, modules: dict[str, Path], type_checking: bool = False) -> set[str]:
+    """The package's modules that ``name`` imports when it runs (the extension left out); with
+    ``type_checking``, also those it names for annotations."""
     targets: set[str] = set()
-    for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+    for node in _imports(ast.parse(path.read_text(), str(path)), type_checking):
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
             continue
@@ -103,9 +106,9 @@ def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str
     return resolved
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     modules = module_files()
-    return {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    return {name: imported_modules(name, path, modules, type_checking) for name, path in modules.items()}
 
 
 def layer_of(module: str) -> int:
@@ -166,7 +169,7 @@ def test_every_engine_module_is_in_a_room() -> None:
 def test_no_module_imports_a_layer_above_it() -> None:
     upward = [
         f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
-        for module, targets in import_graph().items()
+        for module, targets in import_graph(type_checking=True).items()
         if module != PACKAGE
         for target in sorted(targets)
         if target != PACKAGE and layer_of(target) < layer_of(module)
@@ -205,6 +208,8 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     )
     targets = imported_modules("megatron_fsdp.engine.step.probe", probe, modules)
     assert targets == {"megatron_fsdp.megatron_fsdp"}
+    annotated = imported_modules("megatron_fsdp.engine.step.probe", probe, modules, type_checking=True)
+    assert annotated == {"megatron_fsdp.megatron_fsdp", "megatron_fsdp.fully_shard"}
     assert layer_of("megatron_fsdp.megatron_fsdp") < layer_of("megatron_fsdp.engine.step.probe")
     assert layer_of("megatron_fsdp.engine.step.units") < layer_of("megatron_fsdp.engine.buckets.buffer")
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]

@@ -57,7 +57,7 @@ from mcore_flow import (
 
 import megatron_fsdp
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
-from megatron_fsdp.integrations.piece_steps import install_piece_steps
+from megatron_fsdp.integrations.mcore_optimizer_steps import install_piece_steps
 
 VOCAB, HIDDEN, FFN, SEQ, ROWS, EXPERTS = 38, 20, 14, 6, 4, 4
 STEPS, SAVED_AT = 5, 3

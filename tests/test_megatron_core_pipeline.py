@@ -50,10 +50,12 @@ from mcore_flow import (
 )
 
 import megatron_fsdp
+from megatron_fsdp.engine.buckets.bucket_grads import BucketGrads
+from megatron_fsdp.engine.buckets.bucket_weights import BucketWeights
 from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.step.units import ROOT_UNIT_NAME, bucket_groups
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
-from megatron_fsdp.integrations.piece_steps import install_piece_steps
+from megatron_fsdp.integrations.mcore_optimizer_steps import install_piece_steps
 
 VOCAB, HIDDEN, FFN, SEQ, LAYERS = 24, 16, 32, 6, 4
 PP, DP, MICRO_BATCHES, MICRO_ROWS = 2, 2, 4, 2
@@ -308,21 +310,21 @@ def _finalize_model_grads(stage: Stage) -> None:
 
 
 @contextlib.contextmanager
-def _counting(method: str) -> Iterator[list[Bucket]]:
-    """Each bucket whose ``method`` (a reduction or a gather starting) ran inside, in order (the
-    pooled rank process gets the method back)."""
+def _counting(life: type, method: str) -> Iterator[list[Bucket]]:
+    """Each bucket whose ``method`` of one of its lives (a reduction or a gather starting) ran
+    inside, in order (the pooled rank process gets the method back)."""
     started: list[Bucket] = []
-    original = getattr(Bucket, method)
+    original = getattr(life, method)
 
-    def counted(bucket: Bucket, *args, **kwargs):
-        started.append(bucket)
-        return original(bucket, *args, **kwargs)
+    def counted(owned, *args, **kwargs):
+        started.append(owned.bucket)
+        return original(owned, *args, **kwargs)
 
-    setattr(Bucket, method, counted)
+    setattr(life, method, counted)
     try:
         yield started
     finally:
-        setattr(Bucket, method, original)
+        setattr(life, method, original)
 
 
 @contextlib.contextmanager
@@ -342,7 +344,7 @@ def _as_megatron_core_runs_it() -> Iterator[None]:
 
 
 def _train_step(stage: Stage, step: int) -> tuple[float, float]:
-    with _counting("start_reduction") as started, _counting("start_unshard") as gathered:
+    with _counting(BucketGrads, "start_reduction") as started, _counting(BucketWeights, "gather") as gathered:
         loss = torch.tensor(_one_f_one_b(stage, step, started))
         _finalize_model_grads(stage)
     stage.reductions.append((stage.under_no_sync, len(started) - stage.under_no_sync))

@@ -27,7 +27,7 @@ from models import Block, TinyGPT, make_batch
 import megatron_fsdp
 from megatron_fsdp import param_and_grad_buffer, uneven_dtensor, utils
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
-from megatron_fsdp.integrations.piece_steps import install_piece_steps
+from megatron_fsdp.integrations.mcore_optimizer_steps import install_piece_steps
 
 REPO = Path(__file__).resolve().parent.parent
 UPSTREAM = "megatron.core.distributed.fsdp.src.megatron_fsdp"
@@ -64,11 +64,13 @@ def _fake_megatron_core(root: Path) -> None:
         package.mkdir()
         (package / "__init__.py").touch()
     (package / "__init__.py").write_text("raise ImportError('the bundled copy was imported')\n")
-    # megatron-core's adapter: imports the bundled package, defines its world-size mesh helpers.
+    # megatron-core's adapter: imports the bundled package, defines its world-size mesh helpers
+    # (0.19's signatures, which install() checks before replacing them).
     (root / "megatron/core/distributed/fsdp/mcore_fsdp_adapter.py").write_text(
         f"from {UPSTREAM} import MegatronFSDP\n"
-        "def _get_dp_tp_mesh(*args): raise AssertionError('the world-size layout')\n"
-        "def _get_hsdp_tp_mesh(*args): raise AssertionError('the world-size layout')\n"
+        "def _get_dp_tp_mesh(dp_cp_group, tp_group, ep_size=1): raise AssertionError('the world-size layout')\n"
+        "def _get_hsdp_tp_mesh(outer_fsdp_dp_group, dp_cp_group, tp_group, ep_size=1):\n"
+        "    raise AssertionError('the world-size layout')\n"
         "ADAPTER_BODY_RAN = True\n"
     )
 

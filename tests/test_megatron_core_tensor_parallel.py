@@ -53,7 +53,7 @@ from moe_model import SumOverGroup
 
 import megatron_fsdp
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
-from megatron_fsdp.integrations.piece_steps import install_piece_steps
+from megatron_fsdp.integrations.mcore_optimizer_steps import install_piece_steps
 
 VOCAB, HIDDEN, FFN, SEQ, ROWS = 38, 20, 52, 10, 4
 STEPS, SAVED_AT = 5, 3

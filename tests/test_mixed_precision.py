@@ -99,10 +99,10 @@ def _reduce_once(rank: int, world: int, comm_dtype: torch.dtype, promote: bool) 
     assert bucket.layout.padded_numel == bucket.shapes[0].numel(), "the test needs a bucket without padding"
     unit.unshard()  # as in backward: the parameter is full-size when its gradient arrives
     bucket.params[0].grad = local.view(bucket.shapes[0])
-    assert bucket.note_grad(0), "a one-parameter bucket is complete with its one gradient"
-    bucket.take_grads()
-    bucket.finish_reduction(bucket.start_reduction(async_op=False))
-    return bucket.main_grad.float().clone()
+    assert bucket.grads.note_grad(0), "a one-parameter bucket is complete with its one gradient"
+    bucket.grads.take()
+    bucket.grads.finish_reduction(bucket.grads.start_reduction(async_op=False))
+    return bucket.grads.main_grad.float().clone()
 
 
 def _all_local_gradients(world: int, numel: int) -> torch.Tensor:
@@ -273,7 +273,7 @@ def _optimizer_grads(rank: int, world: int) -> dict:
         model(tokens, targets).backward()
         model.finish_grad_sync()
         bucket = model.trainable_buckets()[0]
-        found[name] = (bucket.optimizer_grads.dtype, bucket.optimizer_grads is bucket.main_grad)
+        found[name] = (bucket.grads.optimizer_grads.dtype, bucket.grads.optimizer_grads is bucket.grads.main_grad)
         if name != "rmsprop":  # a closure cannot reach the kernels: refused before anything changes
             with pytest.raises(ValueError, match="call the closure before step"):
                 optimizer.step(lambda: None)

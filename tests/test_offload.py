@@ -234,7 +234,7 @@ def test_bf16_main_params_step_with_torchs_own_adam_and_one_log_line(single_rank
 def test_offloaded_main_params_are_a_copy_that_each_step_installs(single_rank_group) -> None:
     model, optimizer = _shard(True, strategy="no_shard")  # fp32: without offloading, the weights themselves
     for bucket in model.trainable_buckets():
-        weights = bucket.full_weight.untyped_storage()
+        weights = bucket.weights.full.untyped_storage()
         assert bucket.main_params.untyped_storage().data_ptr() != weights.data_ptr()
     train_steps(model, optimizer, 0, 1, range(2))
     for name, param in model.module.named_parameters():
@@ -250,7 +250,7 @@ def test_device_gradients_are_released_once_on_the_host_which_accumulates(single
             tokens, targets = make_batch(micro_batch, 2)
             model(tokens, targets).backward()
             if offload:
-                assert all(b.main_grad is None and b.outer_grad is None for b in model.trainable_buckets())
+                assert all(b.grads.main_grad is None and b.grads.outer_grad is None for b in model.trainable_buckets())
     grads = {offload: model.full_gradients() for offload, (model, _) in runs.items()}
     assert grads[True].keys() == grads[False].keys()
     for name in grads[True]:
@@ -282,11 +282,11 @@ def test_the_host_op_writes_the_new_weights_as_it_steps(strategy: str, single_ra
         model(tokens, targets).backward()
         with torch.no_grad():
             for bucket in model.trainable_buckets():
-                bucket._main_weight_target().fill_(float("nan"))  # what the step leaves unwritten shows
+                bucket.weights.main_target().fill_(float("nan"))  # what the step leaves unwritten shows
         optimizer.step()
         optimizer.zero_grad()
     assert not casts, f"{len(casts)} bucket ranges were cast after the step"
     for bucket in model.trainable_buckets():
-        weights, main = bucket._main_weight_target(), bucket.main_params
+        weights, main = bucket.weights.main_target(), bucket.main_params
         assert weights.dtype == torch.bfloat16 and main.dtype == torch.float32
         assert torch.equal(weights, main.to(weights.dtype)), f"{bucket.names}: {int((weights != main.to(weights.dtype)).sum())} elements differ"

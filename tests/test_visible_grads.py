@@ -48,8 +48,8 @@ def _grad_views(rank: int, world: int, strategy: int) -> dict:
     report["errors"] = {}
     report["views"] = True
     for bucket in model.trainable_buckets():
-        lo_ptr = bucket.optimizer_grads.data_ptr()
-        hi_ptr = lo_ptr + bucket.optimizer_grads.numel() * bucket.optimizer_grads.element_size()
+        lo_ptr = bucket.grads.optimizer_grads.data_ptr()
+        hi_ptr = lo_ptr + bucket.grads.optimizer_grads.numel() * bucket.grads.optimizer_grads.element_size()
         for name in bucket.names:
             grad = named[name].grad
             assert isinstance(grad, DTensor) and grad.shape == named[name].shape, name
@@ -64,7 +64,7 @@ def _grad_views(rank: int, world: int, strategy: int) -> dict:
     report["clipped_max"] = max(g.abs().max().item() for g in model.full_gradients().values())
     model.zero_grad(set_to_none=False)
     report["zeroed"] = all(p.grad is None or p.grad.to_local().abs().sum().item() == 0 for p in model.parameters())
-    released = [weakref.ref(b.main_grad) for b in model.trainable_buckets()]
+    released = [weakref.ref(b.grads.main_grad) for b in model.trainable_buckets()]
     del grads, grad, local
     model.zero_grad()
     report["after_zero_grad"] = [n for n, p in model.named_parameters() if p.grad is not None]

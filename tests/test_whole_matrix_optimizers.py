@@ -455,10 +455,10 @@ def _zero_grad_in_turn(rank: int, world: int) -> dict[str, object]:
     muon.zero_grad()
     kept = {name: param.grad is not None and torch.equal(param.grad.full_tensor(), adamw_grads[name]) for name, param in named if name in adamw_grads}
     muon_grads_gone = all(param.grad is None for name, param in named if _is_matrix_in_block(name, param))
-    held_after_muon = sum(bucket.main_grad is not None for bucket in model.trainable_buckets())
+    held_after_muon = sum(bucket.grads.main_grad is not None for bucket in model.trainable_buckets())
     adamw.step()
     adamw.zero_grad()
-    held_after_both = sum(bucket.main_grad is not None for bucket in model.trainable_buckets())
+    held_after_both = sum(bucket.grads.main_grad is not None for bucket in model.trainable_buckets())
     return {"kept": kept, "muon_grads_gone": muon_grads_gone, "held_after_muon": held_after_muon, "held_after_both": held_after_both}
 
 
@@ -818,7 +818,7 @@ def _strided_split_held_whole(rank: int, world: int, muon_class: type) -> tuple[
     the matrices whose momentum this rank holds."""
     import test_megatron_core_tensor_parallel as mcore_tp
 
-    from megatron_fsdp.integrations.piece_steps import install_piece_steps
+    from megatron_fsdp.integrations.mcore_optimizer_steps import install_piece_steps
 
     handles = install_piece_steps()  # megatron-core's optimizer steps the faces as pieces
     try:

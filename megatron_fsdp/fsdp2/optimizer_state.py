@@ -3,7 +3,7 @@ under them, its state laid out like the pieces, and the stepped pieces reach the
 where a gather does not read them.
 
 The first ``fully_shard`` call registers this front door's owner resolver with torch's global
-optimizer step hooks (``megatron_fsdp/optim/piece_steps.py``, shared with the whole-model
+optimizer step hooks (``megatron_fsdp/optim/global_step_hooks.py``, shared with the whole-model
 wrapper): inside each step of an optimizer over faces of modules sharded in place, its param
 groups hold the plain 1-D pieces under them with plain gradients and state, so no DTensor dispatch
 lands in the step; outside it, the faces and DTensor state keyed by them, as torch's own FSDP2.
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from megatron_fsdp.optim.piece_steps import step_faces_as_pieces
+from megatron_fsdp.optim.global_step_hooks import step_faces_as_pieces
 
 # The attribute on a DTensor parameter sharded in place: its state, weakly.
 OWNER_ATTRIBUTE = "_megatron_fsdp2_owner"

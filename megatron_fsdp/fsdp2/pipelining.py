@@ -80,7 +80,7 @@ class PipelineFace:
         a gradient, the schedule computed them outside autograd's accumulation (module docstring)."""
         states = self._step().states
         buckets = [bucket for state in states for bucket in state.unit.trainable_buckets]
-        if buckets and all(bucket.unreduced_grad is None for bucket in buckets):
+        if buckets and all(bucket.grads.unreduced_grad is None for bucket in buckets):
             raise NotImplementedError(
                 f"fully_shard({self._state.unit.name}): this pipeline stage's backward passes gave none of its "
                 f"parameters a gradient. {SPLIT_BACKWARD_REFUSAL}"

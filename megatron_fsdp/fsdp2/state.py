@@ -35,7 +35,7 @@ from megatron_fsdp.engine.step.step_hooks import StepHooks, tensors_requiring_gr
 from megatron_fsdp.engine.step.units import FSDPUnit
 from megatron_fsdp.fsdp2 import optimizer_state
 from megatron_fsdp.fsdp2.unused_grads import UnusedGrads
-from megatron_fsdp.optim.piece_steps import end_unfinished_steps
+from megatron_fsdp.optim.global_step_hooks import end_unfinished_steps
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class ModuleShardingState:
             # them since fully_shard (an init after sharding on the meta device) is cast now.
             for bucket in state.unit.trainable_buckets:
                 if bucket.float8_weights:
-                    bucket.install_main_params()
+                    bucket.weights.install()
         logger.info("megatron_fsdp.fsdp2: %s is the root of %d modules sharded in place", type(module).__name__, len(states))
 
     def piece_buckets(self) -> list[Bucket]:
@@ -203,11 +203,11 @@ class ModuleShardingState:
         """After an optimizer stepped this unit's pieces: offloaded buckets send the stepped main
         parameters (on the host) to the device weights the next gather reads. The whole-model
         wrapper does this in its optimizer's step; a plain optimizer's step is seen by torch's
-        global step post-hook (``optim/piece_steps.py``). Float8 buckets cast them to their
+        global step post-hook (``optim/global_step_hooks.py``). Float8 buckets cast them to their
         float8 weights (engine/buckets/float8_bucket.py). Elsewhere the gathers read the main parameters."""
         for bucket in self.unit.trainable_buckets:
             if bucket.host is not None or bucket.float8_weights:
-                bucket.install_main_params()
+                bucket.weights.install()
 
     def adopt_cleared_grads(self) -> None:
         """The reduced gradients accumulate into what the faces' ``.grad`` show, as FSDP2's
@@ -217,15 +217,15 @@ class ModuleShardingState:
         for bucket in self.unit.trainable_buckets:
             # The reduced gradients and what the faces show of them (a cast copy, or offloaded,
             # the host's, the device ones being released once sent).
-            held = {id(t): t for t in (bucket.optimizer_grad_source(), bucket.optimizer_grads) if t is not None}
-            if not held or (bucket.main_grad is not None and bucket.main_grad is bucket.unreduced_grad):
+            held = {id(t): t for t in (bucket.grads.optimizer_source(), bucket.grads.optimizer_grads) if t is not None}
+            if not held or (bucket.grads.main_grad is not None and bucket.grads.main_grad is bucket.grads.unreduced_grad):
                 # Reduced in place (a shard group of one), a main gradient that is also the
                 # un-reduced buffer holds micro-batches accumulating without sync: not shown yet,
                 # so its faces' None is no zero_grad.
                 continue
             cleared = [index for index, face in enumerate(bucket.faces) if face.param.grad is None]
             if len(cleared) == len(bucket.faces):
-                bucket.zero_main_grad(set_to_none=True)
+                bucket.grads.zero(set_to_none=True)
                 continue
             for index in cleared:
                 lo, hi = bucket.optim_ranges[index]
@@ -244,7 +244,7 @@ class ModuleShardingState:
             scheduler.abandon_failed_step()
         for state in self.step.states:
             for bucket in state.unit.trainable_buckets:
-                bucket.zero_main_grad(set_to_none=True)
+                bucket.grads.zero(set_to_none=True)
 
     def managed_tensors(self) -> list[torch.Tensor]:
         """The unit's parameters, as faces and as compute parameters."""
@@ -353,7 +353,7 @@ def _before_step(step: RootStep) -> None:
     """At the first forward of a step (the root's, or a non-root's run on its own): what FSDP2
     takes from the parameters' ``.grad`` (which ``optimizer.zero_grad()`` cleared) and from
     ``set_post_optim_event``. An optimizer step that raised first gives its optimizer the faces
-    back (optim/piece_steps.py)."""
+    back (optim/global_step_hooks.py)."""
     end_unfinished_steps()
     for state in step.states:
         if state.post_optim_event is not None:

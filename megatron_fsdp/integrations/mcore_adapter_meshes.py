@@ -8,12 +8,10 @@ is in this rank's data-, expert- and tensor-parallel groups: with ``--pipeline-m
 each rank of the data-parallel group reports the ranks of its own tensor-parallel group (and, under
 HSDP, each outer replica its whole data x tensor mesh), so the mesh is the groups' true layout
 whatever megatron-core's rank order and pipeline size: without pipeline parallelism it equals the
-adapter's own. :func:`use_group_meshes` puts these in the adapter module when it is imported.
+adapter's own. library_replacements.py puts these in the adapter module when it is imported.
 """
 
 from __future__ import annotations
-
-import types
 
 import torch
 import torch.distributed as dist
@@ -50,9 +48,3 @@ def _checked(mesh: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Ten
             "build the groups with megatron-core's parallel_state.initialize_model_parallel"
         )
     return mesh
-
-
-def use_group_meshes(adapter: types.ModuleType) -> None:
-    """Points megatron-core's adapter module at the meshes above."""
-    adapter._get_dp_tp_mesh = dp_tp_mesh
-    adapter._get_hsdp_tp_mesh = hsdp_tp_mesh

@@ -18,7 +18,9 @@ path with megatron_fsdp's modules (the same module objects, not copies):
 
 It also lets megatron-core's adapter module load as it is, then points its mesh helpers at
 :mod:`megatron_fsdp.integrations.mcore_adapter_meshes`, which read the meshes from the process
-groups (the adapter's own assume no pipeline parallelism).
+groups (the adapter's own assume no pipeline parallelism): through
+:mod:`megatron_fsdp.integrations.library_replacements`, which refuses an adapter whose helpers are
+not those of the megatron-core version they were written for.
 
 The hook is process-wide: a process runs megatron-core either on megatron_fsdp or on its bundled
 copy, not both. docs/megatron_lm.md says what differs and what is refused.
@@ -33,13 +35,13 @@ import importlib.util
 import sys
 import types
 
-from megatron_fsdp.integrations.mcore_adapter_meshes import use_group_meshes
-from megatron_fsdp.integrations.piece_steps import install_piece_steps
+from megatron_fsdp.integrations.library_replacements import MCORE_ADAPTER_MESHES, MCORE_ADAPTER_MODULE, replace_checked
+from megatron_fsdp.integrations.mcore_optimizer_steps import install_piece_steps
 
 #: Where megatron-core imports its bundled megatron-fsdp from.
 UPSTREAM_PACKAGE = "megatron.core.distributed.fsdp.src.megatron_fsdp"
 #: megatron-core's adapter, which binds the bundled names when it is imported.
-ADAPTER_MODULE = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
+ADAPTER_MODULE = MCORE_ADAPTER_MODULE
 #: Upstream's module name -> the megatron_fsdp module that answers it.
 MODULES = {
     UPSTREAM_PACKAGE: "megatron_fsdp.integrations.mcore_package",
@@ -87,7 +89,7 @@ class _AdapterLoader(importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         self.loader.exec_module(module)
-        use_group_meshes(module)
+        replace_checked(module, MCORE_ADAPTER_MESHES)
 
 
 def _adapter_spec(fullname: str, path: object) -> importlib.machinery.ModuleSpec | None:

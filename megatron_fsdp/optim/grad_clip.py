@@ -34,11 +34,11 @@ def total_grad_norm(model: ShardedModel, norm_type: float = 2.0) -> torch.Tensor
     model.finish_grad_sync()
     pieces, copies = [], []
     for bucket in model.trainable_buckets():
-        if bucket.optimizer_grads is None:  # nothing reduced since zero_grad: the same on every rank
+        if bucket.grads.optimizer_grads is None:  # nothing reduced since zero_grad: the same on every rank
             continue
         for face, (lo, hi) in zip(bucket.faces, bucket.optim_ranges):
             if hi > lo:
-                pieces.append(bucket.optimizer_grads[lo:hi])
+                pieces.append(bucket.grads.optimizer_grads[lo:hi])
                 copies.append(face.spec.copies)
     device = model.compute_device
     if pieces:
@@ -77,7 +77,7 @@ def clip_grad_norm_(
         )
     # A float32 factor, applied in float32 to gradients of any dtype (as torch's clip does).
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grads = [b.optimizer_grads for b in model.trainable_buckets() if b.optimizer_grads is not None]
+    grads = [b.grads.optimizer_grads for b in model.trainable_buckets() if b.grads.optimizer_grads is not None]
     if grads:
         torch._foreach_mul_(grads, scale.to(grads[0].device))
     return total

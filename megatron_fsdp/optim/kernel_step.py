@@ -88,7 +88,7 @@ class KernelStep:
     def _step_all(optimizer: torch.optim.Optimizer, self: KernelStep, install: bool) -> None:
         group_of = {piece: group for group in optimizer.param_groups for piece in group["params"]}
         for bucket in self.buckets:
-            staged = bucket.stage_main_params() if install and bucket.dtype in _WEIGHTS_OUT_DTYPES else None
+            staged = bucket.weights.stage() if install and bucket.dtype in _WEIGHTS_OUT_DTYPES else None
             stepped: list[tuple[int, int]] = []
             for piece, (lo, hi) in zip(bucket.optim_params, bucket.optim_ranges):
                 group = group_of.get(piece)
@@ -99,7 +99,7 @@ class KernelStep:
             if staged is not None:
                 _cast_unstepped(staged.buffer, bucket.main_params, stepped)
             if install:
-                bucket.install_main_params(staged)
+                bucket.weights.install(staged)
 
     def _step_piece(
         self, piece: nn.Parameter, group: dict[str, Any], state: dict[str, Any], weights_out: torch.Tensor | None
@@ -196,7 +196,7 @@ def reads_main_grads_as_they_are(optimizer: torch.optim.Optimizer, buckets: Iter
     if not low or unsupported_reason(optimizer) is not None or _main_params_reason(buckets) is not None:
         return False
     for bucket in low:
-        bucket.read_main_grads_as_they_are()
+        bucket.grads.read_main_grads_as_they_are()
     return True
 
 

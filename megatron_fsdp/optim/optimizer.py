@@ -16,7 +16,6 @@ from megatron_fsdp.optim.grad_release import grad_release_of
 from megatron_fsdp.optim.initial_state import InitialStatePlaceholders
 from megatron_fsdp.optim.kernel_step import kernel_step_for, reads_main_grads_as_they_are
 from megatron_fsdp.optim.piece_swap import PieceSwap
-from megatron_fsdp.optim.whole_tensors import needs_whole_tensors, note_flat_pieces
 
 
 def _return_cached_device_memory(model: ShardedModel) -> None:
@@ -102,8 +101,7 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: ShardedModel) 
                 try:
                     result, installed = original_step(*args, **kwargs), False
                 except (ValueError, RuntimeError, IndexError) as error:
-                    if not needs_whole_tensors(optimizer):
-                        note_flat_pieces(error, optimizer)
+                    swap.kind_of(optimizer).note_step_error(error, optimizer)
                     raise
         model.install_optimizer_step(install_weights=install_optimized_model_weights and not installed)
         return result
@@ -112,7 +110,7 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer, model: ShardedModel) 
     def zero_grad(self, set_to_none: bool = True, zero_grad_buffer: bool = True) -> None:
         """``zero_grad_buffer=False`` (upstream's keyword) keeps the main gradients."""
         if zero_grad_buffer:
-            release.zero_grad(self, set_to_none)
+            release.zero_grad(model, self, set_to_none)
         if set_to_none:
             with plain_attribute_access():  # torch's zero_grad then only reads and clears .grad
                 original_zero_grad(set_to_none)

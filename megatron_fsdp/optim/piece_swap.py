@@ -7,7 +7,13 @@ pieces under the faces (the same storage) with plain gradients and state, so no 
 lands in the step and torch's foreach kernels take them. :class:`PieceSwap` makes that swap over
 the buckets of any units, the whole-model wrapper's or ``megatron_fsdp.fsdp2``'s: the wrapper's
 optimizer (optimizer.py) swaps inside its own ``step``; a plain torch optimizer is swapped by
-torch's global step hooks (piece_steps.py).
+torch's global step hooks (global_step_hooks.py).
+
+What goes in for the step depends on the optimizer's kind, asked in one place
+(:meth:`PieceSwap.kind_of`): an elementwise optimizer (Adam, SGD, ...) steps the pieces
+(:class:`ElementwiseSwap`, here); one that needs whole tensors (Muon) steps whole matrices on
+their owners (:class:`~megatron_fsdp.optim.whole_tensors.WholeTensorSwap`). A new kind is one more
+class with the :class:`KindSwap` methods, chosen there.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -26,7 +32,7 @@ from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.buckets.faces import FaceSource, bucket_face_sources, holds_this_piece, to_face_layout
 from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
 from megatron_fsdp.engine.params.sharded_params import ShardedParam, sharded_dtensor
-from megatron_fsdp.optim.whole_tensors import WholeTensorSwap, needs_whole_tensors
+from megatron_fsdp.optim.whole_tensors import WholeTensorSwap, needs_whole_tensors, note_flat_pieces
 
 
 @dataclass(frozen=True)
@@ -40,10 +46,30 @@ class _Face:
     name: str
 
 
+class KindSwap(Protocol):
+    """What the swap does for one kind of optimizer, over the faces :class:`PieceSwap` knows."""
+
+    def swap_in(self, optimizer: torch.optim.Optimizer, strict: bool) -> list[list[torch.Tensor]]:
+        """Puts what the step steps in ``optimizer``; returns the faces per group (for swap_out).
+        Everything that can raise comes first: the optimizer is then left as it was."""
+
+    def swap_out(self, optimizer: torch.optim.Optimizer, faces_per_group: list[list[torch.Tensor]], raised: bool) -> None:
+        """Puts the faces and their DTensor state back; ``raised``: the step raised."""
+
+    def shown_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A state-dict post-hook: the state as users see it, every rank's piece of each entry."""
+
+    def face_layouts(self, state: dict[Any, dict[str, Any]], keys: list[Any], faces: list[torch.Tensor]) -> dict:
+        """Loaded ``state`` (keyed as the state dict keys the optimizer's ``faces``) as it is kept
+        between steps."""
+
+    def note_step_error(self, error: BaseException, optimizer: torch.optim.Optimizer) -> None:
+        """Adds to an error the optimizer's own step raised what this kind gave it to step."""
+
+
 class PieceSwap:
-    """Swaps an optimizer between the faces of ``buckets`` and the pieces under them (see the
-    module docstring). Either side's wrappers are reused while the other side still holds the
-    same tensors, so a swap costs a few dict look-ups per parameter.
+    """Swaps an optimizer between the faces of ``buckets`` and what its kind steps in their place
+    (see the module docstring).
 
     ``names``: what errors call each face (default: the bucket's parameter names). ``strict``:
     a parameter of the optimizer that is no face of these buckets raises; otherwise it stays in
@@ -51,19 +77,21 @@ class PieceSwap:
 
     def __init__(self, buckets: Iterable[Bucket], names: dict[nn.Parameter, str] | None = None, strict: bool = True) -> None:
         self.strict = strict
-        self._faces: dict[nn.Parameter, _Face] = {}
+        faces: dict[nn.Parameter, _Face] = {}
         for bucket in buckets:
             sources = bucket_face_sources(bucket)
             for index, (sharded, source) in enumerate(zip(bucket.faces, sources)):
                 # A frozen bucket has no main parameters: its face's own piece stands in.
                 piece = bucket.optim_params[index] if bucket.requires_grad else nn.Parameter(sharded.piece, requires_grad=False)
                 name = (names or {}).get(sharded.param, bucket.names[index])
-                self._faces[sharded.param] = _Face(sharded, piece, source, name)
-        self._face_of_piece = {face.piece: param for param, face in self._faces.items()}
-        # face -> state name -> (the DTensor shown, the plain tensor stepped): what a swap reuses.
-        self._pairs: dict[nn.Parameter, dict[str, tuple[DTensor, torch.Tensor]]] = {}
-        # Optimizers that need whole tensors step them instead of the pieces (whole_tensors.py).
-        self._whole = WholeTensorSwap({param: face.source for param, face in self._faces.items()})
+                faces[sharded.param] = _Face(sharded, piece, source, name)
+        self._faces = faces
+        self._elementwise = ElementwiseSwap(faces)
+        self._whole = WholeTensorSwap({param: face.source for param, face in faces.items()})
+
+    def kind_of(self, optimizer: torch.optim.Optimizer) -> KindSwap:
+        """The one place that asks what kind of optimizer ``optimizer`` is: the swap of its kind."""
+        return self._whole if needs_whole_tensors(optimizer) else self._elementwise
 
     def covers(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is one of the faces this swap steps as pieces."""
@@ -81,27 +109,82 @@ class PieceSwap:
         self.swap_out(optimizer, faces_per_group)
 
     def swap_in(self, optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
-        """Puts the pieces, their gradients and plain state in ``optimizer``; returns what
-        :meth:`swap_out` takes. Everything that can raise comes first: the optimizer is then left
-        as it was."""
-        if needs_whole_tensors(optimizer):
-            return self._whole.swap_in(optimizer, self.strict)
+        """Puts what ``optimizer``'s kind steps in it; returns what :meth:`swap_out` takes."""
+        return self.kind_of(optimizer).swap_in(optimizer, self.strict)
+
+    def swap_out(self, optimizer: torch.optim.Optimizer, faces_per_group: list[list[torch.Tensor]], raised: bool = False) -> None:
+        """Puts the faces and their DTensor state back. ``raised``: the step raised and what it
+        stepped stayed in."""
+        self.kind_of(optimizer).swap_out(optimizer, faces_per_group, raised)
+
+    def shown_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A state-dict post-hook: the state dict as the optimizer's kind shows it."""
+        return self.kind_of(optimizer).shown_state_dict(optimizer, state_dict)
+
+    def take_zero_step(self, optimizer: torch.optim.Optimizer, unwrapped_step: Any) -> None:
+        """One step of zero gradients at zero learning rate on the pieces, as torch's distributed
+        state-dict helpers take: it creates the optimizer's state and moves no weight."""
+        saved_lrs = []
+        for group in optimizer.param_groups:
+            saved_lrs.append(group.get("lr"))
+            if "lr" in group:
+                group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+        with self.pieces(optimizer):
+            saved_grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+            for piece, _ in saved_grads:
+                piece.grad = torch.zeros_like(piece)
+            unwrapped_step()
+            for piece, grad in saved_grads:
+                piece.grad = grad
+        for group, lr in zip(optimizer.param_groups, saved_lrs):
+            if lr is not None:
+                group["lr"] = lr
+
+    def to_face_layouts(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A state dict about to be loaded, its per-element entries laid out like the faces (torch
+        matches saved entries to parameters by position, keyed by index or by FQN)."""
+        faces = [face for group in optimizer.param_groups for face in group["params"]]
+        keys = [key for group in state_dict["param_groups"] for key in group["params"]]
+        if len(keys) != len(faces):
+            raise ValueError(
+                f"the optimizer state dict holds {len(keys)} parameters, this optimizer {len(faces)}: "
+                "load it into an optimizer built over the same parameters"
+            )
+        unexpected = [str(key) for key in state_dict["state"] if key not in set(keys)]
+        if unexpected:
+            raise RuntimeError(
+                f"the optimizer state dict does not fit this model; unexpected: {', '.join(unexpected)} (state for "
+                "parameters its param groups do not list)"
+            )
+        state = self.kind_of(optimizer).face_layouts(dict(state_dict["state"]), keys, faces)
+        return {**state_dict, "state": state}
+
+
+class ElementwiseSwap:
+    """The swap for an elementwise optimizer: the plain 1-D pieces under the faces, with plain
+    gradients and state over the same storage. Either side's wrappers are reused while the other
+    side still holds the same tensors, so a swap costs a few dict look-ups per parameter."""
+
+    def __init__(self, faces: dict[nn.Parameter, _Face]) -> None:
+        self._faces = faces
+        self._face_of_piece = {face.piece: param for param, face in faces.items()}
+        # face -> state name -> (the DTensor shown, the plain tensor stepped): what a swap reuses.
+        self._pairs: dict[nn.Parameter, dict[str, tuple[DTensor, torch.Tensor]]] = {}
+
+    def swap_in(self, optimizer: torch.optim.Optimizer, strict: bool) -> list[list[torch.Tensor]]:
+        """Puts the pieces, their gradients and plain state in ``optimizer``."""
         faces_per_group = [group["params"] for group in optimizer.param_groups]
         with plain_attribute_access():
-            pieces_per_group = [[self._piece_with_grad(param) for param in params] for params in faces_per_group]
+            pieces_per_group = [[self._piece_with_grad(param, strict) for param in params] for params in faces_per_group]
         plain_state = self._plain_state(optimizer.state)
         for group, pieces in zip(optimizer.param_groups, pieces_per_group):
             group["params"] = pieces
         optimizer.state = plain_state
         return faces_per_group
 
-    def swap_out(self, optimizer: torch.optim.Optimizer, faces_per_group: list[list[torch.Tensor]], raised: bool = False) -> None:
-        """Puts the faces and their DTensor state back. ``raised``: the step raised and the
-        pieces stayed in; anything that cleared their ``.grad`` since (``zero_grad()``) clears the
-        faces' too."""
-        if needs_whole_tensors(optimizer):
-            self._whole.swap_out(optimizer, faces_per_group, raised)
-            return
+    def swap_out(self, optimizer: torch.optim.Optimizer, faces_per_group: list[list[torch.Tensor]], raised: bool) -> None:
+        """Anything that cleared the pieces' ``.grad`` since a step that raised (``zero_grad()``)
+        clears the faces' too."""
         if raised:
             with plain_attribute_access():
                 for pieces, faces in zip((group["params"] for group in optimizer.param_groups), faces_per_group):
@@ -112,12 +195,28 @@ class PieceSwap:
         for group, faces in zip(optimizer.param_groups, faces_per_group):
             group["params"] = faces
 
-    def _piece_with_grad(self, param: torch.Tensor) -> torch.Tensor:
+    def shown_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict  # its state is the faces' DTensor state already
+
+    def note_step_error(self, error: BaseException, optimizer: torch.optim.Optimizer) -> None:
+        note_flat_pieces(error, optimizer)
+
+    def face_layouts(self, state: dict[Any, dict[str, Any]], keys: list[Any], faces: list[torch.Tensor]) -> dict:
+        for key, param in zip(keys, faces):
+            if key in state:
+                face = self._faces[param]
+                state[key] = {
+                    name: to_face_layout(value, face.source, f"{name!r} of {face.name!r}")
+                    for name, value in state[key].items()
+                }
+        return state
+
+    def _piece_with_grad(self, param: torch.Tensor, strict: bool) -> torch.Tensor:
         """The face's piece, its ``.grad`` the face's: the reduced gradient shown (the piece's
         view of it), one a user or a tool assigned, or None."""
         face = self._faces.get(param)
         if face is None:
-            if not self.strict:
+            if not strict:
                 return param
             raise ValueError(
                 "an optimizer param group holds a tensor that is not a parameter of the sharded model; add "
@@ -194,58 +293,3 @@ class PieceSwap:
             shown[param] = shown_entries
         self._pairs = pairs_now
         return shown
-
-    def shown_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A state-dict post-hook: a whole-tensor optimizer's owner-held state as every rank's
-        piece of it (whole_tensors.py); any other optimizer's state dict as it is."""
-        if needs_whole_tensors(optimizer):
-            return self._whole.shown_state_dict(optimizer, state_dict)
-        return state_dict
-
-    def take_zero_step(self, optimizer: torch.optim.Optimizer, unwrapped_step: Any) -> None:
-        """One step of zero gradients at zero learning rate on the pieces, as torch's distributed
-        state-dict helpers take: it creates the optimizer's state and moves no weight."""
-        saved_lrs = []
-        for group in optimizer.param_groups:
-            saved_lrs.append(group.get("lr"))
-            if "lr" in group:
-                group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
-        with self.pieces(optimizer):
-            saved_grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
-            for piece, _ in saved_grads:
-                piece.grad = torch.zeros_like(piece)
-            unwrapped_step()
-            for piece, grad in saved_grads:
-                piece.grad = grad
-        for group, lr in zip(optimizer.param_groups, saved_lrs):
-            if lr is not None:
-                group["lr"] = lr
-
-    def to_face_layouts(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A state dict about to be loaded, its per-element entries laid out like the faces (torch
-        matches saved entries to parameters by position, keyed by index or by FQN)."""
-        faces = [face for group in optimizer.param_groups for face in group["params"]]
-        keys = [key for group in state_dict["param_groups"] for key in group["params"]]
-        if len(keys) != len(faces):
-            raise ValueError(
-                f"the optimizer state dict holds {len(keys)} parameters, this optimizer {len(faces)}: "
-                "load it into an optimizer built over the same parameters"
-            )
-        unexpected = [str(key) for key in state_dict["state"] if key not in set(keys)]
-        if unexpected:
-            raise RuntimeError(
-                f"the optimizer state dict does not fit this model; unexpected: {', '.join(unexpected)} (state for "
-                "parameters its param groups do not list)"
-            )
-        state = dict(state_dict["state"])
-        if needs_whole_tensors(optimizer):
-            # Loaded as it is; the next step brings it to the tensors' owners (owner_state.py).
-            return {**state_dict, "state": state}
-        for key, param in zip(keys, faces):
-            if key in state:
-                face = self._faces[param]
-                state[key] = {
-                    name: to_face_layout(value, face.source, f"{name!r} of {face.name!r}")
-                    for name, value in state[key].items()
-                }
-        return {**state_dict, "state": state}

@@ -36,8 +36,10 @@ from megatron_fsdp.optim.owner_placement import Route, any_rank_failed, assign_o
 from megatron_fsdp.optim.owner_state import show_owner_state, state_to_owners
 
 Placement = Literal["owner", "replicated"]
-# Declared classes and how their tensors are placed; a subclass takes its nearest declared base's.
-_whole_tensor_classes: dict[type, Placement] = {torch.optim.Muon: "owner"} if hasattr(torch.optim, "Muon") else {}
+# A declaration lives on the class it declares, as this attribute (its placement); a subclass takes
+# its nearest declared base's. torch's Muon is declared without writing on torch's class.
+_DECLARATION = "_megatron_fsdp_whole_tensors"
+_DECLARED_BY_DEFAULT: dict[type, Placement] = {torch.optim.Muon: "owner"} if hasattr(torch.optim, "Muon") else {}
 
 OptimizerClass = TypeVar("OptimizerClass", bound=type)
 
@@ -56,20 +58,28 @@ def whole_tensor_optimizer(optimizer_class: OptimizerClass, placement: Placement
         raise TypeError(f"whole_tensor_optimizer takes a torch.optim.Optimizer subclass, not {optimizer_class!r}")
     if placement not in ("owner", "replicated"):
         raise ValueError(f"whole_tensor_optimizer's placement is 'owner' or 'replicated', not {placement!r}")
-    _whole_tensor_classes[optimizer_class] = placement
+    setattr(optimizer_class, _DECLARATION, placement)
     return optimizer_class
 
 
 def needs_whole_tensors(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer``'s class was declared to need whole tensors."""
-    return isinstance(optimizer, tuple(_whole_tensor_classes))
+    return _declared_placement(type(optimizer)) is not None
+
+
+def _declared_placement(optimizer_class: type) -> Placement | None:
+    for cls in optimizer_class.__mro__:
+        placement = vars(cls).get(_DECLARATION, _DECLARED_BY_DEFAULT.get(cls))
+        if placement is not None:
+            return placement
+    return None
 
 
 def _placement(optimizer: torch.optim.Optimizer) -> Placement:
-    for cls in type(optimizer).__mro__:
-        if cls in _whole_tensor_classes:
-            return _whole_tensor_classes[cls]
-    raise AssertionError(f"{type(optimizer).__name__} was not declared to need whole tensors")
+    placement = _declared_placement(type(optimizer))
+    if placement is None:
+        raise AssertionError(f"{type(optimizer).__name__} was not declared to need whole tensors")
+    return placement
 
 
 def note_flat_pieces(error: BaseException, optimizer: torch.optim.Optimizer) -> None:
@@ -266,6 +276,13 @@ class WholeTensorSwap:
         routes = self.routes(optimizer, [face for _, face in known])
         show_owner_state(state_dict["state"], known, routes, self._sources)
         return state_dict
+
+    def face_layouts(self, state: dict[Any, dict[str, Any]], keys: list[Any], faces: list[torch.Tensor]) -> dict:
+        """Loaded as it is; the next step brings it to the tensors' owners (owner_state.py)."""
+        return state
+
+    def note_step_error(self, error: BaseException, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing to add: the step saw whole tensors, as it asked."""
 
     def _known(self, param: torch.Tensor, strict: bool) -> bool:
         """Whether ``param`` is a face to gather; another tensor stays in the step as it is, or

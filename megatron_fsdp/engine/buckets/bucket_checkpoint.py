@@ -22,9 +22,9 @@ class BucketCheckpointing:
         weights) and the bucket offset of its first element."""
         if self.requires_grad:
             return self.main_params, self.main_start
-        if self.weight_shard is not None:
-            return self.weight_shard, self.shard_start
-        return self.full_weight, 0
+        if self.weights.shard is not None:
+            return self.weights.shard, self.shard_start
+        return self.weights.full, 0
 
     def checkpoint_pieces(self) -> list[tuple[torch.Tensor, int]]:
         """Per parameter: the flat piece of it this rank saves and loads (its part of the
@@ -90,7 +90,7 @@ class BucketCheckpointing:
     def sync_after_load(self) -> None:
         """After pieces were loaded in place: install the main params into the weights."""
         if self.requires_grad:
-            self.install_main_params()
+            self.weights.install()
 
     def gather_full(self, source: torch.Tensor) -> torch.Tensor:
         """A copy of the whole bucket of a per-rank tensor that is full, this rank's shard, or

@@ -1,5 +1,7 @@
 """The states a bucket moves through in a step, in one place, with the transitions the schedule
-(engine/step/schedule.py) makes:
+(engine/step/schedule.py) makes. Two independent machines, one for each of the bucket's two
+lives: :class:`WeightsState` for its weights (bucket_weights.py), :class:`GradsState` for its
+gradients (bucket_grads.py).
 
 - Weights (strategies that shard them): ``SHARDED`` -> ``gather`` (the pooled bucket is filled
   and the all-gather launched) -> ``GATHERED`` -> ``release`` (back to the pool) -> ``SHARDED``.
@@ -25,12 +27,35 @@ class WeightState(enum.Enum):
     GATHERED = "gathered"  # the pooled bucket holds the gathered weights, or a gather in flight
 
 
-class BucketState:
-    """One bucket's state; the bucket calls one method per transition, a wrong one raises."""
+class WeightsState:
+    """A bucket's weights; one method per transition, a wrong one raises."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name  # for errors: which bucket
+        self.current = WeightState.SHARDED
+
+    @property
+    def gathered(self) -> bool:
+        return self.current is WeightState.GATHERED
+
+    def gather(self) -> None:
+        if self.gathered:
+            # A second fill would leak the first gather's pool memory.
+            raise RuntimeError(f"bucket {self.name}: gathered again without a reshard in between")
+        self.current = WeightState.GATHERED
+
+    def release(self) -> bool:
+        """Back to SHARDED; False when it was already (nothing to give back)."""
+        was_gathered = self.gathered
+        self.current = WeightState.SHARDED
+        return was_gathered
+
+
+class GradsState:
+    """A bucket's gradients; one method per transition."""
 
     def __init__(self, name: str, num_params: int) -> None:
         self.name = name  # for errors: which bucket
-        self.weights = WeightState.SHARDED
         # This backward: which parameters delivered a gradient, and which of those still hold it
         # in their .grad (in arrival order), not yet taken into the un-reduced buffer.
         self._received = [False] * num_params
@@ -43,24 +68,6 @@ class BucketState:
         # how many times they changed (an optimizer's zero_grad counts what it cleared since).
         self.grads_shown = True
         self.grad_changes = 0
-
-    # -- weights ------------------------------------------------------------------------------
-
-    @property
-    def gathered(self) -> bool:
-        return self.weights is WeightState.GATHERED
-
-    def gather(self) -> None:
-        if self.gathered:
-            # A second fill would leak the first gather's pool memory.
-            raise RuntimeError(f"bucket {self.name}: gathered again without a reshard in between")
-        self.weights = WeightState.GATHERED
-
-    def release(self) -> bool:
-        """Back to SHARDED; False when it was already (nothing to give back)."""
-        was_gathered = self.gathered
-        self.weights = WeightState.SHARDED
-        return was_gathered
 
     # -- gradients of one backward ------------------------------------------------------------
 

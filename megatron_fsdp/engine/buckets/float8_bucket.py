@@ -19,124 +19,132 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp import _ops
+from megatron_fsdp.engine.buckets.bucket_weights import BucketWeights
 from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.buckets.float8_weights import float8_scales, float8_spec
 from megatron_fsdp.engine.config import ShardingStrategy
 from megatron_fsdp.engine.groups.collectives import HostWork, all_gather_shards, all_reduce_max
 
 
+class Float8Weights(BucketWeights):
+    """The float8 compute weights of a :class:`Float8Bucket`, with one scale per weight."""
+
+    def __init__(self, bucket: Float8Bucket) -> None:
+        super().__init__(bucket)
+        self.scales = torch.ones(len(bucket.params), dtype=torch.float32, device=bucket.device)
+        # Made before any forward reads them (a compiled block traces forward): sharded, at the
+        # first gather, as the pool lends memory to the same storage at every gather, so these
+        # views (and those autograd saved) stay valid.
+        self.float8_views = None if bucket.strategy.shards_weights else self._views_of_full()
+
+    def _allocate(self) -> None:
+        bucket = self.bucket
+        if bucket.strategy.shards_weights:
+            # No float8 shard is kept: each gather casts the main shard (gathers_from_main), as
+            # FSDP2 casts its fp32 shard, so float8 costs no memory beyond the gathers.
+            self.full = bucket.pool.placeholder(bucket.layout.padded_numel, bucket.float8_dtype, bucket.device)
+        else:
+            self.full = torch.zeros(bucket.layout.padded_numel, dtype=bucket.float8_dtype, device=bucket.device)
+
+    def release_full_params(self) -> None:
+        # One element of the parameters' dtype, expanded to each shape: what autograd checks a
+        # gradient against, without memory. Forward reads the float8 copy instead.
+        stand_in = torch.zeros((), dtype=self.bucket.dtype, device=self.bucket.device)
+        for local in self.bucket.locals:
+            local.data = stand_in.expand(local.shape)
+
+    def _views_of_full(self) -> list[torch.Tensor]:
+        return [
+            _view_with_own_version(self.full, slot.offset, shape)
+            for slot, shape in zip(self.bucket.layout.slots, self.bucket.shapes)
+        ]
+
+    def source(self, index: int):
+        """What forward reads of weight ``index``: its float8 view and its scale."""
+
+        def source() -> tuple[torch.Tensor, torch.Tensor]:
+            if self.bucket.strategy.shards_weights and not self.state.gathered:
+                raise RuntimeError(f"the float8 weight {self.bucket.names[index]} was read while its unit is sharded")
+            return self.float8_views[index], self.scales[index]
+
+        return source
+
+    # -- gather and release -------------------------------------------------------------------
+
+    def gather(self, async_op: bool) -> dist.Work | HostWork | None:
+        """Casts the main shard to float8 with the step's scales and launches the all-gather of
+        the float8 shards (as bytes: collectives.py)."""
+        bucket = self.bucket
+        self.state.gather()
+        bucket.pool.fill(self.full, bucket.pool_key("weights"))
+        if self.float8_views is None:
+            self.float8_views = self._views_of_full()
+        if bucket.dp.size == 1:
+            self._cast_main_params(self.full[bucket.main_start : bucket.main_end])
+            return None
+        shard = self._gather_input = bucket.pool.fetch(
+            bucket.layout.shard_numel, bucket.float8_dtype, bucket.device, bucket.pool_key("gather_input")
+        )
+        self._cast_main_params(shard)
+        return all_gather_shards(self.full, shard, bucket.dp.group, async_op=async_op)
+
+    def point_params_at_full(self) -> None:
+        """The parameters keep their stand-ins: forward reads the float8 views."""
+        self._release_gather_input()
+
+    def release(self) -> None:
+        if self.state.release():
+            self.bucket.pool.release(self.full)
+
+    # -- install ------------------------------------------------------------------------------
+
+    def stage(self) -> None:
+        return None
+
+    @torch.no_grad()
+    def install(self, staged: object = None) -> None:
+        """The float8 scales of the stepped main params: amax per weight over this rank's
+        pieces, the maximum over the shard group, torchao's scales. Sharded, each gather casts
+        with them; otherwise the cast into the full bucket is now, and strategies 1/2 then
+        gather the full float8 bucket."""
+        bucket = self.bucket
+        amax = _ops.segment_amax(bucket.main_params, self._main_bounds())
+        if bucket.strategy is not ShardingStrategy.NO_SHARD:
+            all_reduce_max(amax, bucket.dp.group)
+        self.scales.copy_(float8_scales(amax, bucket.float8_dtype, bucket.round_scales))
+        if bucket.strategy.shards_weights:
+            return
+        self._cast_main_params(self.full[bucket.main_start : bucket.main_end])
+        self._gather_full_from_own_shards()
+
+    def _main_bounds(self) -> list[int]:
+        return [end for pair in self.bucket.optim_ranges for end in pair]
+
+    @torch.no_grad()
+    def _cast_main_params(self, target: torch.Tensor) -> None:
+        """Each weight's piece of the main params, scaled and cast to float8, into ``target``
+        (laid out as the main params)."""
+        _ops.float8_cast_segments(self.bucket.main_params, self._main_bounds(), self.scales, target)
+
+
 class Float8Bucket(Bucket):
     float8_weights = True
+    weights_class = Float8Weights
 
     def __init__(self, names, params, dp, settings, pool, pool_role, **kwargs) -> None:
         specs = [float8_spec(p) for p in params]
         self.float8_dtype = specs[0].float8_dtype
         self.round_scales = specs[0].round_scales_to_power_of_2
         super().__init__(names, params, dp, settings, pool, pool_role, **kwargs)
-        self.float8_scales = torch.ones(len(params), dtype=torch.float32, device=self.device)
-        # Made before any forward reads them (a compiled block traces forward): sharded, at the
-        # first gather, as the pool lends memory to the same storage at every gather, so these
-        # views (and those autograd saved) stay valid.
-        self.float8_views = None if self.strategy.shards_weights else self._views_of_full_weight()
         for index, spec in enumerate(specs):
-            spec.source = self._float8_source(index)
-        self.install_main_params()
-
-    # -- construction -------------------------------------------------------------------------
-
-    def _init_weights(self) -> None:
-        if self.strategy.shards_weights:
-            # No float8 shard is kept: each gather casts the main shard (gathers_from_main), as
-            # FSDP2 casts its fp32 shard, so float8 costs no memory beyond the gathers.
-            self.full_weight = self.pool.placeholder(self.layout.padded_numel, self.float8_dtype, self.device)
-        else:
-            self.full_weight = torch.zeros(self.layout.padded_numel, dtype=self.float8_dtype, device=self.device)
+            spec.source = self.weights.source(index)
+        self.weights.install()
 
     def _initial_main_params(self) -> torch.Tensor:
-        return self._local_pieces(self.main_start, self.main_end, self.dtypes.main_params)
+        return self.local_pieces(self.main_start, self.main_end, self.dtypes.main_params)
 
-    def _release_full_params(self) -> None:
-        # One element of the parameters' dtype, expanded to each shape: what autograd checks a
-        # gradient against, without memory. Forward reads the float8 copy instead.
-        stand_in = torch.zeros((), dtype=self.dtype, device=self.device)
-        for local in self.locals:
-            local.data = stand_in.expand(local.shape)
-
-    def _views_of_full_weight(self) -> list[torch.Tensor]:
-        return [
-            _view_with_own_version(self.full_weight, slot.offset, shape)
-            for slot, shape in zip(self.layout.slots, self.shapes)
-        ]
-
-    def _float8_source(self, index: int):
-        def source() -> tuple[torch.Tensor, torch.Tensor]:
-            if self.strategy.shards_weights and not self.state.gathered:
-                raise RuntimeError(f"the float8 weight {self.names[index]} was read while its unit is sharded")
-            return self.float8_views[index], self.float8_scales[index]
-
-        return source
-
-    # -- weights ------------------------------------------------------------------------------
-
-    def start_unshard(self, async_op: bool) -> dist.Work | HostWork | None:
-        """Casts the main shard to float8 with the step's scales and launches the all-gather of
-        the float8 shards (as bytes: collectives.py)."""
-        self.state.gather()
-        self.pool.fill(self.full_weight, self._pool_key("weights"))
-        if self.float8_views is None:
-            self.float8_views = self._views_of_full_weight()
-        if self.dp.size == 1:
-            self._cast_main_params(self.full_weight[self.main_start : self.main_end])
-            return None
-        shard = self._gather_input = self.pool.fetch(
-            self.layout.shard_numel, self.float8_dtype, self.device, self._pool_key("gather_input")
-        )
-        self._cast_main_params(shard)
-        return all_gather_shards(self.full_weight, shard, self.dp.group, async_op=async_op)
-
-    def point_params_at_full_weight(self) -> None:
-        """The parameters keep their stand-ins: forward reads the float8 views."""
-        if self._gather_input is not None:
-            self.pool.release(self._gather_input)
-            self._gather_input = None
-
-    def reshard(self) -> None:
-        if self.state.release():
-            self.pool.release(self.full_weight)
-
-    def _pool_key(self, purpose: str) -> str:
+    def pool_key(self, purpose: str) -> str:
         return f"{purpose}/{self.pool_role}:float8"
-
-    # -- optimizer ----------------------------------------------------------------------------
-
-    def stage_main_params(self) -> None:
-        return None
-
-    @torch.no_grad()
-    def install_main_params(self, staged: object = None) -> None:
-        """The float8 scales of the stepped main params: amax per weight over this rank's
-        pieces, the maximum over the shard group, torchao's scales. Sharded, each gather casts
-        with them; otherwise the cast into the full bucket is now, and strategies 1/2 then
-        gather the full float8 bucket."""
-        amax = _ops.segment_amax(self.main_params, self._main_bounds())
-        if self.strategy is not ShardingStrategy.NO_SHARD:
-            all_reduce_max(amax, self.dp.group)
-        self.float8_scales.copy_(float8_scales(amax, self.float8_dtype, self.round_scales))
-        if self.strategy.shards_weights:
-            return
-        self._cast_main_params(self.full_weight[self.main_start : self.main_end])
-        if self.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
-            own_shard = self.full_weight[self.shard_start : self.shard_end].clone()
-            all_gather_shards(self.full_weight, own_shard, self.dp.group)
-
-    def _main_bounds(self) -> list[int]:
-        return [end for pair in self.optim_ranges for end in pair]
-
-    @torch.no_grad()
-    def _cast_main_params(self, target: torch.Tensor) -> None:
-        """Each weight's piece of the main params, scaled and cast to float8, into ``target``
-        (laid out as the main params)."""
-        _ops.float8_cast_segments(self.main_params, self._main_bounds(), self.float8_scales, target)
 
 
 def _view_with_own_version(base: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:

@@ -5,7 +5,11 @@ the collective's kernel and the training thread blocks at its next synchronisati
 process group's timeout makes torch's watchdog tear the process down with a dump. The watch thread
 here polls the collectives the engine waited for; past the deadline it logs our error, aborts this
 process's NCCL communicators (so the kernel returns), and the training thread raises the error at
-its next collective or wait (:meth:`CollectiveWatch.raise_if_failed`).
+its next collective or wait (:meth:`ProcessCollectiveWatch.raise_if_failed`).
+
+The watch is process-wide (one heartbeat per process, over the default group's store), whatever
+the number of models sharded in it: collectives.py holds the one instance and is its one owner,
+which starts it when a collective first needs it and stops it at the interpreter's exit.
 
 Heartbeats name the missing ranks, on either backend: while a timeout is set, every rank writes a
 beat counter and the collective it waits for to the default store every ``HEARTBEAT_SECONDS``. A
@@ -16,7 +20,6 @@ collective, or none, is not taking part in this one.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
@@ -41,7 +44,7 @@ class _Watched:
     deadline: float
 
 
-class CollectiveWatch:
+class ProcessCollectiveWatch:
     """The process's heartbeat and CUDA collective deadlines, on one daemon thread."""
 
     def __init__(self) -> None:
@@ -76,8 +79,7 @@ class CollectiveWatch:
 
     def watch(self, work: dist.Work, timeout: float, what: str, group: dist.ProcessGroup) -> None:
         """Holds ``work`` (a CUDA collective the training thread ordered its stream after) to
-        ``timeout`` seconds from now."""
-        self.start()
+        ``timeout`` seconds from now; the watch must be started."""
         with self._lock:
             self._watched.append(_Watched(work, what, group, timeout, time.monotonic() + timeout))
 
@@ -173,7 +175,3 @@ def _read_beat(store: dist.Store, rank: int) -> tuple[int, str] | None:
     count, _, waiting = store.get(key).decode().partition("\n")
     return int(count), waiting
 
-
-#: The process's one watch.
-WATCH = CollectiveWatch()
-atexit.register(WATCH.stop)

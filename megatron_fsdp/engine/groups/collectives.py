@@ -18,6 +18,7 @@ script that ends right after a step (HFSDP's last all-gather) failed one run in 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -26,10 +27,15 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from megatron_fsdp.engine.groups.collective_watch import WATCH
+from megatron_fsdp.engine.groups.collective_watch import ProcessCollectiveWatch
 from megatron_fsdp.engine.groups.process_exit import settle_gloo_at_exit
 
 logger = logging.getLogger(__name__)
+
+# The process's one collective watch (collective_watch.py), owned here: started by the first wait
+# with a timeout (again after a new process group), stopped while the interpreter is whole.
+PROCESS_COLLECTIVE_WATCH = ProcessCollectiveWatch()
+atexit.register(PROCESS_COLLECTIVE_WATCH.stop)
 
 # gloo's worker lets go of a finished work within microseconds; this only bounds a broken one.
 _RELEASE_TIMEOUT_S = 10.0
@@ -146,7 +152,7 @@ def _runs_locally(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group`` is one rank (the collective is a local copy). First raises the watch's
     error once a collective timed out: a new one on the aborted communicators would raise torch's
     error in place of the one that names the late collective."""
-    WATCH.raise_if_failed()
+    PROCESS_COLLECTIVE_WATCH.raise_if_failed()
     return dist.get_world_size(group) == 1
 
 
@@ -173,30 +179,31 @@ def wait_for(
     On CPU (gloo) this thread waits, for at most ``timeout``. On CUDA (NCCL) a wait only orders
     the current stream after the collective; with a timeout the watch thread holds the collective
     to it and, past it, aborts the communicators, and the error is raised here at a later wait."""
-    WATCH.raise_if_failed()
+    PROCESS_COLLECTIVE_WATCH.raise_if_failed()
     if work is None:
         return
     if device.type == "cuda":
         work.wait()
         if timeout is not None:
-            WATCH.watch(work, timeout, what, group)
+            PROCESS_COLLECTIVE_WATCH.start()
+            PROCESS_COLLECTIVE_WATCH.watch(work, timeout, what, group)
         return
     if timeout is not None:
-        WATCH.start()
-        WATCH.blocking_wait(what)
+        PROCESS_COLLECTIVE_WATCH.start()
+        PROCESS_COLLECTIVE_WATCH.blocking_wait(what)
     try:
         if timeout is not None and not _finishes_within(work, timeout):
             raise RuntimeError(f"no result within collective_timeout={timeout:g} s")
         work.wait()
     except RuntimeError as error:
-        missing = f"; {WATCH.missing_ranks(group, what)}" if timeout is not None else ""
+        missing = f"; {PROCESS_COLLECTIVE_WATCH.missing_ranks(group, what)}" if timeout is not None else ""
         raise RuntimeError(
             f"{what} did not complete: {error}{missing}. A rank is not taking part in this collective: "
             "every rank must run the same forwards and backwards with the same model and configuration; "
             "a rank may also have died. Restart the job from its last checkpoint"
         ) from error
     finally:
-        WATCH.blocking_wait(None)
+        PROCESS_COLLECTIVE_WATCH.blocking_wait(None)
 
 
 def _finishes_within(work: dist.Work | HostWork, timeout: float) -> bool:

@@ -351,8 +351,9 @@ def _compute_itemsize(geometry: BucketGeometry) -> int:
 
 
 def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptions, kernel_step: bool) -> None:
-    """The bucket's persistent tensors on this rank, as buffer.py allocates them; ``kernel_step``:
-    the C++ ops step the optimizer, reading low-precision main gradients as they are."""
+    """The bucket's persistent tensors on this rank, as buffer.py and bucket_weights.py allocate
+    them; ``kernel_step``: the C++ ops step the optimizer, reading low-precision main gradients as
+    they are."""
     dtypes = geometry.dtypes
     compute = _compute_itemsize(geometry)
     main, grads = dtypes.main_params.itemsize, dtypes.main_grads.itemsize
@@ -450,8 +451,8 @@ def _peak_of_reductions(starting: list[int], in_flight: list[int], pending: int)
 
 @dataclass(frozen=True)
 class _ReductionBytes:
-    """One bucket's pooled gradient buffers over its reduction (buffer.py's _grad_buffer and
-    start_reduction): ``unreduced``, the gradients before it (in the communication dtype under
+    """One bucket's pooled gradient buffers over its reduction (bucket_grads.py's _grad_buffer
+    and start_reduction): ``unreduced``, the gradients before it (in the communication dtype under
     strategies 2/3, which reduce every micro-batch, in the main-gradient dtype under 0/1, which
     may accumulate them); ``starting``, the peak while it starts (a cast copy in the
     communication dtype beside them, then the copy and what receives the result);

@@ -21,7 +21,8 @@ import torch
 from torch.autograd import Variable
 
 from megatron_fsdp import _ops
-from megatron_fsdp.engine.buckets.buffer import Bucket, PendingReduction
+from megatron_fsdp.engine.buckets.grad_reduction import PendingReduction
+from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.config import FSDPSettings
 from megatron_fsdp.engine.groups.collectives import all_gather_shards, all_reduce_max
 from megatron_fsdp.engine.groups.mesh import DataParallelGroup
@@ -113,10 +114,10 @@ class StepScheduler:
         releases them."""
         while self._pending:
             pending = self._pending.popleft()
-            pending.bucket.finish_reduction(pending)
+            pending.bucket.grads.finish_reduction(pending)
         for unit in self.units:
             for bucket in unit.trainable_buckets:
-                bucket.drop_unreduced_grads()
+                bucket.grads.drop_unreduced()
             unit.reshard()
             unit.end_backward()
         self._forward_calls = []
@@ -147,7 +148,7 @@ class StepScheduler:
             root.unshard()
 
     def on_grad(self, unit: FSDPUnit, bucket: Bucket, index: int) -> None:
-        if not bucket.note_grad(index):
+        if not bucket.grads.note_grad(index):
             return
         if unit.is_root and unit.reshard_after_backward and self.settings.strategy.shards_weights:
             # The root unit stays gathered from forward into backward. A bucket of it (one
@@ -156,8 +157,8 @@ class StepScheduler:
             # their memory (at the end of backward, where memory peaks, for the embedding's).
             # Not when the unit is to stay gathered after backward (FSDP2's
             # set_reshard_after_backward(False)): the next forward reads these weights.
-            bucket.reshard()
-        bucket.take_grads()
+            bucket.weights.release()
+        bucket.grads.take()
         if not (unit.requires_gradient_sync and self._reduces_now()):
             return
         self._start_reduction(bucket)
@@ -176,7 +177,7 @@ class StepScheduler:
 
     def _start_reduction(self, bucket: Bucket) -> None:
         overlap = self.settings.overlap_grad_reduce
-        self._pending.append(bucket.start_reduction(async_op=overlap))
+        self._pending.append(bucket.grads.start_reduction(async_op=overlap))
         # A synchronous reduction is already done: finishing it now gives its buffers back.
         in_flight = self.settings.max_reductions_in_flight if overlap else 0
         while len(self._pending) > in_flight:
@@ -184,11 +185,11 @@ class StepScheduler:
 
     def _finish_oldest(self) -> None:
         pending = self._pending.popleft()
-        pending.bucket.finish_reduction(pending)
+        pending.bucket.grads.finish_reduction(pending)
         if self.state is StepState.BACKWARD:
             # An offloaded bucket's reduced gradients go to the host now, overlapping the rest of
             # backward; the host adds later micro-batches' to them (what the memory plan counts).
-            pending.bucket.offload_grads()
+            pending.bucket.grads.offload()
 
     def _end_backward(self) -> None:
         reduces = self._reduces_now()
@@ -196,8 +197,8 @@ class StepScheduler:
             for bucket in unit.trainable_buckets:
                 # A bucket some of whose parameters got no gradient (those contribute zeros), or
                 # one whose parameter got another after the bucket was complete.
-                bucket.take_grads()
-                if bucket.unreduced_grad is not None and reduces and unit.requires_gradient_sync:
+                bucket.grads.take()
+                if bucket.grads.unreduced_grad is not None and reduces and unit.requires_gradient_sync:
                     self._start_reduction(bucket)
             if unit.reshard_after_backward:
                 unit.reshard()
@@ -216,11 +217,11 @@ class StepScheduler:
         buckets = [b for unit in self.units for b in unit.trainable_buckets]
         if not buckets:
             return
-        local = torch.cat([b.nonfinite_flags for b in buckets]).to(torch.uint8)
+        local = torch.cat([b.grads.nonfinite_flags for b in buckets]).to(torch.uint8)
         gathered = torch.empty(self.dp.size * local.numel(), dtype=torch.uint8, device=local.device)
         all_gather_shards(gathered, local, self.dp.group)
         for bucket in buckets:
-            bucket.nonfinite_flags.zero_()
+            bucket.grads.nonfinite_flags.zero_()
         flags = gathered.view(self.dp.size, -1).cpu()
         if not flags.any():
             return
@@ -258,7 +259,7 @@ class StepScheduler:
         # A unit with gradient sync off (FSDP2's set_requires_gradient_sync) keeps accumulating.
         for unit in (u for u in units if u.requires_gradient_sync):
             for bucket in unit.trainable_buckets:
-                if bucket.unreduced_grad is not None:
+                if bucket.grads.unreduced_grad is not None:
                     self._start_reduction(bucket)
 
     def finish_pending_reductions(self) -> None:
@@ -274,13 +275,13 @@ class StepScheduler:
         self.finish_pending_reductions()
         for unit in self.units:
             for bucket in unit.trainable_buckets:
-                bucket.sync_outer()
+                bucket.grads.sync_outer()
 
     def show_grads(self) -> None:
         """Points the optimizer's pieces and every face's ``.grad`` at the reduced gradients."""
         for unit in self.units:
             for bucket in unit.trainable_buckets:
-                bucket.show_grads()
+                bucket.grads.show()
 
     def start_param_prefetch(self) -> None:
         """Launches the all-gather of the unit that ran forward first last step (strategy 3,
@@ -300,7 +301,7 @@ class StepScheduler:
         """Raises on every rank when any rank's reduced gradient shard holds NaN/Inf."""
         buckets = [b for unit in self.units for b in unit.trainable_buckets]
         # Offloaded, the gradients are on the host by now (shown by the sync before the step).
-        sources = (b.optimizer_grads if b.host is not None else b.optimizer_grad_source() for b in buckets)
+        sources = (b.grads.optimizer_grads if b.host is not None else b.grads.optimizer_source() for b in buckets)
         # Buckets without gradients are the same on every rank (nothing reduced since zero_grad).
         grads = [g for g in sources if g is not None]
         if not grads:

@@ -238,7 +238,7 @@ class FSDPUnit:
         """Launches the all-gathers (asynchronous: on CUDA they overlap with compute)."""
         if self.state is not UnitState.SHARDED:
             return
-        self._gathers = [bucket.start_unshard(async_op=True) for bucket in self.buckets]
+        self._gathers = [bucket.weights.gather(async_op=True) for bucket in self.buckets]
         self.state = UnitState.UNSHARDING
 
     def unshard(self) -> None:
@@ -251,7 +251,7 @@ class FSDPUnit:
                 what = (f"unit {self.name!r}: the all-gather of its weights (bucket {index}: {bucket.dtype}, "
                         f"{bucket.names[0]} .. {bucket.names[-1]})")
                 wait_for(work, self.settings.collective_timeout, what, bucket.dp.group, bucket.device)
-            bucket.point_params_at_full_weight()
+            bucket.weights.point_params_at_full()
         self._gathers = []
         self.state = UnitState.UNSHARDED
         if self.registration is not None:
@@ -262,7 +262,7 @@ class FSDPUnit:
             return
         self.unshard()  # a prefetch still in flight must land before its memory goes back
         for bucket in self.buckets:
-            bucket.reshard()
+            bucket.weights.release()
         self.state = UnitState.SHARDED
         if self.registration is not None:
             self.registration.show_sharded()
@@ -275,4 +275,4 @@ class FSDPUnit:
     def end_backward(self) -> None:
         self._reduced_buckets.clear()
         for bucket in self.trainable_buckets:
-            bucket.end_backward()
+            bucket.grads.end_backward()

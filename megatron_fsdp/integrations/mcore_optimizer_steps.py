@@ -5,7 +5,7 @@ op: on CPU, AdamW over a 2-layer GPT's 28 parameters took 1.4 ms on plain tensor
 the faces. While ``install_piece_steps()`` is in effect (``install()`` puts it), each optimizer
 step over a ``MegatronFSDP``'s faces runs on the plain pieces under them, and the faces come back
 after it: the same swap as ``fully_shard_optimizer``'s step and ``megatron_fsdp.fsdp2``'s plain
-optimizers, through the same global step hooks (``megatron_fsdp/optim/piece_steps.py``).
+optimizers, through the same global step hooks (``megatron_fsdp/optim/global_step_hooks.py``).
 
 ``fully_shard_optimizer``'s own steps are left alone: they already step the pieces. megatron-core
 syncs the gradients and installs the stepped weights itself, so nothing follows the step here.
@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.megatron_fsdp import MegatronFSDP
-from megatron_fsdp.optim.piece_steps import step_faces_as_pieces
+from megatron_fsdp.optim.global_step_hooks import step_faces_as_pieces
 
 
 class _WrapperFaces:
@@ -37,8 +37,9 @@ class _WrapperFaces:
         """megatron-core installs the weights itself (``install_optimized_model_weights``)."""
 
 
-# One per model, living as long as it (the hooks hold owners weakly).
-_owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The attribute of a model that holds its owner: one per model, living as long as it (the hooks
+# hold owners weakly).
+_ATTRIBUTE = "_megatron_fsdp_piece_owner"
 
 
 def install_piece_steps() -> tuple[RemovableHandle]:
@@ -51,7 +52,8 @@ def _wrapper_faces(param: torch.Tensor) -> _WrapperFaces | None:
     model = getattr(param, "_megatron_fsdp_model", None)
     if not isinstance(model, MegatronFSDP):
         return None
-    owner = _owners.get(model)
+    owner = vars(model).get(_ATTRIBUTE)
     if owner is None:
-        owner = _owners[model] = _WrapperFaces(model)
+        owner = _WrapperFaces(model)
+        setattr(model, _ATTRIBUTE, owner)
     return owner

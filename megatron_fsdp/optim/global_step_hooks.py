@@ -65,15 +65,33 @@ class _OptimizerSwap:
     swap: PieceSwap | None
 
 
-# handle id -> resolver (an OrderedDict: a RemovableHandle refers to it weakly)
+@dataclass
+class _PieceSteps:
+    """What the hooks keep of one optimizer, held by the optimizer (gone with it): its swap, the
+    faces per group while the pieces are in it, and whether its state dict hooks are in place."""
+
+    entry: _OptimizerSwap | None = None
+    faces_in_step: list | None = None
+    hooks_added: bool = False
+
+
+# The optimizer attribute that holds its _PieceSteps.
+_ATTRIBUTE = "_megatron_fsdp_piece_steps"
+
+# Process-wide, as torch's global step hooks and sys.excepthook are: the front doors' resolvers
+# (handle id -> resolver; an OrderedDict: a RemovableHandle refers to it weakly), the hooks, and
+# the optimizers holding pieces after a step that raised, for the exception's end of the program.
 _resolvers: OrderedDict[int, OwnerResolver] = OrderedDict()
 _hooks: list[RemovableHandle] = []
-# optimizer -> its swap
-_swaps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# optimizer -> (its swap, the faces per group) while the pieces are in it
-_in_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# optimizers whose state_dict()/load_state_dict() end an unfinished step
-_watched: weakref.WeakSet = weakref.WeakSet()
+_optimizers_mid_step: weakref.WeakSet = weakref.WeakSet()
+
+
+def _piece_steps(optimizer: torch.optim.Optimizer) -> _PieceSteps:
+    steps = vars(optimizer).get(_ATTRIBUTE)
+    if steps is None:
+        steps = _PieceSteps()
+        setattr(optimizer, _ATTRIBUTE, steps)
+    return steps
 
 
 def step_faces_as_pieces(resolver: OwnerResolver) -> RemovableHandle:
@@ -93,7 +111,7 @@ def _ending_unfinished_steps(previous: Callable[..., Any]) -> Callable[..., Any]
     """``previous`` (an uncaught exception's hook), after ending the steps the exception left."""
 
     def excepthook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
-        if _in_step:
+        if _optimizers_mid_step:
             try:
                 end_unfinished_steps()
             except Exception as failure:  # the error that ends the program is the one to show
@@ -105,7 +123,7 @@ def _ending_unfinished_steps(previous: Callable[..., Any]) -> Callable[..., Any]
 
 def end_unfinished_steps() -> None:
     """Puts the faces back in every optimizer whose step raised with the pieces in it."""
-    for optimizer in list(_in_step.keys()):
+    for optimizer in list(_optimizers_mid_step):
         _end_step(optimizer, raised=True)
 
 
@@ -115,7 +133,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         return
     entry = _swap_for(optimizer)
     if entry.swap is not None:
-        _in_step[optimizer] = (entry, entry.swap.swap_in(optimizer))
+        _piece_steps(optimizer).faces_in_step = entry.swap.swap_in(optimizer)
+        _optimizers_mid_step.add(optimizer)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -123,10 +142,12 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
 
 
 def _end_step(optimizer: torch.optim.Optimizer, raised: bool) -> None:
-    held = _in_step.pop(optimizer, None)
-    if held is None:
+    steps = vars(optimizer).get(_ATTRIBUTE)
+    if steps is None or steps.faces_in_step is None:
         return
-    entry, faces_per_group = held
+    entry, faces_per_group = steps.entry, steps.faces_in_step
+    steps.faces_in_step = None
+    _optimizers_mid_step.discard(optimizer)
     entry.swap.swap_out(optimizer, faces_per_group, raised=raised)
     for owner_ref in entry.owners:
         owner = owner_ref()
@@ -139,7 +160,8 @@ def _swap_for(optimizer: torch.optim.Optimizer) -> _OptimizerSwap:
     resolver came or went."""
     params = [param for group in optimizer.param_groups for param in group["params"]]
     resolvers = tuple(_resolvers)
-    entry = _swaps.get(optimizer)
+    steps = _piece_steps(optimizer)
+    entry = steps.entry
     if (
         entry is not None
         and entry.resolvers == resolvers
@@ -159,9 +181,9 @@ def _swap_for(optimizer: torch.optim.Optimizer) -> _OptimizerSwap:
         swap = PieceSwap([bucket for owner in owners.values() for bucket in owner.piece_buckets()], strict=False)
         if not any(swap.covers(param) for param in params):
             swap = None
-    entry = _swaps[optimizer] = _OptimizerSwap(resolvers, params, [weakref.ref(owner) for owner in owners.values()], swap)
-    if swap is not None and optimizer not in _watched:
-        _watched.add(optimizer)
+    entry = steps.entry = _OptimizerSwap(resolvers, params, [weakref.ref(owner) for owner in owners.values()], swap)
+    if swap is not None and not steps.hooks_added:
+        steps.hooks_added = True
         optimizer.register_state_dict_pre_hook(_end_raised_step, prepend=True)
         optimizer.register_state_dict_post_hook(_shown_state_dict)
         optimizer.register_load_state_dict_pre_hook(_end_raised_step_before_load, prepend=True)
@@ -173,7 +195,7 @@ def _end_raised_step(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _shown_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    entry = _swaps.get(optimizer)
+    entry = _piece_steps(optimizer).entry
     return state_dict if entry is None or entry.swap is None else entry.swap.shown_state_dict(optimizer, state_dict)
 
 
