@@ -16,9 +16,12 @@ path with megatron_fsdp's modules (the same module objects, not copies):
   names (faces over its own modules);
 - any other submodule of the bundled copy -> ``ModuleNotFoundError`` naming it.
 
-It also lets megatron-core's adapter module load as it is, then points its mesh helpers at
+It also lets two of megatron-core's modules load as they are, then points a few names in them
+at megatron_fsdp's: the adapter's mesh helpers at
 :mod:`megatron_fsdp.integrations.mcore_adapter_meshes`, which read the meshes from the process
-groups (the adapter's own assume no pipeline parallelism).
+groups (the adapter's own assume no pipeline parallelism), and the fsdp_dtensor checkpoint
+helpers' SwiGLU splitter at :mod:`megatron_fsdp.integrations.mcore_gated_fc1` (megatron-core's
+own fails at the first save of a ``--swiglu`` model).
 
 The hook is process-wide: a process runs megatron-core either on megatron_fsdp or on its bundled
 copy, not both. docs/megatron_lm.md says what differs and what is refused.
@@ -32,14 +35,18 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
+from collections.abc import Callable
 
 from megatron_fsdp.integrations.mcore_adapter_meshes import use_group_meshes
+from megatron_fsdp.integrations.mcore_gated_fc1 import CHECKPOINT_MODULE, use_our_gated_split
 from megatron_fsdp.integrations.piece_steps import install_piece_steps
 
 #: Where megatron-core imports its bundled megatron-fsdp from.
 UPSTREAM_PACKAGE = "megatron.core.distributed.fsdp.src.megatron_fsdp"
 #: megatron-core's adapter, which binds the bundled names when it is imported.
 ADAPTER_MODULE = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
+#: megatron-core's modules loaded as they are, then given megatron_fsdp's versions of some names.
+PATCHED_MODULES = {ADAPTER_MODULE: use_group_meshes, CHECKPOINT_MODULE: use_our_gated_split}
 #: Upstream's module name -> the megatron_fsdp module that answers it.
 MODULES = {
     UPSTREAM_PACKAGE: "megatron_fsdp.integrations.mcore_package",
@@ -53,8 +60,8 @@ class _MegatronFSDPAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Answers imports of the bundled package and its submodules with megatron_fsdp's modules."""
 
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname == ADAPTER_MODULE:
-            return _adapter_spec(fullname, path)
+        if fullname in PATCHED_MODULES:
+            return _patched_spec(fullname, path)
         if fullname != UPSTREAM_PACKAGE and not fullname.startswith(UPSTREAM_PACKAGE + "."):
             return None
         if fullname not in MODULES:
@@ -76,24 +83,25 @@ class _MegatronFSDPAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         """Nothing to run: create_module returned an imported module."""
 
 
-class _AdapterLoader(importlib.abc.Loader):
-    """Loads megatron-core's adapter with its own loader, then gives it the group-read meshes."""
+class _PatchingLoader(importlib.abc.Loader):
+    """Loads one of megatron-core's modules with its own loader, then puts megatron_fsdp's
+    versions of some of its names in it."""
 
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self.loader = loader
+    def __init__(self, loader: importlib.abc.Loader, patch: Callable[[types.ModuleType], None]) -> None:
+        self.loader, self.patch = loader, patch
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
         self.loader.exec_module(module)
-        use_group_meshes(module)
+        self.patch(module)
 
 
-def _adapter_spec(fullname: str, path: object) -> importlib.machinery.ModuleSpec | None:
+def _patched_spec(fullname: str, path: object) -> importlib.machinery.ModuleSpec | None:
     spec = importlib.machinery.PathFinder.find_spec(fullname, path)
     if spec is not None and spec.loader is not None:
-        spec.loader = _AdapterLoader(spec.loader)
+        spec.loader = _PatchingLoader(spec.loader, PATCHED_MODULES[fullname])
     return spec
 
 
