@@ -1,9 +1,12 @@
 """megatron-core's expert parallelism on megatron_fsdp, without megatron-core: each rank holds
 its ``EXPERTS / ep`` local experts as plain modules ``mlp.experts.local_experts.<i>`` marked
 ``allreduce = False`` (megatron-core's SequentialMLP), wrapped by :class:`MegatronCoreFSDP` with
-megatron-core's dense and expert meshes, and checkpointed as Megatron-LM writes fsdp_dtensor: its
-local experts renamed to their global index (``handle_experts_in_state_dict``). Training against
-one process holding every expert; the checkpoint resumed at the same sizes and resharded.
+megatron-core's dense and expert meshes, and checkpointed as Megatron-LM writes fsdp_dtensor with
+``--swiglu``: each gated ``linear_fc1`` split into its gate and up halves (``_w``, ``_v``: the
+splitter ``install()`` puts in megatron-core), its local experts renamed to their global index
+(``handle_experts_in_state_dict``). Training against one process holding every expert; the
+checkpoint resumed at the same sizes and resharded. Six experts, so that at EP2 a rank's three
+share a bucket whose halves start inside a row of a gated fc1.
 
 With expert tensor parallelism (``--expert-tensor-parallel-size``) each expert's ``linear_fc1``
 is column-parallel and its ``linear_fc2`` row-parallel over the expert mesh's ``tp`` dim, as

@@ -5,8 +5,9 @@ layer split by rows (a SwiGLU layer, split strided as --swiglu splits it: ``part
 2), its second by columns, norms and biases after a reduction duplicated),
 wrapped by :class:`MegatronCoreFSDP` over megatron-core's mesh ``(outer_fsdp_dp, dp_cp, tp)`` and
 driven as megatron-core drives it (``finish_grad_sync``, its clip on local gradients with
-tensor-parallel duplicates left out, the fsdp_dtensor checkpoint through DCP). Four layouts at
-world 4: TP2 x DP2; the same with sequence parallelism (norms, position embedding and
+tensor-parallel duplicates left out, the fsdp_dtensor checkpoint through DCP, its gated fc1 split
+into Megatron-LM's ``_w``/``_v`` halves as with ``--swiglu``). Five layouts at world 4: TP2 x DP2;
+the same under ZeRO-1 (``optim``); the same with sequence parallelism (norms, position embedding and
 row-parallel bias on each rank's slice of the sequence, their partial gradients summed over the
 tensor-parallel group by megatron-core's ``finalize_model_grads`` through the faces' local
 gradients); TP2 under HFSDP (two distributed-optimizer instances, the outer sharding strategy
@@ -205,6 +206,7 @@ class Layout(NamedTuple):
     tp: int
     sequence_parallel: bool = False
     hfsdp: bool = False
+    strategy: str = "optim_grads_params"
 
 
 class _Adapter(nn.Module):
@@ -224,7 +226,7 @@ class _Adapter(nn.Module):
         outer = dict(dp_outer_dim="outer_fsdp_dp", hsdp_outer_dp_shard=layout.hfsdp) if layout.outer > 1 else {}
         index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp_cp", tp_dim="tp", **outer)
         config = megatron_fsdp.DistributedDataParallelConfig(
-            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, overlap_param_gather=True,
+            data_parallel_sharding_strategy=layout.strategy, overlap_grad_reduce=True, overlap_param_gather=True,
             outer_dp_sharding_strategy="optim" if layout.hfsdp else "no_shard",
             num_distributed_optimizer_instances=layout.outer,
         )
@@ -310,6 +312,8 @@ def _reference() -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
 LAYOUTS = {
     "tp2-dp2": Layout(outer=1, dp=2, tp=2),
     "tp2-dp2-sequence-parallel": Layout(outer=1, dp=2, tp=2, sequence_parallel=True),
+    # ZeRO-1: whole weights, the optimizer's main weights and state in flat pieces.
+    "tp2-dp2-optim": Layout(outer=1, dp=2, tp=2, strategy="optim"),
     # --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim with TP2.
     "hfsdp2-tp2": Layout(outer=2, dp=1, tp=2, hfsdp=True),
     # HSDP with one rank a shard group: every rank holds whole buckets (the strided fc1's face is

@@ -2,8 +2,9 @@
 bundled megatron-fsdp (issue 31): the same flags, Megatron-LM's own defaults, every
 ``--data-parallel-sharding-strategy``, Megatron-FSDP's flags, a SwiGLU/RoPE/untied GPT and an MoE
 GPT; per-iteration ``lm loss`` and ``grad norm`` from Megatron-LM's log, and an ``fsdp_dtensor``
-save at iteration N resumed to 2N. Pipeline parallelism (PP2 x DP2, plain and interleaved), which
-the bundled copy cannot run, is compared with megatron-core's own DDP and distributed optimizer.
+save at iteration N resumed to 2N (a SwiGLU Llama-style GPT's too, which only ours can save).
+Pipeline parallelism (PP2 x DP2, plain and interleaved), which the bundled copy cannot run, is
+compared with megatron-core's own DDP and distributed optimizer.
 
 Needs CUDA, megatron-core, and ``MEGATRON_LM_DIR``: a folder holding Megatron-LM's top-level
 ``pretrain_gpt.py``, ``gpt_builders.py`` and ``model_provider.py`` from the tag that matches the
