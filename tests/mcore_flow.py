@@ -14,6 +14,7 @@ from torch import nn
 import megatron_fsdp
 from megatron_fsdp import uneven_dtensor
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
+from megatron_fsdp.integrations.mcore_gated_fc1 import split_gated_linear_fc1
 
 
 class CopyToTensorParallel(torch.autograd.Function):
@@ -124,15 +125,22 @@ def _same(name: str) -> str:
     return name
 
 
-def fsdp_dtensor_state(adapter: nn.Module, optimizer: torch.optim.Optimizer, key: Callable[[str], str] = _same) -> dict:
+def fsdp_dtensor_state(
+    adapter: nn.Module, optimizer: torch.optim.Optimizer, key: Callable[[str], str] = _same, gated: bool = False
+) -> dict:
     """The fsdp_dtensor checkpoint as Megatron-LM writes it: the wrapped model's state dict and
-    the optimizer state keyed by parameter name, each key passed through ``key`` (Megatron-LM
-    renames local experts to their global index). The values are the model's and optimizer's
-    own tensors, so ``dcp.load`` into it loads them in place. An optimizer over several chunks
+    the optimizer state keyed by parameter name, with ``gated`` (``--swiglu``) each gated
+    ``linear_fc1`` entry split into its ``_w`` and ``_v`` halves by the splitter ``install()`` puts
+    in megatron-core, then each key passed through ``key`` (Megatron-LM renames local experts to
+    their global index). The values are the model's and optimizer's own tensors (or views of
+    them), so ``dcp.load`` into it loads them in place. An optimizer over several chunks
     (megatron-core's virtual pipeline stages) gives each chunk's state its own parameters'."""
     names = {p: n for n, p in adapter.named_parameters()}
-    optimizer_state = {names[p]: s for p, s in optimizer.state.items() if p in names}
-    state = {"model": adapter.module.state_dict(), "optimizer": {"state": optimizer_state}}
+    model_state = adapter.module.state_dict()
+    optimizer_state = {"state": {names[p]: s for p, s in optimizer.state.items() if p in names}}
+    if gated:
+        model_state, optimizer_state = split_gated_linear_fc1(adapter, model_state, optimizer_state)
+    state = {"model": model_state, "optimizer": optimizer_state}
     return _renamed(uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(state), key)
 
 
@@ -144,24 +152,63 @@ def fsdp_dtensor_chunks_state(adapters: list[nn.Module], optimizer: torch.optim.
 
 def load_fsdp_dtensor(
     adapter: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer, checkpoint_dir: str,
-    key: Callable[[str], str] = _same,
+    key: Callable[[str], str] = _same, gated: bool = False,
 ) -> None:
     """As Megatron-LM loads fsdp_dtensor into fresh objects: a zero-gradient step materialises
-    the optimizer state, DCP fills the (renamed) state's tensors in place, then the model loads
-    its state dict under its own names, which megatron-core's adapter prefixes once more. A list
-    of adapters: a rank's chunks, saved by :func:`fsdp_dtensor_chunks_state`."""
+    the optimizer state, DCP fills the (split and renamed) state's tensors in place, then the
+    model loads its own state dict, taken before, under its own names, which megatron-core's
+    adapter prefixes once more. A list of adapters: a rank's chunks, saved by
+    :func:`fsdp_dtensor_chunks_state`."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad()
     adapters = adapter if isinstance(adapter, list) else [adapter]
-    local = [fsdp_dtensor_state(a, optimizer) for a in adapters]
-    renamed = [_renamed(state, key) for state in local]
-    chunks = {f"chunk{i}": state for i, state in enumerate(renamed)}
-    dcp.load(chunks if isinstance(adapter, list) else renamed[0], checkpoint_id=checkpoint_dir)
-    for a, state in zip(adapters, local):
-        a.module.load_state_dict({"module." + k: v for k, v in state["model"].items()})
+    raw = [a.module.state_dict() for a in adapters]
+    prepared = [fsdp_dtensor_state(a, optimizer, key, gated) for a in adapters]
+    chunks = {f"chunk{i}": state for i, state in enumerate(prepared)}
+    dcp.load(chunks if isinstance(adapter, list) else prepared[0], checkpoint_id=checkpoint_dir)
+    for a, state in zip(adapters, raw):
+        a.module.load_state_dict({"module." + k: v for k, v in state.items()})
+
+
+def fc1_at_save(state: dict, key: Callable[[str], str], row: int) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """From a wrapper's state dict: each ``linear_fc1`` weight and bias whole (under ``key`` of its
+    name), and where in a row of ``row`` elements this rank's flat piece of each weight starts
+    (0 for a piece that starts a row, or a whole tensor)."""
+    fc1 = {k: v for k, v in state.items() if ".linear_fc1." in k}
+    # A copy: a whole replicated piece's full_tensor() is the live weight itself.
+    whole = {key(k.removeprefix("module.")): v.full_tensor().clone() for k, v in fc1.items()}
+    starts = []
+    for value in fc1.values():
+        layout = getattr(value, "_flat_layout", None)
+        if value.dim() == 2:
+            starts.append(layout.mine(value.device_mesh)[0] % row if layout is not None else 0)
+    return whole, starts
+
+
+def assert_saved_as_gated_halves(checkpoint_dir: str, saved_fc1: dict[str, torch.Tensor]) -> None:
+    """The checkpoint holds each gated ``linear_fc1`` tensor (``saved_fc1``: whole, as the state
+    dict showed it at the save) as Megatron-LM's ``_w`` (gate rows) and ``_v`` (up rows), bit for bit."""
+    halves = gated_halves_saved(checkpoint_dir)
+    assert halves.keys() == {k + suffix for k in saved_fc1 for suffix in ("_w", "_v")}, sorted(halves)
+    for name, whole in saved_fc1.items():
+        gate, up = whole.chunk(2)
+        assert torch.equal(halves[name + "_w"], gate) and torch.equal(halves[name + "_v"], up), name
+
+
+def gated_halves_saved(checkpoint_dir: str) -> dict[str, torch.Tensor]:
+    """Every ``_w``/``_v`` model tensor of an fsdp_dtensor checkpoint, whole, read in this one
+    process (``model.`` and the wrapper's ``module.`` taken off the keys)."""
+    metadata = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+    wanted = {
+        name: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for name, entry in metadata.items()
+        if name.startswith("model.") and name.endswith(("_w", "_v"))
+    }
+    dcp.load(wanted, checkpoint_id=checkpoint_dir, no_dist=True)
+    return {name.removeprefix("model.").removeprefix("module."): value for name, value in wanted.items()}
 
 
 def _renamed(state: dict, key: Callable[[str], str]) -> dict:

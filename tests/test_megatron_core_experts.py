@@ -1,9 +1,12 @@
 """megatron-core's expert parallelism on megatron_fsdp, without megatron-core: each rank holds
 its ``EXPERTS / ep`` local experts as plain modules ``mlp.experts.local_experts.<i>`` marked
 ``allreduce = False`` (megatron-core's SequentialMLP), wrapped by :class:`MegatronCoreFSDP` with
-megatron-core's dense and expert meshes, and checkpointed as Megatron-LM writes fsdp_dtensor: its
-local experts renamed to their global index (``handle_experts_in_state_dict``). Training against
-one process holding every expert; the checkpoint resumed at the same sizes and resharded.
+megatron-core's dense and expert meshes, and checkpointed as Megatron-LM writes fsdp_dtensor with
+``--swiglu``: each gated ``linear_fc1`` split into its gate and up halves (``_w``, ``_v``: the
+splitter ``install()`` puts in megatron-core), its local experts renamed to their global index
+(``handle_experts_in_state_dict``). Training against one process holding every expert; the
+checkpoint resumed at the same sizes and resharded. Six experts, so that at EP2 a rank's three
+share a bucket whose halves start inside a row of a gated fc1.
 
 With expert tensor parallelism (``--expert-tensor-parallel-size``) each expert's ``linear_fc1``
 is column-parallel and its ``linear_fc2`` row-parallel over the expert mesh's ``tp`` dim, as
@@ -44,6 +47,8 @@ from torch.distributed.tensor import Replicate, Shard
 from _dist import run_distributed
 from mcore_flow import (
     GatherLastDim,
+    assert_saved_as_gated_halves,
+    fc1_at_save,
     GatherSequence,
     ReduceScatterSequence,
     finalize_model_grads,
@@ -59,7 +64,7 @@ import megatron_fsdp
 from megatron_fsdp.integrations.mcore_fsdp import MegatronCoreFSDP
 from megatron_fsdp.integrations.mcore_optimizer_steps import install_piece_steps
 
-VOCAB, HIDDEN, FFN, SEQ, ROWS, EXPERTS = 38, 20, 14, 6, 4, 4
+VOCAB, HIDDEN, FFN, SEQ, ROWS, EXPERTS = 38, 20, 14, 6, 4, 6
 STEPS, SAVED_AT = 5, 3
 LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
 
@@ -293,7 +298,7 @@ def _resume(layout: Layout, checkpoint_dir: str) -> list[tuple[float, float, flo
     model loads its state dict under the local names."""
     adapter = _Adapter(layout)
     optimizer = _optimizer(adapter)
-    load_fsdp_dtensor(adapter, optimizer, checkpoint_dir, adapter.key)
+    load_fsdp_dtensor(adapter, optimizer, checkpoint_dir, adapter.key, gated=True)
     return [_train_step(adapter, optimizer, step) for step in range(SAVED_AT, STEPS)]
 
 
@@ -303,7 +308,8 @@ def _flow(rank: int, world_size: int, checkpoint_dir: str, layout: Layout, resha
         adapter = _Adapter(layout)
         optimizer = _optimizer(adapter)
         history = [_train_step(adapter, optimizer, step) for step in range(SAVED_AT)]
-        dcp.save(fsdp_dtensor_state(adapter, optimizer, adapter.key), checkpoint_id=checkpoint_dir)
+        dcp.save(fsdp_dtensor_state(adapter, optimizer, adapter.key, gated=True), checkpoint_id=checkpoint_dir)
+        saved_fc1, fc1_piece_starts = fc1_at_save(adapter.module.state_dict(), adapter.key, HIDDEN)
         history += [_train_step(adapter, optimizer, step) for step in range(SAVED_AT, STEPS)]
         state = adapter.module.state_dict()
         full = {adapter.key(k.removeprefix("module.")): v.full_tensor() for k, v in state.items()}
@@ -312,6 +318,8 @@ def _flow(rank: int, world_size: int, checkpoint_dir: str, layout: Layout, resha
             "history": history,
             "full": full,
             "placements": placements,
+            "saved_fc1": saved_fc1,
+            "fc1_piece_starts": fc1_piece_starts,
             "same_sizes": _resume(layout, checkpoint_dir),
             "resharded": _resume(resharded, checkpoint_dir),
         }
@@ -369,6 +377,11 @@ def test_local_experts_train_checkpoint_under_global_names_and_reshard_like_one_
     if layout.tp > 1:
         embedding, router = (ours["placements"][k] for k in ("embedding.weight", "decoder.layers.0.mlp.router.weight"))
         assert embedding[-1] == Shard(0) and router[-1] == Replicate(), (embedding, router)
+    # --swiglu: each expert's gated fc1 saved as Megatron-LM's gate and up halves.
+    assert_saved_as_gated_halves(str(tmp_path / "ckpt"), {k: v for r in results for k, v in r["saved_fc1"].items()})
+    if layout.ep == 2 and layout.etp == 1 and layout.outer == 1:
+        # 3 local experts over 2 expert-data-parallel ranks: a piece starts inside a row of a gated fc1.
+        assert any(start for r in results for start in r["fc1_piece_starts"]), [r["fc1_piece_starts"] for r in results]
     continued = ours["history"][SAVED_AT:]
     assert ours["same_sizes"] == continued, f"resumed {ours['same_sizes']} vs continued {continued}"
     for step, ((loss, norm, _), (ref_loss, ref_norm, _)) in enumerate(zip(ours["resharded"], continued), start=SAVED_AT):

@@ -73,6 +73,13 @@ def _fake_megatron_core(root: Path) -> None:
         "    raise AssertionError('the world-size layout')\n"
         "ADAPTER_BODY_RAN = True\n"
     )
+    # Its fsdp_dtensor checkpoint helpers, whose SwiGLU splitter Megatron-LM's checkpointing imports by name.
+    (root / "megatron/core/transformer").mkdir()
+    (root / "megatron/core/transformer/__init__.py").touch()
+    (root / "megatron/core/transformer/fsdp_dtensor_checkpoint.py").write_text(
+        "def handle_swiglu_in_state_dict(model, model_state_dict, optimizer_state_dict):\n    raise AssertionError('megatron-core splitter')\n"
+        "CHECKPOINT_BODY_RAN = True\n"
+    )
 
 
 def _run_python(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -105,6 +112,9 @@ def test_install_answers_the_bundled_import_path_with_megatron_fsdp(tmp_path):
         assert mcore_fsdp_adapter.ADAPTER_BODY_RAN  # megatron-core's own module, loaded as it is
         assert mcore_fsdp_adapter._get_dp_tp_mesh is mcore_adapter_meshes.dp_tp_mesh
         assert mcore_fsdp_adapter._get_hsdp_tp_mesh is mcore_adapter_meshes.hsdp_tp_mesh
+        from megatron.core.transformer.fsdp_dtensor_checkpoint import CHECKPOINT_BODY_RAN, handle_swiglu_in_state_dict
+        from megatron_fsdp.integrations.mcore_gated_fc1 import split_gated_linear_fc1
+        assert CHECKPOINT_BODY_RAN and handle_swiglu_in_state_dict is split_gated_linear_fc1
         try:
             import {UPSTREAM}.fully_shard_internals
         except ModuleNotFoundError as error:

@@ -5,8 +5,9 @@ layer split by rows (a SwiGLU layer, split strided as --swiglu splits it: ``part
 2), its second by columns, norms and biases after a reduction duplicated),
 wrapped by :class:`MegatronCoreFSDP` over megatron-core's mesh ``(outer_fsdp_dp, dp_cp, tp)`` and
 driven as megatron-core drives it (``finish_grad_sync``, its clip on local gradients with
-tensor-parallel duplicates left out, the fsdp_dtensor checkpoint through DCP). Four layouts at
-world 4: TP2 x DP2; the same with sequence parallelism (norms, position embedding and
+tensor-parallel duplicates left out, the fsdp_dtensor checkpoint through DCP, its gated fc1 split
+into Megatron-LM's ``_w``/``_v`` halves as with ``--swiglu``). Five layouts at world 4: TP2 x DP2;
+the same under ZeRO-1 (``optim``); the same with sequence parallelism (norms, position embedding and
 row-parallel bias on each rank's slice of the sequence, their partial gradients summed over the
 tensor-parallel group by megatron-core's ``finalize_model_grads`` through the faces' local
 gradients); TP2 under HFSDP (two distributed-optimizer instances, the outer sharding strategy
@@ -38,6 +39,8 @@ from torch import nn
 from _dist import run_distributed
 from mcore_flow import (
     CopyToTensorParallel,
+    assert_saved_as_gated_halves,
+    fc1_at_save,
     GatherLastDim,
     GatherSequence,
     ReduceScatterSequence,
@@ -82,8 +85,11 @@ class TensorParallelMLPBlock(nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.norm = nn.LayerNorm(HIDDEN)
-        self.fc1_weight = _split(nn.Parameter(torch.empty(2 * FFN // tp, HIDDEN)), 0, stride=2)
-        self.fc1_bias = _split(nn.Parameter(torch.empty(2 * FFN // tp)), 0, stride=2)
+        # Under megatron-core's names (mlp.linear_fc1), which Megatron-LM's --swiglu checkpointing splits.
+        self.mlp = nn.Module()
+        self.mlp.linear_fc1 = nn.Module()
+        self.mlp.linear_fc1.weight = _split(nn.Parameter(torch.empty(2 * FFN // tp, HIDDEN)), 0, stride=2)
+        self.mlp.linear_fc1.bias = _split(nn.Parameter(torch.empty(2 * FFN // tp)), 0, stride=2)
         self.fc2_weight = _split(nn.Parameter(torch.empty(HIDDEN, FFN // tp)), 1)
         self.fc2_bias = nn.Parameter(torch.empty(HIDDEN))
         if sequence_parallel:
@@ -96,7 +102,7 @@ class TensorParallelMLPBlock(nn.Module):
             h = GatherSequence.apply(h, self.group)
         elif self.group is not None:
             h = CopyToTensorParallel.apply(h, self.group)
-        gate, up = F.linear(h, self.fc1_weight, self.fc1_bias).chunk(2, dim=-1)
+        gate, up = F.linear(h, self.mlp.linear_fc1.weight, self.mlp.linear_fc1.bias).chunk(2, dim=-1)
         partial = F.linear(F.silu(gate) * up, self.fc2_weight)
         if self.sequence_parallel:
             partial = ReduceScatterSequence.apply(partial, self.group)
@@ -171,8 +177,8 @@ def _plain_shapes() -> dict[str, torch.Tensor]:
         for _ in range(2):
             block = nn.Module()
             block.norm = nn.LayerNorm(HIDDEN)
-            block.fc1_weight = nn.Parameter(torch.empty(2 * FFN, HIDDEN))
-            block.fc1_bias = nn.Parameter(torch.empty(2 * FFN))
+            block.mlp = nn.Module()
+            block.mlp.linear_fc1 = nn.Linear(HIDDEN, 2 * FFN)
             block.fc2_weight = nn.Parameter(torch.empty(HIDDEN, FFN))
             block.fc2_bias = nn.Parameter(torch.empty(HIDDEN))
             model.blocks.append(block)
@@ -200,6 +206,7 @@ class Layout(NamedTuple):
     tp: int
     sequence_parallel: bool = False
     hfsdp: bool = False
+    strategy: str = "optim_grads_params"
 
 
 class _Adapter(nn.Module):
@@ -219,7 +226,7 @@ class _Adapter(nn.Module):
         outer = dict(dp_outer_dim="outer_fsdp_dp", hsdp_outer_dp_shard=layout.hfsdp) if layout.outer > 1 else {}
         index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp_cp", tp_dim="tp", **outer)
         config = megatron_fsdp.DistributedDataParallelConfig(
-            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, overlap_param_gather=True,
+            data_parallel_sharding_strategy=layout.strategy, overlap_grad_reduce=True, overlap_param_gather=True,
             outer_dp_sharding_strategy="optim" if layout.hfsdp else "no_shard",
             num_distributed_optimizer_instances=layout.outer,
         )
@@ -263,8 +270,12 @@ def _resume(layout: Layout, checkpoint_dir: str) -> list[tuple[float, float]]:
     """Fresh objects loading the checkpoint as megatron-core does, then the steps after the save."""
     adapter = _Adapter(layout)
     optimizer = _optimizer(adapter)
-    load_fsdp_dtensor(adapter, optimizer, checkpoint_dir)
+    load_fsdp_dtensor(adapter, optimizer, checkpoint_dir, gated=True)
     return [_train_step(adapter, optimizer, step) for step in range(SAVED_AT, STEPS)]
+
+
+def _same_name(name: str) -> str:
+    return name
 
 
 def _flow(rank: int, world_size: int, checkpoint_dir: str, layout: Layout) -> dict:
@@ -273,7 +284,8 @@ def _flow(rank: int, world_size: int, checkpoint_dir: str, layout: Layout) -> di
         adapter = _Adapter(layout)
         optimizer = _optimizer(adapter)
         history = [_train_step(adapter, optimizer, step) for step in range(SAVED_AT)]
-        dcp.save(fsdp_dtensor_state(adapter, optimizer), checkpoint_id=checkpoint_dir)
+        dcp.save(fsdp_dtensor_state(adapter, optimizer, gated=True), checkpoint_id=checkpoint_dir)
+        saved_fc1, fc1_piece_starts = fc1_at_save(adapter.module.state_dict(), _same_name, HIDDEN)
         history += [_train_step(adapter, optimizer, step) for step in range(SAVED_AT, STEPS)]
         state = adapter.module.state_dict()
         full = {k.removeprefix("module."): v.full_tensor() for k, v in state.items()}
@@ -282,6 +294,8 @@ def _flow(rank: int, world_size: int, checkpoint_dir: str, layout: Layout) -> di
             "history": history,
             "full": full,
             "placements": placements,
+            "saved_fc1": saved_fc1,
+            "fc1_piece_starts": fc1_piece_starts,
             "same_sizes": _resume(layout, checkpoint_dir),
             "dp4": _resume(Layout(outer=1, dp=4, tp=1), checkpoint_dir),
         }
@@ -298,6 +312,8 @@ def _reference() -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
 LAYOUTS = {
     "tp2-dp2": Layout(outer=1, dp=2, tp=2),
     "tp2-dp2-sequence-parallel": Layout(outer=1, dp=2, tp=2, sequence_parallel=True),
+    # ZeRO-1: whole weights, the optimizer's main weights and state in flat pieces.
+    "tp2-dp2-optim": Layout(outer=1, dp=2, tp=2, strategy="optim"),
     # --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim with TP2.
     "hfsdp2-tp2": Layout(outer=2, dp=1, tp=2, hfsdp=True),
     # HSDP with one rank a shard group: every rank holds whole buckets (the strided fc1's face is
@@ -308,7 +324,8 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_tensor_parallel_blocks_train_checkpoint_and_reshard_like_one_process(name, tmp_path):
-    results = run_distributed(_flow, 4, str(tmp_path / "ckpt"), LAYOUTS[name])
+    layout = LAYOUTS[name]
+    results = run_distributed(_flow, 4, str(tmp_path / "ckpt"), layout)
     reference, reference_params = _reference()
     ours = results[0]
     assert all(r["history"] == ours["history"] for r in results), "ranks disagree on the loss or the norm"
@@ -319,9 +336,14 @@ def test_tensor_parallel_blocks_train_checkpoint_and_reshard_like_one_process(na
     assert ours["full"].keys() == reference_params.keys()
     for name, expected in reference_params.items():
         torch.testing.assert_close(ours["full"][name], expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    assert ours["placements"]["blocks.0.fc1_weight"][-1] == torch.distributed.tensor.Shard(0)
+    assert ours["placements"]["blocks.0.mlp.linear_fc1.weight"][-1] == torch.distributed.tensor.Shard(0)
     assert ours["placements"]["blocks.0.fc2_weight"][-1] == torch.distributed.tensor.Shard(1)
     assert ours["placements"]["blocks.0.fc2_bias"][-1] == torch.distributed.tensor.Replicate()
+    # --swiglu: the strided fc1 saved as Megatron-LM's gate and up halves.
+    assert_saved_as_gated_halves(str(tmp_path / "ckpt"), ours["saved_fc1"])
+    if layout.dp > 1 or layout.hfsdp:
+        # Flat-sharded over data-parallel ranks: a piece starts inside a row of the gated fc1.
+        assert any(start for r in results for start in r["fc1_piece_starts"]), [r["fc1_piece_starts"] for r in results]
     continued = ours["history"][SAVED_AT:]
     assert ours["same_sizes"] == continued, f"resumed {ours['same_sizes']} vs continued {continued}"
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours["dp4"], continued), start=SAVED_AT):

@@ -9,6 +9,10 @@ never read.
   ``torch.arange(world_size)`` out as its meshes, which fails under pipeline parallelism;
   ``_get_dp_tp_mesh`` and ``_get_hsdp_tp_mesh`` are replaced by meshes read from the process groups
   (mcore_adapter_meshes.py) when ``install()``'s import hook loads the adapter (megatron_core.py).
+- megatron-core 0.19's fsdp_dtensor checkpoint helpers
+  (``megatron.core.transformer.fsdp_dtensor_checkpoint``): ``handle_swiglu_in_state_dict`` fails at
+  the first save of a ``--swiglu`` model and cannot split a piece starting inside a row; it is
+  replaced by mcore_gated_fc1.py's ``split_gated_linear_fc1`` when the hook loads that module.
 
 torchtitan's model spec takes its ``parallelize_fn`` as a setting, which torchtitan.py sets after
 checking it is torchtitan's llama3 one: a setting, not a replacement of code.
@@ -22,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_fsdp.integrations.mcore_adapter_meshes import dp_tp_mesh, hsdp_tp_mesh
+from megatron_fsdp.integrations.mcore_gated_fc1 import split_gated_linear_fc1
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,16 @@ MCORE_ADAPTER_MESHES = (
         "megatron-core", "0.19", "_get_hsdp_tp_mesh", "(outer_fsdp_dp_group, dp_cp_group, tp_group, ep_size=1)", hsdp_tp_mesh
     ),
 )
+#: megatron-core's fsdp_dtensor checkpoint helpers, whose SwiGLU splitter megatron_fsdp replaces.
+MCORE_CHECKPOINT_MODULE = "megatron.core.transformer.fsdp_dtensor_checkpoint"
+MCORE_GATED_FC1_SPLIT = (
+    Replacement(
+        "megatron-core", "0.19", "handle_swiglu_in_state_dict", "(model, model_state_dict, optimizer_state_dict)",
+        split_gated_linear_fc1,
+    ),
+)
+#: Each megatron-core module install()'s import hook loads as it is, then hands to replace_checked.
+MCORE_REPLACEMENTS = {MCORE_ADAPTER_MODULE: MCORE_ADAPTER_MESHES, MCORE_CHECKPOINT_MODULE: MCORE_GATED_FC1_SPLIT}
 
 
 def replace_checked(module: types.ModuleType, replacements: tuple[Replacement, ...]) -> None:

@@ -16,10 +16,13 @@ path with megatron_fsdp's modules (the same module objects, not copies):
   names (faces over its own modules);
 - any other submodule of the bundled copy -> ``ModuleNotFoundError`` naming it.
 
-It also lets megatron-core's adapter module load as it is, then points its mesh helpers at
+It also lets two of megatron-core's modules load as they are, then points a few names in them
+at megatron_fsdp's: the adapter's mesh helpers at
 :mod:`megatron_fsdp.integrations.mcore_adapter_meshes`, which read the meshes from the process
-groups (the adapter's own assume no pipeline parallelism): through
-:mod:`megatron_fsdp.integrations.library_replacements`, which refuses an adapter whose helpers are
+groups (the adapter's own assume no pipeline parallelism), and the fsdp_dtensor checkpoint
+helpers' SwiGLU splitter at :mod:`megatron_fsdp.integrations.mcore_gated_fc1` (megatron-core's
+own fails at the first save of a ``--swiglu`` model): both through
+:mod:`megatron_fsdp.integrations.library_replacements`, which refuses a module whose functions are
 not those of the megatron-core version they were written for.
 
 The hook is process-wide: a process runs megatron-core either on megatron_fsdp or on its bundled
@@ -35,7 +38,12 @@ import importlib.util
 import sys
 import types
 
-from megatron_fsdp.integrations.library_replacements import MCORE_ADAPTER_MESHES, MCORE_ADAPTER_MODULE, replace_checked
+from megatron_fsdp.integrations.library_replacements import (
+    MCORE_ADAPTER_MODULE,
+    MCORE_REPLACEMENTS,
+    Replacement,
+    replace_checked,
+)
 from megatron_fsdp.integrations.mcore_optimizer_steps import install_piece_steps
 
 #: Where megatron-core imports its bundled megatron-fsdp from.
@@ -55,8 +63,8 @@ class _MegatronFSDPAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Answers imports of the bundled package and its submodules with megatron_fsdp's modules."""
 
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname == ADAPTER_MODULE:
-            return _adapter_spec(fullname, path)
+        if fullname in MCORE_REPLACEMENTS:
+            return _patched_spec(fullname, path)
         if fullname != UPSTREAM_PACKAGE and not fullname.startswith(UPSTREAM_PACKAGE + "."):
             return None
         if fullname not in MODULES:
@@ -78,24 +86,25 @@ class _MegatronFSDPAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         """Nothing to run: create_module returned an imported module."""
 
 
-class _AdapterLoader(importlib.abc.Loader):
-    """Loads megatron-core's adapter with its own loader, then gives it the group-read meshes."""
+class _PatchingLoader(importlib.abc.Loader):
+    """Loads one of megatron-core's modules with its own loader, then puts megatron_fsdp's
+    versions of some of its names in it."""
 
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self.loader = loader
+    def __init__(self, loader: importlib.abc.Loader, replacements: tuple[Replacement, ...]) -> None:
+        self.loader, self.replacements = loader, replacements
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
         self.loader.exec_module(module)
-        replace_checked(module, MCORE_ADAPTER_MESHES)
+        replace_checked(module, self.replacements)
 
 
-def _adapter_spec(fullname: str, path: object) -> importlib.machinery.ModuleSpec | None:
+def _patched_spec(fullname: str, path: object) -> importlib.machinery.ModuleSpec | None:
     spec = importlib.machinery.PathFinder.find_spec(fullname, path)
     if spec is not None and spec.loader is not None:
-        spec.loader = _AdapterLoader(spec.loader)
+        spec.loader = _PatchingLoader(spec.loader, MCORE_REPLACEMENTS[fullname])
     return spec
 
 

@@ -2,8 +2,9 @@
 bundled megatron-fsdp (issue 31): the same flags, Megatron-LM's own defaults, every
 ``--data-parallel-sharding-strategy``, Megatron-FSDP's flags, a SwiGLU/RoPE/untied GPT and an MoE
 GPT; per-iteration ``lm loss`` and ``grad norm`` from Megatron-LM's log, and an ``fsdp_dtensor``
-save at iteration N resumed to 2N. Pipeline parallelism (PP2 x DP2, plain and interleaved), which
-the bundled copy cannot run, is compared with megatron-core's own DDP and distributed optimizer.
+save at iteration N resumed to 2N (a SwiGLU Llama-style GPT's too, which only ours can save).
+Pipeline parallelism (PP2 x DP2, plain and interleaved), which the bundled copy cannot run, is
+compared with megatron-core's own DDP and distributed optimizer.
 
 Needs CUDA, megatron-core, and ``MEGATRON_LM_DIR``: a folder holding Megatron-LM's top-level
 ``pretrain_gpt.py``, ``gpt_builders.py`` and ``model_provider.py`` from the tag that matches the
@@ -37,6 +38,7 @@ from typing import TypeVar
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 REPO = Path(__file__).resolve().parents[2]
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
@@ -268,8 +270,9 @@ def test_pretrain_gpt_resumes_from_an_fsdp_dtensor_save_like_the_bundled_copy(tm
     Not against a continuous run: the bundled copy's own resume logs another lm loss than its
     continuous run at one iteration (6.660956 vs 6.607052 at iteration 5 of 6, with the same
     gradient norms), so what a resume must give is what the bundled copy's gives. Without
-    SwiGLU: megatron-core 0.19.2 cannot save a SwiGLU model in fsdp_dtensor at world 1, on
-    either package (handle_swiglu_in_state_dict: "GPTModel has no attribute `module`")."""
+    SwiGLU: the bundled copy cannot save a SwiGLU model in fsdp_dtensor (megatron-core 0.19.2's
+    handle_swiglu_in_state_dict: "GPTModel has no attribute `module`"); ours replaces that
+    function (test_a_swiglu_model_resumes_from_its_fsdp_dtensor_checkpoint_like_an_uninterrupted_run)."""
     half = ITERS // 2
     model = [flag for flag in MODEL if flag != "--swiglu"]
     train = [*model, *TRAINING, "--train-iters", str(ITERS), "--data-parallel-sharding-strategy", "optim_grads_params"]
@@ -286,6 +289,37 @@ def test_pretrain_gpt_resumes_from_an_fsdp_dtensor_save_like_the_bundled_copy(tm
 
     resumed = on_both_packages(save_then_resume)
     assert_same_training(resumed["ours"], resumed["bundled"], "resumed")
+
+
+# A Llama-style GPT: the SwiGLU/RoPE/untied MODEL with RMSNorm and grouped-query attention.
+LLAMA = [*MODEL, "--normalization", "RMSNorm", "--group-query-attention", "--num-query-groups", "2"]
+
+
+@pytest.mark.parametrize(
+    "strategy, moe",
+    [("no_shard", False), ("optim", False), ("optim_grads", False), ("optim_grads_params", False), ("optim_grads_params", True)],
+    ids=["no_shard", "optim", "optim_grads", "optim_grads_params", "moe"],
+)
+def test_a_swiglu_model_resumes_from_its_fsdp_dtensor_checkpoint_like_an_uninterrupted_run(
+    strategy: str, moe: bool, tmp_path: Path
+) -> None:
+    """``--swiglu`` (issue 63): ours saves at iteration N of 2N in ``fsdp_dtensor`` and resumes; the
+    resumed iterations equal the bundled copy's uninterrupted run (which trains a SwiGLU model but
+    cannot save it: megatron-core's splitter fails at its first save, docs/megatron_lm.md). The
+    checkpoint holds each gated ``linear_fc1`` (with ``moe``, each expert's) as Megatron-LM
+    lays it out, its gate and up halves under ``_w`` and ``_v``."""
+    train = [*LLAMA, *(MOE if moe else []), *TRAINING, "--train-iters", str(ITERS),
+             "--data-parallel-sharding-strategy", strategy]
+    assert_resume_equals_uninterrupted(train, train, tmp_path, f"SwiGLU {strategy} resumed")
+    saved = tmp_path / "ours" / "checkpoints" / f"iter_{ITERS // 2:07d}"
+    # Tensors only: megatron-core keeps the optimizer's param_to_group_meta under the fused name.
+    metadata = FileSystemReader(str(saved)).read_metadata().state_dict_metadata
+    keys = [key for key in metadata if key.startswith(("model.", "optimizer.state."))]
+    fused = [key for key in keys if re.search(r"linear_fc1\.weight\d*(\.|$)", key)]
+    halves = [key for key in keys if re.search(r"linear_fc1\.weight\d*_[wv](\.|$)", key)]
+    # 2 layers x (1 or an fc1 per expert) x (w, v) x (the weight, its exp_avg, exp_avg_sq and step).
+    fc1_per_layer = int(MOE[MOE.index("--num-experts") + 1]) if moe else 1
+    assert not fused and len(halves) == 2 * fc1_per_layer * 2 * 4, f"fused {fused}, halves {halves}"
 
 
 # Megatron-LM's model-parallel flags, at the machine's world size (TP2 x DP2 and EP2 x DP2 at
@@ -328,7 +362,7 @@ def test_a_tensor_parallel_fsdp_dtensor_checkpoint_of_ours_resumes_like_an_unint
     bundled copy cannot be the one to save or load it: its fsdp_dtensor save and its load at
     tensor-parallel size 2 both hang in megatron-core 0.19.2 (no output after "saving checkpoint",
     resp. "loading checkpoint", 4 x H100 and 4 x H200, 2026-11-27 and -28)."""
-    model = [flag for flag in MODEL if flag != "--swiglu"]  # see the resume test above
+    model = [flag for flag in MODEL if flag != "--swiglu"]  # as first run on GPUs, before ours split SwiGLU
     train = [*model, *TRAINING, "--train-iters", str(ITERS), "--data-parallel-sharding-strategy", "optim_grads_params",
              "--tensor-model-parallel-size", "2"]
     assert_resume_equals_uninterrupted(train, train, tmp_path, "ours resumed from its tensor-parallel checkpoint")
@@ -367,8 +401,8 @@ def test_pretrain_gpt_with_pipeline_parallelism_trains_like_megatron_core_ddp(na
 def test_pretrain_gpt_with_pipeline_parallelism_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path: Path) -> None:
     """PP2 x DP2 with ``--save`` at iteration N of 2N, each stage's chunk in Megatron-LM's one
     ``fsdp_dtensor`` checkpoint, then ``--load``: the resumed iterations equal megatron-core's DDP
-    run straight through (which the test above finds equal to ours). Without --swiglu: Megatron-LM's
-    SwiGLU handling in the fsdp_dtensor save fails in megatron-core 0.19.2 (see the resume test above)."""
+    run straight through (which the test above finds equal to ours). Without --swiglu, as written
+    before ours replaced megatron-core's SwiGLU splitter (its failure: see the resume test above)."""
     model = [flag for flag in _pipeline_model() if flag != "--swiglu"]
     common = [*model, "--train-iters", str(ITERS), "--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"]
     ours = [*common, *TRAINING, "--data-parallel-sharding-strategy", "optim_grads_params"]
