@@ -14,7 +14,7 @@ import pytest
 
 from megatron_fsdp.integrations import mcore_adapter_meshes
 from megatron_fsdp.integrations.library_replacements import MCORE_ADAPTER_MESHES, MCORE_ADAPTER_MODULE, replace_checked
-from megatron_fsdp.integrations.megatron_core import _AdapterLoader
+from megatron_fsdp.integrations.megatron_core import _PatchingLoader
 
 
 def _get_dp_tp_mesh(dp_cp_group, tp_group, ep_size=1):
@@ -41,7 +41,7 @@ class _StandInLoader(importlib.abc.Loader):
 
 
 def _load_through_install(module: types.ModuleType, hsdp_helper) -> None:
-    _AdapterLoader(_StandInLoader(hsdp_helper)).exec_module(module)
+    _PatchingLoader(_StandInLoader(hsdp_helper), MCORE_ADAPTER_MESHES).exec_module(module)
 
 
 def test_the_adapter_helpers_of_the_version_written_for_are_replaced() -> None:
