@@ -222,22 +222,24 @@ def _micro_batches(args: argparse.Namespace, pp: int) -> int:
 
 
 class _Problems:
-    """Every problem of a command, each once with the first choice it came from (and how many
-    more), in plan_memory's order: sizes that do not divide the world, the model and what the
+    """Every problem of a command, each once with the choices it came from (the first three, and
+    how many more), in plan_memory's order: sizes that do not divide the world, the model and what the
     engine cannot shard, then the schedule's micro-batches."""
 
     def __init__(self) -> None:
         self.found: dict[str, dict[str, list[str]]] = {"mesh": {}, "structural": {}, "schedule": {}}
 
     def add(self, kind: str, message: str, where: str) -> None:
-        self.found[kind].setdefault(message, []).append(where)
+        places = self.found[kind].setdefault(message, [])
+        if where not in places:
+            places.append(where)
 
     def report(self) -> str | None:
         lines = []
         for by_message in self.found.values():
             for message, places in by_message.items():
-                more = f" and {len(places) - 1} more" if len(places) > 1 else ""
-                lines.append(f"{places[0]}{more}: {message}")
+                more = f" and {len(places) - 3} more" if len(places) > 3 else ""
+                lines.append(f"{'; '.join(places[:3])}{more}: {message}")
         if not lines:
             return None
         if len(lines) == 1:
@@ -245,12 +247,11 @@ class _Problems:
         return f"error: {len(lines)} problems, each with its fix:\n" + "\n".join(f"- {line}" for line in lines)
 
 
-def _where(world: int, outer: int, tp: int, cp: int, pp: int, ep: int, etp: int | None, strategy: str) -> str:
-    """The choice a problem came from: the world size, the model-parallel sizes given, the strategy."""
+def _where(world: int, outer: int, tp: int, cp: int, pp: int, ep: int, etp: int | None) -> str:
+    """The mesh a problem came from: the world size and the model-parallel sizes given."""
     sizes = [f"world {world}"] + [f"{name} {size}" for name, size in (
         ("dp_outer", outer), ("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep)) if size > 1]
-    sizes += [f"etp {etp}"] if etp is not None else []
-    return ", ".join(sizes + [strategy])
+    return ", ".join(sizes + ([f"etp {etp}"] if etp is not None else []))
 
 
 def _rows(model: nn.Module, units: list[type], args: argparse.Namespace) -> list[dict]:
@@ -285,13 +286,13 @@ def _rows(model: nn.Module, units: list[type], args: argparse.Namespace) -> list
                     reshard_after_forward=reshard, activation_bytes_per_layer=activations,
                 )
             except PlanRefused as refused:
-                where = _where(world, outer_size, tp, cp, pp, ep, etp, strategy)
+                mesh = _where(world, outer_size, tp, cp, pp, ep, etp)
                 for kind in ("mesh", "structural", "schedule"):
                     for message in getattr(refused, kind):
-                        problems.add(kind, message, where)
+                        problems.add(kind, message, mesh if kind == "mesh" else f"{mesh}, {strategy}")
                 continue
             except ValueError as error:  # a choice plan_memory refuses before planning
-                problems.add("structural", str(error), _where(world, outer_size, tp, cp, pp, ep, etp, strategy))
+                problems.add("structural", str(error), f"{_where(world, outer_size, tp, cp, pp, ep, etp)}, {strategy}")
                 continue
             rows.append(_row(plan, strategy, world, outer_size, tp, cp, ep, pp, offload, args))
     if report := problems.report():
