@@ -140,7 +140,15 @@ def _positive_float(value: str) -> float:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_fsdp.plan_memory",
-        description="Per-rank memory of a model sharded by megatron_fsdp, for each strategy and world size.",
+        description="Per-rank memory of a model sharded by megatron_fsdp, for each strategy and world size: one row "
+                    "per combination of the sizes given (each flag takes one value or a comma-separated list).",
+        epilog="examples:\n"
+               "  python -m megatron_fsdp.plan_memory --hf examples/configs/llama3_8b.json --world-sizes 8,64 "
+               "--device-memory 80\n"
+               "  python -m megatron_fsdp.plan_memory --model examples/gpt_model.py:gpt --units TransformerBlock "
+               "--world-sizes 8 --tensor-parallel-size 1,2\n"
+               "docs/memory_planning.md explains every column.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="a Hugging Face model id or config.json path (needs transformers)")
@@ -148,12 +156,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for --model's callable")
     parser.add_argument("--units", default=None, help="unit class names (default for --hf: its decoder layer)")
     parser.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16", help="the parameters' (compute) dtype")
-    parser.add_argument("--main-params-dtype", choices=tuple(_DTYPES), default="fp32")
+    parser.add_argument("--main-params-dtype", choices=tuple(_DTYPES), default="fp32",
+                        help="the dtype of the weights the optimizer steps")
     parser.add_argument("--main-grads-dtype", choices=tuple(_DTYPES), default=None, help="default: the compute dtype")
     parser.add_argument("--grad-comm-dtype", choices=tuple(_DTYPES), default=None, help="default: the main grads dtype")
-    parser.add_argument("--world-sizes", type=_positive_ints, default=[8], help="comma-separated, e.g. 8,64,1024")
+    parser.add_argument("--world-sizes", type=_positive_ints, default=[8],
+                        help="all ranks of the job, comma-separated, e.g. 8,64,1024")
     parser.add_argument("--dp-outer-sizes", type=_positive_ints, default=[1], help="HSDP replica counts to try, e.g. 1,8")
-    parser.add_argument("--outer-strategy", choices=("no_shard", "optim"), default="no_shard")
+    parser.add_argument("--outer-strategy", choices=("no_shard", "optim"), default="no_shard",
+                        help="with --dp-outer-sizes > 1: 'optim' also shards the optimizer state over the replicas "
+                             "(HFSDP; optim_grads_params rows only)")
     # Megatron-LM's flags, each one size or a comma-separated list of sizes to compare.
     parser.add_argument("--tensor-parallel-size", "--tensor-model-parallel-size", type=_positive_ints, default=[1],
                         help="TP sizes, e.g. 1,2,8; splits what --tensor-parallel-plan names")
@@ -183,7 +195,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--strategies", default=None,
                         help="comma-separated, e.g. optim,optim_grads_params (default: all four; pipeline rows "
                              "optim_grads_params only, the one FSDP2's door runs)")
-    parser.add_argument("--cpu-offload", choices=("off", "on", "both"), default="off")
+    parser.add_argument("--cpu-offload", choices=("off", "on", "both"), default="off",
+                        help="main weights, gradients and optimizer state on the host ('both': a row for each)")
     parser.add_argument("--optimizer", default="adamw", help=", ".join(OptimizerSpec.KINDS))
     parser.add_argument("--double-buffer", action="store_true", help="fsdp_double_buffer")
     parser.add_argument("--micro-batches", type=_positive_int, default=None,
