@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from megatron_fsdp.engine.planning.memory_plan import OptimizerSpec, gib
+from megatron_fsdp.engine.planning.model_plan import PlanRefused
 from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
-from megatron_fsdp.engine.planning.model_plan import PlanRefused
 from megatron_fsdp.plan_memory import MemoryPlan, plan_memory
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -211,23 +211,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-ALL_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+_ALL_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def _strategies(args: argparse.Namespace, pp: int) -> list[str]:
-    """--strategies, or by default all four (a pipeline stage: optim_grads_params, FSDP2's door)."""
+    """--strategies, or by default all four; a pipeline stage (plan_memory plans one whenever a
+    pipeline size, schedule or virtual stages are given): optim_grads_params, FSDP2's door's."""
     if args.strategies is not None:
         return _csv(args.strategies)
-    return list(ALL_STRATEGIES) if pp == 1 else ["optim_grads_params"]
+    pipelined = pp != 1 or args.pipeline_schedule != "1F1B" or args.virtual_stages not in (None, 1)
+    return ["optim_grads_params"] if pipelined else list(_ALL_STRATEGIES)
 
 
 def _micro_batches(args: argparse.Namespace, pp: int) -> int:
-    """--micro-batches, or by default 1, or under pipeline parallelism the fewest the schedule
-    runs (a schedule or virtual-stage count it refuses is plan_memory's to name)."""
+    """--micro-batches, or by default the fewest the schedule runs (1 without pipeline
+    parallelism; a schedule or virtual-stage count it refuses is plan_memory's to name)."""
     if args.micro_batches is not None:
         return args.micro_batches
-    if pp == 1 and args.pipeline_schedule.lower() == "1f1b" and args.virtual_stages in (None, 1):
-        return 1
     try:
         return PipelineSpec(pp, args.pipeline_schedule, 1, args.virtual_stages).fewest_micro_batches()
     except ValueError:
@@ -370,16 +370,20 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _micro_batch_count(count: int) -> str:
+    return f"{count} micro-batch{'es' if count > 1 else ''}"
+
+
 def _pipeline_note(staged: list[dict], args: argparse.Namespace) -> str:
     """The pipeline rows' schedule, micro-batches (the fewest the schedule runs, when not given)
     and strategy."""
     first = staged[0]
     if args.micro_batches is not None:
-        batches = f"{args.micro_batches} micro-batches"
+        batches = _micro_batch_count(args.micro_batches)
     else:
         counts = {row["pp"]: row["micro_batches"] for row in staged}
-        batches = (f"{', '.join(f'{count} micro-batches at pp {pp}' for pp, count in counts.items())} (the fewest "
-                   f"{first['schedule']} runs; --micro-batches sets them)")
+        batches = (f"{', '.join(f'{_micro_batch_count(count)} at pp {pp}' for pp, count in counts.items())} (the "
+                   f"fewest {first['schedule']} runs; --micro-batches sets them)")
     strategy = ", optim_grads_params only (FSDP2's door shards the stages)" if args.strategies is None else ""
     return (f"; pipeline: {first['schedule']}, {batches}, {first['virtual_stages']} stage(s) a rank, layers split "
             f"evenly, the largest rank's stages shown{strategy}")
