@@ -11,6 +11,7 @@ first, and a `--hf` run prints the table and nothing else."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -18,11 +19,13 @@ import sys
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 import megatron_fsdp
+from _dist import run_distributed
 from megatron_fsdp.plan_memory.command import main
 from moe_model import MoEBlock
-from test_memory_plan import GPT_KWARGS, REPO, _meta_gpt, _meta_moe
+from test_memory_plan import EXPERT_TP_PLAN, GPT_KWARGS, REPO, _meta_gpt, _meta_moe
 
 MIXTRAL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                vocab_size=128, num_local_experts=8)
@@ -159,3 +162,54 @@ def test_a_hugging_face_run_prints_the_table_and_nothing_else(tmp_path) -> None:
     usage = _run_command("--help")
     assert usage.returncode == 0 and usage.stderr == "", usage.stderr
     assert usage.stdout.startswith("usage: python -m megatron_fsdp.plan_memory") and "--micro-batches" in usage.stdout
+
+
+def _expert_layouts(world: int) -> list[tuple[int, int, int, int]]:
+    """Every (tp, ep, etp, dp_outer) whose dense and expert meshes fit ``world`` ranks."""
+    sizes = [size for size in range(1, world + 1) if world % size == 0]
+    return [(tp, ep, etp, outer) for tp, ep, etp, outer in itertools.product(sizes, sizes, sizes, sizes)
+            if world % (tp * outer) == 0 and world % (ep * etp * outer) == 0]
+
+
+def _engine_accepts_expert_layouts(rank: int, world: int) -> dict[tuple[int, int, int, int], str | None]:
+    """fully_shard's own groups (FSDPDistributedIndex) for each layout: None where it accepts
+    the dense (dp_outer, dp_shard, tp) and expert (dp_outer, dp_shard, ep, tp) meshes, else its
+    refusal."""
+    from megatron_fsdp.engine.groups.distributed_index import FSDPDistributedIndex
+
+    verdicts, meshes = {}, {}
+    for tp, ep, etp, outer in _expert_layouts(world):
+        # Each mesh once: a mesh's groups take most of the time.
+        for shape, names in (((outer, world // (outer * tp), tp), ("dp_outer", "dp_shard", "tp")),
+                             ((outer, world // (outer * ep * etp), ep, etp), ("dp_outer", "dp_shard", "ep", "tp"))):
+            if shape not in meshes:
+                meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        dense, experts = meshes[(outer, world // (outer * tp), tp)], meshes[(outer, world // (outer * ep * etp), ep, etp)]
+        try:
+            FSDPDistributedIndex(device_mesh=dense, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer" if outer > 1 else None,
+                                 tp_dim="tp", expt_device_mesh=experts)
+            verdicts[(tp, ep, etp, outer)] = None
+        except ValueError as error:
+            verdicts[(tp, ep, etp, outer)] = str(error)
+    return verdicts
+
+
+def test_the_plan_accepts_exactly_the_expert_layouts_fully_shard_accepts() -> None:
+    """At world 4, every (TP, EP, ETP, HSDP replicas) whose meshes fit: plan_memory plans the
+    layouts whose groups fully_shard builds and refuses the others (the model's 4 experts and
+    split dims divide every size, so only the meshes decide)."""
+    engine = run_distributed(_engine_accepts_expert_layouts, 4)[0]
+    disagree = []
+    for (tp, ep, etp, outer), refusal in engine.items():
+        try:
+            megatron_fsdp.plan_memory(_meta_moe(), 4, fsdp_unit_modules=[MoEBlock], tensor_parallel_size=tp,
+                                      expert_parallel_size=ep, expert_tensor_parallel_size=etp, dp_outer_size=outer,
+                                      tensor_parallel_plan=EXPERT_TP_PLAN)
+            planned = None
+        except ValueError as error:
+            planned = str(error)
+        if (refusal is None) != (planned is None):
+            disagree.append(f"tp {tp} ep {ep} etp {etp} dp_outer {outer}: fully_shard {refusal or 'accepts'}; "
+                            f"plan_memory {planned or 'accepts'}")
+    assert len(engine) == 25 and sum(r is None for r in engine.values()) >= 10, engine
+    assert not disagree, "\n".join(disagree)
