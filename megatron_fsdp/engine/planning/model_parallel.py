@@ -90,8 +90,9 @@ class ParallelSizes:
             return None
         fits = []
         for name, size in named.items():
-            room = world_size // (product // size) if world_size % (product // size) == 0 else 0
-            if size > 1 and room:
+            others = product // size
+            if size > 1 and world_size % others == 0:
+                room = world_size // others  # what this size may be: any divisor of it
                 fits.append(f"{name} {_one_of(d for d in range(1, room + 1) if room % d == 0)}")
         fix = (f"sizes that divide it, the others as given: {'; '.join(fits)}" if fits else
                f"pick sizes whose product divides {world_size}")
