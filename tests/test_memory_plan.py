@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import megatron_fsdp
@@ -241,38 +242,61 @@ def _tensor_parallel_held_and_planned(rank: int, world: int) -> list[tuple[str, 
 def _expert_parallel_held_and_planned(rank: int, world: int) -> list[tuple[str, int, int, int, int]]:
     """tests/test_expert_parallel.py's two layouts: experts over EP2 x EDP2 with dense FSDP over
     4 (under optim_grads_params and optim, whose whole weights tell 2 experts a rank from 4), and
-    experts over EP2 x ETP2 (no expert data parallelism) with dense FSDP over 2; and HFSDP (2
+    experts over EP2 x ETP2 (no expert data parallelism) with dense FSDP over 2; HFSDP (2
     replicas of 2 shards, optimizer state split over the replicas) with experts at EP2, which the
-    replicas shard as they shard dense parameters."""
+    replicas shard as they shard dense parameters; and expert tensor parallelism other than the
+    dense one (issue 59): TP2 (each block's mix column-parallel) with experts whole at EP2 x ETP1,
+    and HSDP over 2 replicas of TP2 with experts whole at EP1 x ETP1, sharded over the 2 ranks of
+    each replica (an expert-data-parallel group larger than the dense shard group of 1)."""
     dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     experts = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "ep"))
     dense_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     experts_tp = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ep", "etp"))
+    experts_etp1 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
     dense_hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
     experts_hsdp = init_device_mesh("cpu", (2, world // 4, 2), mesh_dim_names=("dp_outer", "dp_shard", "ep"))
+    dense_hsdp_tp = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
+    experts_hsdp_ep1 = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp_outer", "dp_shard", "ep"))
     ep, ep_etp = dict(expert_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel_size=2,
                                                     tensor_parallel_plan=EXPERT_TP_PLAN)
+    mix_tp = dict(tensor_parallel_size=2, expert_tensor_parallel_size=1,
+                  tensor_parallel_plan={"blocks.*.mix": "colwise"} | EXPERT_TP_PLAN)
     hfsdp = dict(dp_outer_dim="dp_outer", outer_dp_sharding_strategy="optim")
+    hsdp = dict(dp_outer_dim="dp_outer", outer_dp_sharding_strategy="no_shard")
     results = []
     for name, expert_mesh, dense_mesh, dp_rank, planned_sizes, strategy, outer in [
         ("ep2 edp2 optim_grads_params", experts, dense, rank, ep, "optim_grads_params", {}),
         ("ep2 edp2 optim", experts, dense, rank, ep, "optim", {}),
         ("ep2 etp2 optim", experts_tp, dense_tp, dense_tp["dp"].get_local_rank(), ep_etp, "optim", {}),
         ("hfsdp2 ep2 optim_grads_params", experts_hsdp, dense_hsdp, rank, ep, "optim_grads_params", hfsdp),
+        ("tp2 ep2 etp1 optim_grads_params", experts_etp1, dense_tp, dense_tp["dp"].get_local_rank(),
+         mix_tp | ep, "optim_grads_params", {}),
+        ("hsdp2 tp2 ep1 etp1 optim", experts_hsdp_ep1, dense_hsdp_tp, dense_hsdp_tp["dp_outer"].get_local_rank(),
+         mix_tp, "optim", hsdp),
     ]:
         plan = megatron_fsdp.plan_memory(
             _meta_moe(), world, fsdp_unit_modules=[MoEBlock], device_type="cpu", zero_dp_strategy=strategy,
             dp_outer_size=2 if outer else 1, outer_dp_sharding_strategy=outer.get("outer_dp_sharding_strategy", "no_shard"),
             **planned_sizes)
         split = expert_mesh[expert_mesh.mesh_dim_names[-2:]] if expert_mesh is experts_tp else expert_mesh["ep"]
+        tp_mesh = dense_mesh["tp"] if "mix" in str(planned_sizes.get("tensor_parallel_plan")) else None
         held, pool_peak = _held_after_first_step(
-            lambda: make_moe(split), make_batch(dp_rank, 2), device_mesh=dense_mesh, dp_shard_dim=dense_mesh.mesh_dim_names[-1]
-            if outer else dense_mesh.mesh_dim_names[0], expt_device_mesh=expert_mesh, fsdp_unit_modules=[MoEBlock],
-            zero_dp_strategy=strategy, **outer)
+            lambda: _moe_with_mix_split(split, tp_mesh), make_batch(dp_rank, 2), device_mesh=dense_mesh,
+            dp_shard_dim="dp_shard" if outer else dense_mesh.mesh_dim_names[0], expt_device_mesh=expert_mesh,
+            fsdp_unit_modules=[MoEBlock], zero_dp_strategy=strategy, **({"tp_dim": "tp"} if tp_mesh else {}), **outer)
         planned = plan.for_rank(rank)
         results.append((name, held, planned.device_model_states + planned.host_model_states, pool_peak,
                         planned.working_set))
     return results
+
+
+def _moe_with_mix_split(expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> nn.Module:
+    """tests/moe_model.py's model, each block's mix column-parallel over ``tp_mesh`` (its output
+    gathered whole for the residual)."""
+    model = make_moe(expert_mesh)
+    for block in model.blocks if tp_mesh is not None else ():
+        parallelize_module(block, tp_mesh, {"mix": ColwiseParallel(output_layouts=Replicate())})
+    return model
 
 
 @pytest.mark.parametrize("run", [_tensor_parallel_held_and_planned, _expert_parallel_held_and_planned],
@@ -337,12 +361,13 @@ def test_the_command_reads_a_hugging_face_config_and_prints_a_table(tmp_path, ca
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(world_size=6, dp_outer_size=4), "world_size 6 is not divisible by dp_outer_size 4"),
+    (dict(world_size=6, dp_outer_size=4), "world_size 6 is not divisible by dp_outer_size 4 .*: sizes that divide it, "
+                                          "the others as given: dp_outer_size 1, 2, 3 or 6"),
     (dict(zero_dp_strategy="zero4"), "unknown zero_dp_strategy 'zero4'"),
     (dict(optimizer="lion"), "unknown optimizer 'lion'"),
     (dict(outer_dp_sharding_strategy="optim"), "needs dp_outer_dim"),
     (dict(tensor_parallel_size=2, context_parallel_size=3), "world_size 8 is not divisible by tensor_parallel_size x "
-                                                            "context_parallel_size x dp_outer_size = 2 x 3 x 1 = 6"),
+                                                            "context_parallel_size = 2 x 3 = 6 .*: context_parallel_size 1, 2 or 4"),
     (dict(tensor_parallel_size=2, tensor_parallel_plan={"blocks.*.mlp": "colwise"}),
      "tensor_parallel_plan key 'blocks.*.mlp' matches no module"),
     (dict(tensor_parallel_size=2, tensor_parallel_plan={"blocks.*.attn_norm": "colwise"}),
@@ -362,15 +387,17 @@ def test_a_model_not_on_the_meta_device_is_refused() -> None:
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (["--world-sizes", "6", "--dp-outer-sizes", "4"], "world size 6 with dp_outer 4 (6 is not divisible by 4)"),
+    (["--world-sizes", "6", "--dp-outer-sizes", "4"], "world_size 6 is not divisible by dp_outer_size 4"),
     (["--world-sizes", "0"], "--world-sizes: expected integers >= 1"),
     (["--dp-outer-sizes", "-2"], "--dp-outer-sizes: expected integers >= 1"),
     (["--device-memory", "-5"], "--device-memory: expected a number > 0"),
     (["--micro-batches", "0"], "--micro-batches: expected integers >= 1"),
     (["--strategies", "zero9"], "unknown zero_dp_strategy 'zero9'"),
-    (["--world-sizes", "6", "--tensor-parallel-size", "4"], "world size 6 with tp 4 (6 is not divisible by 4)"),
+    (["--world-sizes", "6", "--tensor-parallel-size", "4"], "error: world 6, tp 4: world_size 6 is not divisible by "
+     "tensor_parallel_size 4 (the mesh is (pp, dp_outer, dp_shard, cp, tp)): sizes that divide it, the others as given: "
+     "tensor_parallel_size 1, 2, 3 or 6"),
     (["--world-sizes", "8", "--tensor-parallel-size", "2", "--context-parallel-size", "3"],
-     "world size 8 with tp 2 x cp 3 (8 is not divisible by 6)"),
+     "world_size 8 is not divisible by tensor_parallel_size x context_parallel_size = 2 x 3 = 6"),
     (["--world-sizes", "6", "--tensor-parallel-size", "3"], "tensor_parallel_size 3 does not divide dim 0 (128) of embed.weight"),
     (["--tensor-parallel-size", "0"], "--tensor-model-parallel-size: expected integers >= 1"),
     (["--tensor-parallel-plan", "[1]"], "--tensor-parallel-plan: expected a JSON object"),
@@ -399,12 +426,11 @@ def test_the_command_takes_model_parallel_sizes_and_prints_them(capsys) -> None:
         assert row["model_states"] == plan.largest.device_model_states, row
     whole, split = (r["weights"] for r in rows)
     assert 0.5 * whole < split < 0.52 * whole, (whole, split)  # norms and position embeddings stay whole
-    main(common + ["--tensor-parallel-size", "2", "--expert-tensor-parallel-size", "1"])
-    out = capsys.readouterr().out
-    header, row = out.splitlines()[2:4]
-    assert "model-parallel sizes: tp, etp (world: all ranks); tensor-parallel split: Megatron-LM's" in out, out
-    assert header.split()[:6] == ["strategy", "world", "outer", "tp", "etp", "offload"], out
-    assert row.split()[:6] == ["optim", "8", "1", "2", "1", "no"], out
+    # An expert-tensor-parallel size of its own asks for an expert mesh, which a model without
+    # experts cannot have (fully_shard refuses an expert mesh without expert parameters).
+    with pytest.raises(SystemExit, match="expert_tensor_parallel_size=1 .not the tensor_parallel_size 2. but the model "
+                                         "has no expert parameter"):
+        main(common + ["--tensor-parallel-size", "2", "--expert-tensor-parallel-size", "1"])
 
 
 def test_the_command_refuses_expert_parallel_sizes_that_do_not_divide_the_experts(tmp_path, capsys) -> None:

@@ -185,7 +185,8 @@ def test_the_gathered_weights_and_the_activation_estimate_follow_the_policy_and_
      "5 is not a multiple of its 2 rounds"),
     (dict(pipeline_parallel_size=3, pipeline_schedule="GPipe"), "world_size 8 is not divisible by pipeline_parallel_size 3"),
     (dict(pipeline_parallel_size=2, tensor_parallel_size=3, tensor_parallel_plan={"blocks.*.up": "colwise"}),
-     r"world_size 8 is not divisible by pipeline_parallel_size 2 x .* = 2 x 3 x 1 x 1"),
+     r"world_size 8 is not divisible by pipeline_parallel_size x tensor_parallel_size = 2 x 3 = 6 .*: "
+     "tensor_parallel_size 1, 2 or 4"),
     (dict(pipeline_schedule="1F1B", pipeline_parallel_size=2, virtual_stages=0), "virtual_stages must be >= 1"),
     (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be >= 1"),
 ])

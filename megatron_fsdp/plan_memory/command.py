@@ -14,20 +14,22 @@ count, tensor-, context-, expert- and pipeline-parallel size and offload choice,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import itertools
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from megatron_fsdp.engine.planning.memory_plan import OptimizerSpec, gib
+from megatron_fsdp.engine.planning.model_plan import PlanRefused
 from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
-from megatron_fsdp.plan_memory import plan_memory
+from megatron_fsdp.plan_memory import MemoryPlan, plan_memory
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -46,9 +48,27 @@ def _load_hf_model(name: str, dtype: torch.dtype) -> tuple[nn.Module, list[str]]
         config = transformers.AutoConfig.from_pretrained(str(path) if path.exists() else name)
     except (OSError, ValueError) as error:
         raise SystemExit(f"--hf {name}: transformers could not load a config from it: {error}") from error
-    with torch.device("meta"):
+    with torch.device("meta"), _without_torchao():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model, list(getattr(model, "_no_split_modules", None) or [])
+
+
+@contextlib.contextmanager
+def _without_torchao() -> Iterator[None]:
+    """transformers' model code imports torchao wherever it is installed (for its quantizers),
+    whose import logs native libraries it fails to load and torch deprecation warnings. A model
+    built from a config holds no torchao Float8Linear, the one thing the plan reads torchao for
+    (float8_weights.py), so while it is built torchao reads as not installed (a None entry in
+    sys.modules: find_spec answers None and an import raises ImportError)."""
+    if "torchao" in sys.modules:
+        yield
+        return
+    sys.modules["torchao"] = None
+    try:
+        yield
+    finally:
+        if sys.modules.get("torchao", ...) is None:
+            del sys.modules["torchao"]
 
 
 def _load_factory_model(spec: str, kwargs: dict, dtype: torch.dtype) -> nn.Module:
@@ -120,7 +140,15 @@ def _positive_float(value: str) -> float:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_fsdp.plan_memory",
-        description="Per-rank memory of a model sharded by megatron_fsdp, for each strategy and world size.",
+        description="Per-rank memory of a model sharded by megatron_fsdp, for each strategy and world size: one row "
+                    "per combination of the sizes given (each flag takes one value or a comma-separated list).",
+        epilog="examples:\n"
+               "  python -m megatron_fsdp.plan_memory --hf examples/configs/llama3_8b.json --world-sizes 8,64 "
+               "--device-memory 80\n"
+               "  python -m megatron_fsdp.plan_memory --model examples/gpt_model.py:gpt --units TransformerBlock "
+               "--world-sizes 8 --tensor-parallel-size 1,2\n"
+               "docs/memory_planning.md explains every column.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="a Hugging Face model id or config.json path (needs transformers)")
@@ -128,12 +156,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for --model's callable")
     parser.add_argument("--units", default=None, help="unit class names (default for --hf: its decoder layer)")
     parser.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16", help="the parameters' (compute) dtype")
-    parser.add_argument("--main-params-dtype", choices=tuple(_DTYPES), default="fp32")
+    parser.add_argument("--main-params-dtype", choices=tuple(_DTYPES), default="fp32",
+                        help="the dtype of the weights the optimizer steps")
     parser.add_argument("--main-grads-dtype", choices=tuple(_DTYPES), default=None, help="default: the compute dtype")
     parser.add_argument("--grad-comm-dtype", choices=tuple(_DTYPES), default=None, help="default: the main grads dtype")
-    parser.add_argument("--world-sizes", type=_positive_ints, default=[8], help="comma-separated, e.g. 8,64,1024")
+    parser.add_argument("--world-sizes", type=_positive_ints, default=[8],
+                        help="all ranks of the job, comma-separated, e.g. 8,64,1024")
     parser.add_argument("--dp-outer-sizes", type=_positive_ints, default=[1], help="HSDP replica counts to try, e.g. 1,8")
-    parser.add_argument("--outer-strategy", choices=("no_shard", "optim"), default="no_shard")
+    parser.add_argument("--outer-strategy", choices=("no_shard", "optim"), default="no_shard",
+                        help="with --dp-outer-sizes > 1: 'optim' also shards the optimizer state over the replicas "
+                             "(HFSDP; optim_grads_params rows only)")
     # Megatron-LM's flags, each one size or a comma-separated list of sizes to compare.
     parser.add_argument("--tensor-parallel-size", "--tensor-model-parallel-size", type=_positive_ints, default=[1],
                         help="TP sizes, e.g. 1,2,8; splits what --tensor-parallel-plan names")
@@ -160,11 +192,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--activation-mib-per-layer", type=_positive_float, default=None,
                         help="MiB one micro-batch's activations take in one layer: adds the activation estimate and "
                              "the step's estimated peak")
-    parser.add_argument("--strategies", default="no_shard,optim,optim_grads,optim_grads_params")
-    parser.add_argument("--cpu-offload", choices=("off", "on", "both"), default="off")
+    parser.add_argument("--strategies", default=None,
+                        help="comma-separated, e.g. optim,optim_grads_params (default: all four; pipeline rows "
+                             "optim_grads_params only, the one FSDP2's door runs)")
+    parser.add_argument("--cpu-offload", choices=("off", "on", "both"), default="off",
+                        help="main weights, gradients and optimizer state on the host ('both': a row for each)")
     parser.add_argument("--optimizer", default="adamw", help=", ".join(OptimizerSpec.KINDS))
     parser.add_argument("--double-buffer", action="store_true", help="fsdp_double_buffer")
-    parser.add_argument("--micro-batches", type=_positive_int, default=1, help="backward passes per optimizer step")
+    parser.add_argument("--micro-batches", type=_positive_int, default=None,
+                        help="backward passes per optimizer step (default: 1, or under pipeline parallelism the "
+                             "fewest the schedule runs, e.g. pp for 1F1B)")
     parser.add_argument("--deferred-reduction", nargs="?", const="no_sync", default=False,
                         choices=("no_sync", "requires_gradient_sync"),
                         help="micro-batches before the last hold back: inside no_sync() or with auto-sync off (the "
@@ -172,6 +209,62 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device-memory", type=_positive_float, default=None, help="GiB per device: marks the rows that fit")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     return parser.parse_args(argv)
+
+
+_ALL_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _strategies(args: argparse.Namespace, pp: int) -> list[str]:
+    """--strategies, or by default all four; a pipeline stage (plan_memory plans one whenever a
+    pipeline size, schedule or virtual stages are given): optim_grads_params, FSDP2's door's."""
+    if args.strategies is not None:
+        return _csv(args.strategies)
+    pipelined = pp != 1 or args.pipeline_schedule != "1F1B" or args.virtual_stages not in (None, 1)
+    return ["optim_grads_params"] if pipelined else list(_ALL_STRATEGIES)
+
+
+def _micro_batches(args: argparse.Namespace, pp: int) -> int:
+    """--micro-batches, or by default the fewest the schedule runs (1 without pipeline
+    parallelism; a schedule or virtual-stage count it refuses is plan_memory's to name)."""
+    if args.micro_batches is not None:
+        return args.micro_batches
+    try:
+        return PipelineSpec(pp, args.pipeline_schedule, 1, args.virtual_stages).fewest_micro_batches()
+    except ValueError:
+        return 1
+
+
+class _Problems:
+    """Every problem of a command, each once with the choices it came from (the first three, and
+    how many more), in plan_memory's order: sizes that do not divide the world, the model and what the
+    engine cannot shard, then the schedule's micro-batches."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, dict[str, list[str]]] = {"mesh": {}, "structural": {}, "schedule": {}}
+
+    def add(self, kind: str, message: str, where: str) -> None:
+        places = self.found[kind].setdefault(message, [])
+        if where not in places:
+            places.append(where)
+
+    def report(self) -> str | None:
+        lines = []
+        for by_message in self.found.values():
+            for message, places in by_message.items():
+                more = f" and {len(places) - 3} more" if len(places) > 3 else ""
+                lines.append(f"{'; '.join(places[:3])}{more}: {message}")
+        if not lines:
+            return None
+        if len(lines) == 1:
+            return f"error: {lines[0]}"
+        return f"error: {len(lines)} problems, each with its fix:\n" + "\n".join(f"- {line}" for line in lines)
+
+
+def _where(world: int, outer: int, tp: int, cp: int, pp: int, ep: int, etp: int | None) -> str:
+    """The mesh a problem came from: the world size and the model-parallel sizes given."""
+    sizes = [f"world {world}"] + [f"{name} {size}" for name, size in (
+        ("dp_outer", outer), ("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep)) if size > 1]
+    return ", ".join(sizes + ([f"etp {etp}"] if etp is not None else []))
 
 
 def _rows(model: nn.Module, units: list[type], args: argparse.Namespace) -> list[dict]:
@@ -182,52 +275,64 @@ def _rows(model: nn.Module, units: list[type], args: argparse.Namespace) -> list
     )
     offloads = {"off": [False], "on": [True], "both": [False, True]}[args.cpu_offload]
     rows = []
-    meshes = list(itertools.product(args.world_sizes, args.tensor_parallel_size, args.context_parallel_size,
-                                    args.dp_outer_sizes, args.pipeline_parallel_size))
-    impossible = [_impossible_mesh(*mesh) for mesh in meshes if mesh[0] % (mesh[1] * mesh[2] * mesh[3] * mesh[4])]
-    if impossible:
-        raise SystemExit("no (pp, dp_outer, dp_shard, cp, tp) mesh for " + ", ".join(impossible))
-    expert_sizes = itertools.product(args.expert_parallel_size, args.expert_tensor_parallel_size or [None])
-    combos = itertools.product(meshes, list(expert_sizes), _csv(args.strategies), offloads)
+    problems = _Problems()
+    meshes = itertools.product(args.world_sizes, args.tensor_parallel_size, args.context_parallel_size,
+                               args.dp_outer_sizes, args.pipeline_parallel_size)
+    expert_sizes = list(itertools.product(args.expert_parallel_size, args.expert_tensor_parallel_size or [None]))
     reshard = None if args.reshard_after_forward is None else args.reshard_after_forward == "true"
     activations = None if args.activation_mib_per_layer is None else round(args.activation_mib_per_layer * 2**20)
-    for (world, tp, cp, outer_size, pp), (ep, etp), strategy, offload in combos:
-        outer = args.outer_strategy if outer_size > 1 else "no_shard"
-        if outer == "optim" and strategy != "optim_grads_params":
-            continue
-        plan = plan_memory(
-            model, world, dp_outer_size=outer_size, tensor_parallel_size=tp, context_parallel_size=cp,
-            expert_parallel_size=ep, expert_tensor_parallel_size=etp, tensor_parallel_plan=args.tensor_parallel_plan,
-            fsdp_unit_modules=units, zero_dp_strategy=strategy,
-            outer_dp_sharding_strategy=outer, mixed_precision_policy=policy, optimizer=args.optimizer,
-            fsdp_double_buffer=args.double_buffer, cpu_offload=offload, micro_batches=args.micro_batches,
-            deferred_reduction=args.deferred_reduction, pipeline_parallel_size=pp, pipeline_schedule=args.pipeline_schedule,
-            virtual_stages=args.virtual_stages, reshard_after_forward=reshard, activation_bytes_per_layer=activations,
-        )
-        memory = plan.largest
-        row = {
-            "strategy": strategy, "world": world, "dp_outer": outer_size, "tp": tp, "cp": cp, "ep": ep,
-            "etp": plan.options.parallel.etp, "pp": pp, "offload": offload,
-            "weights": memory.device["compute weights"], "main_weights": memory.device["main weights"],
-            "main_grads": memory.device["main grads"], "optimizer": memory.device["optimizer state"],
-            "model_states": memory.device_model_states, "working_set": memory.working_set,
-            "device_total": memory.device_total, "host": memory.host_model_states, "pinned_host": memory.pinned_host,
-        }
-        if plan.options.pipeline is not None:
-            row |= {"schedule": plan.options.pipeline.schedule, "virtual_stages": plan.options.pipeline.virtual_stages,
-                    "stages": list(memory.stages), "gathered_between_micro_batches": memory.gathered_between_micro_batches}
-        if activations is not None:
-            row |= {"activations": memory.activations, "peak": memory.step_peak}
-        if args.device_memory is not None:
-            row["fits"] = gib(row.get("peak", memory.device_total)) <= args.device_memory
-        rows.append(row)
+    for (world, tp, cp, outer_size, pp), (ep, etp) in itertools.product(meshes, expert_sizes):
+        micro_batches = _micro_batches(args, pp)
+        for strategy, offload in itertools.product(_strategies(args, pp), offloads):
+            outer = args.outer_strategy if outer_size > 1 else "no_shard"
+            if outer == "optim" and strategy != "optim_grads_params":
+                continue
+            try:
+                plan = plan_memory(
+                    model, world, dp_outer_size=outer_size, tensor_parallel_size=tp, context_parallel_size=cp,
+                    expert_parallel_size=ep, expert_tensor_parallel_size=etp,
+                    tensor_parallel_plan=args.tensor_parallel_plan, fsdp_unit_modules=units, zero_dp_strategy=strategy,
+                    outer_dp_sharding_strategy=outer, mixed_precision_policy=policy, optimizer=args.optimizer,
+                    fsdp_double_buffer=args.double_buffer, cpu_offload=offload, micro_batches=micro_batches,
+                    deferred_reduction=args.deferred_reduction, pipeline_parallel_size=pp,
+                    pipeline_schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
+                    reshard_after_forward=reshard, activation_bytes_per_layer=activations,
+                )
+            except PlanRefused as refused:
+                mesh = _where(world, outer_size, tp, cp, pp, ep, etp)
+                for kind in ("mesh", "structural", "schedule"):
+                    for message in getattr(refused, kind):
+                        problems.add(kind, message, mesh if kind == "mesh" else f"{mesh}, {strategy}")
+                continue
+            except ValueError as error:  # a choice plan_memory refuses before planning
+                problems.add("structural", str(error), f"{_where(world, outer_size, tp, cp, pp, ep, etp)}, {strategy}")
+                continue
+            rows.append(_row(plan, strategy, world, outer_size, tp, cp, ep, pp, offload, args))
+    if report := problems.report():
+        raise SystemExit(report)
     return rows
 
 
-def _impossible_mesh(world: int, tp: int, cp: int, outer: int, pp: int) -> str:
-    """Why ``world`` ranks hold no such mesh, naming only the sizes asked for."""
-    named = [f"{name} {size}" for name, size in (("pp", pp), ("tp", tp), ("cp", cp), ("dp_outer", outer)) if size > 1]
-    return f"world size {world} with {' x '.join(named)} ({world} is not divisible by {tp * cp * outer * pp})"
+def _row(plan: MemoryPlan, strategy: str, world: int, outer_size: int, tp: int, cp: int, ep: int, pp: int,
+         offload: bool, args: argparse.Namespace) -> dict:
+    memory = plan.largest
+    row = {
+        "strategy": strategy, "world": world, "dp_outer": outer_size, "tp": tp, "cp": cp, "ep": ep,
+        "etp": plan.options.parallel.etp, "pp": pp, "offload": offload,
+        "weights": memory.device["compute weights"], "main_weights": memory.device["main weights"],
+        "main_grads": memory.device["main grads"], "optimizer": memory.device["optimizer state"],
+        "model_states": memory.device_model_states, "working_set": memory.working_set,
+        "device_total": memory.device_total, "host": memory.host_model_states, "pinned_host": memory.pinned_host,
+    }
+    if plan.options.pipeline is not None:
+        row |= {"schedule": plan.options.pipeline.schedule, "virtual_stages": plan.options.pipeline.virtual_stages,
+                "micro_batches": plan.options.micro_batches, "stages": list(memory.stages),
+                "gathered_between_micro_batches": memory.gathered_between_micro_batches}
+    if plan.options.activation_bytes_per_layer is not None:
+        row |= {"activations": memory.activations, "peak": memory.step_peak}
+    if args.device_memory is not None:
+        row["fits"] = gib(row.get("peak", memory.device_total)) <= args.device_memory
+    return row
 
 
 _COLUMNS = (("weights", "weights"), ("main_weights", "main w"), ("main_grads", "main g"), ("optimizer", "optim"),
@@ -265,19 +370,27 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _check_pipelines(args: argparse.Namespace) -> None:
-    """The pipeline choices, before a model is loaded: an unknown schedule, or one that cannot
-    run these micro-batches or virtual stages, stops here with what to change."""
-    for size in args.pipeline_parallel_size:
-        try:
-            PipelineSpec(size, args.pipeline_schedule, args.micro_batches, args.virtual_stages)
-        except ValueError as error:
-            raise SystemExit(f"error: {error}") from error
+def _micro_batch_count(count: int) -> str:
+    return f"{count} micro-batch{'es' if count > 1 else ''}"
+
+
+def _pipeline_note(staged: list[dict], args: argparse.Namespace) -> str:
+    """The pipeline rows' schedule, micro-batches (the fewest the schedule runs, when not given)
+    and strategy."""
+    first = staged[0]
+    if args.micro_batches is not None:
+        batches = _micro_batch_count(args.micro_batches)
+    else:
+        counts = {row["pp"]: row["micro_batches"] for row in staged}
+        batches = (f"{', '.join(f'{_micro_batch_count(count)} at pp {pp}' for pp, count in counts.items())} (the "
+                   f"fewest {first['schedule']} runs; --micro-batches sets them)")
+    strategy = ", optim_grads_params only (FSDP2's door shards the stages)" if args.strategies is None else ""
+    return (f"; pipeline: {first['schedule']}, {batches}, {first['virtual_stages']} stage(s) a rank, layers split "
+            f"evenly, the largest rank's stages shown{strategy}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    _check_pipelines(args)
     dtype = _DTYPES[args.dtype]
     if args.hf:
         model, default_units = _load_hf_model(args.hf, dtype)
@@ -285,10 +398,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         model, default_units = _load_factory_model(args.model, json.loads(args.model_kwargs), dtype), []
     units = _unit_classes(model, _csv(args.units) if args.units else default_units)
     params = sum(p.numel() for p in model.parameters())
-    try:
-        rows = _rows(model, units, args)
-    except ValueError as error:  # a choice plan_memory refuses: its message says which
-        raise SystemExit(f"error: {error}") from error
+    rows = _rows(model, units, args)
     if args.json:
         print("\n".join(json.dumps(row) for row in rows))
         return
@@ -301,9 +411,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             split = "; tensor-parallel split: " + ("--tensor-parallel-plan's" if args.tensor_parallel_plan else
                                                    "Megatron-LM's, by module names")
         if any(row["pp"] > 1 for row in rows):
-            first = next(row for row in rows if row["pp"] > 1)
-            split += (f"; pipeline: {first['schedule']}, {args.micro_batches} micro-batches, {first['virtual_stages']} "
-                      f"stage(s) a rank, layers split evenly, the largest rank's stages shown")
+            split += _pipeline_note([row for row in rows if row["pp"] > 1], args)
         print(f"model-parallel sizes: {', '.join(columns)} (world: all ranks){split}")
     if any("peak" in row for row in rows):
         print("'activ.' = activations the schedule keeps in flight (an estimate from --activation-mib-per-layer, layers "

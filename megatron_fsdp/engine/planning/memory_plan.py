@@ -21,6 +21,7 @@ from megatron_fsdp.engine.buckets.bucket_geometry import BucketGeometry
 from megatron_fsdp.engine.config import FSDPSettings, ShardingStrategy
 from megatron_fsdp.engine.params.dtensor_params import local_tensor
 from megatron_fsdp.engine.planning.model_parallel import (
+    IndivisibleMesh,
     LocalParams,
     ParallelSizes,
     RankPlace,
@@ -281,12 +282,10 @@ def check_meta_model(module: nn.Module) -> None:
 def check_options(options: PlanOptions) -> None:
     if options.world_size < 1 or options.outer_size < 1:
         raise ValueError(f"world_size and dp_outer_size must be >= 1, got {options.world_size} and {options.outer_size}")
-    if options.world_size % options.outer_size:
-        raise ValueError(
-            f"world_size {options.world_size} is not divisible by dp_outer_size {options.outer_size}: the mesh is "
-            "(dp_outer, dp_shard), so pick an outer size that divides the world size"
-        )
-    options.parallel.check(options.world_size, options.outer_size)
+    options.parallel.check()
+    pipeline = options.pipeline.size if options.pipeline is not None else 1
+    if problem := options.parallel.mesh_problem(options.world_size, options.outer_size, pipeline):
+        raise IndivisibleMesh(problem)
     if options.outer_strategy is ShardingStrategy.OPTIM and options.outer_size == 1:
         raise ValueError("outer_dp_sharding_strategy='optim' needs dp_outer_size > 1")
     if options.micro_batches < 1:
@@ -423,8 +422,9 @@ def _working_set(memory: RankMemory, plans: list[tuple[_BucketPlan, BucketGeomet
         if options.stays_gathered and options.pipeline:
             memory.gathered_between_micro_batches = sum(held.values())
     pending = options.settings.max_reductions_in_flight if options.settings.overlap_grad_reduce else 0
-    # An expert bucket's gradients are divided by the dense data-parallel size (units.py).
-    dense = options.parallel.data_parallel_ranks(options.world_size)
+    # An expert bucket's gradients are divided by the dense data-parallel size within an HSDP
+    # replica (units.py; the replicas divide by their own count).
+    dense = options.parallel.data_parallel_ranks(options.world_size) // options.outer_size
     reductions = [_ReductionBytes.of(geometry, dense if bucket.expert else geometry.layout.world_size)
                   for bucket, geometry in plans]
     if options.accumulates_locally:

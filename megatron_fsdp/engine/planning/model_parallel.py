@@ -12,6 +12,7 @@ are split and on which dim; each rank's local tensor is then what the engine sha
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ MEGATRON_GROUPED_EXPERT_DIMS = {"gate_up_proj": 1, "up_proj": 1, "gate_proj": 1,
 _PER_EXPERT_MODULE = re.compile(r"^((?:.*\.)?experts)\.(\d+)\.")
 
 
+class IndivisibleMesh(ValueError):
+    """Sizes whose product does not divide the world (the message names the sizes that would)."""
+
+
 @dataclass(frozen=True)
 class ParallelSizes:
     """Megatron-LM's model-parallel sizes: ``tensor`` (``--tensor-model-parallel-size``),
@@ -68,36 +73,71 @@ class ParallelSizes:
         """Ranks holding the same experts, which expert parameters are sharded over."""
         return world_size // (self.expert * self.etp)
 
-    def check(self, world_size: int, outer_size: int) -> None:
+    def check(self) -> None:
         named = {"tensor_parallel_size": self.tensor, "context_parallel_size": self.context,
                  "expert_parallel_size": self.expert, "expert_tensor_parallel_size": self.etp}
         for name, size in named.items():
             if size < 1:
                 raise ValueError(f"{name} must be >= 1, got {size}")
-        dense = self.tensor * self.context * outer_size
-        if world_size % dense:
-            raise ValueError(
-                f"world_size {world_size} is not divisible by tensor_parallel_size x context_parallel_size x "
-                f"dp_outer_size = {self.tensor} x {self.context} x {outer_size} = {dense}: the dense mesh is "
-                "(dp_outer, dp_shard, cp, tp)"
-            )
+
+    def mesh_problem(self, world_size: int, outer_size: int, pipeline_size: int = 1) -> str | None:
+        """Why ``world_size`` ranks hold no (pp, dp_outer, dp_shard, cp, tp) mesh of these sizes,
+        with the values of each size that would fit, the others as given; None when they do."""
+        named = {"pipeline_parallel_size": pipeline_size, "tensor_parallel_size": self.tensor,
+                 "context_parallel_size": self.context, "dp_outer_size": outer_size}
+        product = math.prod(named.values())
+        if world_size % product == 0:
+            return None
+        fits = []
+        for name, size in named.items():
+            others = product // size
+            if size > 1 and world_size % others == 0:
+                room = world_size // others  # what this size may be: any divisor of it
+                fits.append(f"{name} {_one_of(d for d in range(1, room + 1) if room % d == 0)}")
+        fix = (f"sizes that divide it, the others as given: {'; '.join(fits)}" if fits else
+               f"pick sizes whose product divides {world_size}")
+        asked = {name: size for name, size in named.items() if size > 1}
+        sizes = f"{' x '.join(asked)} = {' x '.join(map(str, asked.values()))} = {product}"
+        if len(asked) == 1:
+            sizes = f"{next(iter(asked))} {product}"
+        return f"world_size {world_size} is not divisible by {sizes} (the mesh is (pp, dp_outer, dp_shard, cp, tp)): {fix}"
+
+    @property
+    def needs_expert_mesh(self) -> bool:
+        """Whether the experts are laid out apart from the dense parameters, so fully_shard needs
+        ``expt_device_mesh``: dealt out over EP ranks, or split by an ETP other than the TP size."""
+        return self.expert > 1 or self.etp != self.tensor
 
     def check_expert_groups(self, world_size: int, outer_size: int = 1) -> None:
-        """For a model with experts: the expert mesh must fit the world and the dense groups."""
+        """For a model with experts: the expert mesh must fit the world and the dense groups, as
+        fully_shard checks it (mesh.resolve_expert_group: the expert-data-parallel size, within an
+        HSDP replica, divides the dense data-parallel ranks)."""
         experts = self.expert * self.etp * outer_size
         if world_size % experts:
-            raise ValueError(
+            raise IndivisibleMesh(
                 f"world_size {world_size} is not divisible by expert_parallel_size x expert_tensor_parallel_size x "
                 f"dp_outer_size = {self.expert} x {self.etp} x {outer_size} = {experts}: the expert mesh is "
-                "(dp_outer, expert data parallel, ep, etp)"
+                f"(dp_outer, expert data parallel, ep, etp), so pick sizes whose product divides {world_size}"
             )
-        edp, dp = self.expert_data_parallel_size(world_size), self.data_parallel_ranks(world_size)
+        edp, dp = world_size // experts, self.data_parallel_ranks(world_size)
         if dp % edp:
+            # dp / edp = outer x ep x etp / tp: ep must be a multiple of tp / gcd(tp, outer x etp).
+            step = self.tensor // math.gcd(self.tensor, outer_size * self.etp)
+            ep = -(-self.expert // step) * step
             raise ValueError(
-                f"the expert-data-parallel size {edp} (world / (ep x etp)) does not divide the {dp} data-parallel "
-                f"ranks (world / tp): fully_shard refuses such an expert mesh; raise expert_parallel_size or "
-                "expert_tensor_parallel_size"
+                f"the expert-data-parallel size {edp} (world / (ep x etp x dp_outer) = {world_size} / ({self.expert} x "
+                f"{self.etp} x {outer_size})) does not divide the {dp} data-parallel ranks (world / tp = {world_size} / "
+                f"{self.tensor}): fully_shard refuses such an expert mesh. expert_parallel_size x "
+                f"expert_tensor_parallel_size x dp_outer_size must be a multiple of tensor_parallel_size {self.tensor}: "
+                f"e.g. expert_parallel_size {ep} with expert_tensor_parallel_size {self.etp}, or "
+                f"expert_tensor_parallel_size {self.tensor} (the default, as Megatron-LM)"
             )
+
+
+def _one_of(values) -> str:
+    """``1, 2 or 4``."""
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
 
 
 @dataclass(frozen=True)
@@ -213,17 +253,22 @@ def megatron_style_plan(model: nn.Module) -> dict[str, str | int]:
 
 
 def expert_names(model: nn.Module, sizes: ParallelSizes) -> set[str]:
-    """The expert parameters, as fully_shard finds them: marked ``allreduce = False``, or, given
-    an expert mesh and no mark, every parameter under an ``experts`` module (mark_experts_by_name)."""
+    """The expert parameters, as fully_shard finds them given ``expt_device_mesh``: marked
+    ``allreduce = False``, or, without a mark, every parameter under an ``experts`` module
+    (mark_experts_by_name). Without an expert mesh (EP 1 and ETP = TP) unmarked experts are
+    dense parameters, split by TP as the plan says; with one they are found by name."""
     named = dict(model.named_parameters())
     marked = {n for n, p in named.items() if is_expert_param(p)}
-    if marked or sizes.expert == 1:
+    if marked or not sizes.needs_expert_mesh:
         return marked
     found = {n for n in named if ".experts." in f".{n}"}
     if not found:
+        asked = (f"expert_parallel_size={sizes.expert}" if sizes.expert > 1 else
+                 f"expert_tensor_parallel_size={sizes.etp} (not the tensor_parallel_size {sizes.tensor})")
         raise ValueError(
-            f"expert_parallel_size={sizes.expert} but the model has no expert parameter: mark them as fully_shard "
-            "reads them (param.allreduce = False) or keep them under a module named 'experts'"
+            f"{asked} but the model has no expert parameter: mark them as fully_shard reads them "
+            "(param.allreduce = False) or keep them under a module named 'experts'; for a model without experts "
+            "leave expert_parallel_size 1 and expert_tensor_parallel_size unset"
         )
     return found
 

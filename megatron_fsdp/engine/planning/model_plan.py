@@ -19,6 +19,7 @@ from megatron_fsdp.engine.planning.memory_plan import (
     plan_rank,
 )
 from megatron_fsdp.engine.planning.model_parallel import (
+    IndivisibleMesh,
     LocalParams,
     RankPlace,
     expert_names,
@@ -59,25 +60,46 @@ def _split_dims(module: nn.Module, options: PlanOptions) -> dict[str, int]:
     return dims
 
 
+class PlanRefused(ValueError):
+    """Why a plan cannot be made, each with its fix, in the order to fix them: ``mesh`` (sizes
+    whose product does not divide the world), other ``structural`` problems (the model, what the
+    engine cannot shard), then ``schedule`` ones (the pipeline schedule's micro-batches)."""
+
+    def __init__(self, mesh: list[str], structural: list[str], schedule: list[str]) -> None:
+        self.mesh, self.structural, self.schedule = mesh, structural, schedule
+        problems = mesh + structural + schedule
+        super().__init__(problems[0] if len(problems) == 1 else
+                         f"{len(problems)} problems:\n" + "\n".join(f"- {problem}" for problem in problems))
+
+
 def plan_model(
     module: nn.Module, unit_classes: tuple[type, ...], options: PlanOptions,
 ) -> tuple[RankMemory, list[RankMemory], list[int]]:
     """The largest rank's plan, every planned rank's, and for each rank the planned rank it
     holds alike with (:func:`alike_ranks`). Under pipeline parallelism each pipeline rank's
-    ranks (a slice of ``world_size / pp`` consecutive ranks) are planned for its stages."""
+    ranks (a slice of ``world_size / pp`` consecutive ranks) are planned for its stages.
+    Raises :class:`PlanRefused` naming the first problem of the mesh or model and the schedule's."""
+    problem = options.pipeline.micro_batch_problem() if options.pipeline is not None else None
+    schedule = [problem] if problem else []
+    try:
+        planned = _plan_model(module, unit_classes, options)
+    except IndivisibleMesh as error:
+        raise PlanRefused([str(error)], [], schedule) from error
+    except ValueError as error:
+        raise PlanRefused([], [str(error)], schedule) from error
+    if schedule:
+        raise PlanRefused([], [], schedule)
+    return planned
+
+
+def _plan_model(
+    module: nn.Module, unit_classes: tuple[type, ...], options: PlanOptions,
+) -> tuple[RankMemory, list[RankMemory], list[int]]:
+    check_options(options)
     pipeline = options.pipeline
     if pipeline is not None:
-        sizes = options.parallel
-        per_pipeline_rank = sizes.tensor * sizes.context * options.outer_size
-        if options.world_size % (pipeline.size * per_pipeline_rank):
-            raise ValueError(
-                f"world_size {options.world_size} is not divisible by pipeline_parallel_size {pipeline.size} x "
-                f"tensor_parallel_size x context_parallel_size x dp_outer_size = {pipeline.size} x {sizes.tensor} x "
-                f"{sizes.context} x {options.outer_size}: the mesh is (pp, dp_outer, dp_shard, cp, tp), so pick sizes "
-                "whose product divides the world size"
-            )
+        check_pipeline_door(module, options)
     slice_options = options if pipeline is None else replace(options, world_size=options.world_size // pipeline.size)
-    check_options(slice_options)
     layers = find_unit_modules(module, unit_classes, units_required=False, log_absent=False)
     if pipeline is None:
         ranks, alike = _plan_slice(module, unit_classes, slice_options, None, len(outermost_layers(layers)))
@@ -92,6 +114,30 @@ def plan_model(
             alike += [rank + offset for rank in stage_alike]
     largest = max(ranks, key=lambda m: (m.step_peak, m.host_model_states))
     return largest, ranks, alike
+
+
+def check_pipeline_door(module: nn.Module, options: PlanOptions) -> None:
+    """Under pipeline parallelism each stage module is sharded by FSDP2's door
+    (megatron_fsdp.fsdp2, or megatron_fsdp.experimental's for megatron_fsdp's precision policy),
+    which shards weights, gradients and optimizer state (optim_grads_params), has no HFSDP, no
+    double buffer, no NaN report and no expert mesh: what it cannot run is refused, with the fix."""
+    settings, refused = options.settings, []
+    if settings.strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
+        refused.append(f"zero_dp_strategy {settings.strategy.label!r} (give 'optim_grads_params')")
+    if options.outer_strategy is ShardingStrategy.OPTIM:
+        refused.append("outer_dp_sharding_strategy 'optim' (give 'no_shard': plain HSDP over a 2-D mesh)")
+    if settings.fsdp_double_buffer:
+        refused.append("fsdp_double_buffer (leave it False)")
+    if settings.report_nan_in_param_grad:
+        refused.append("report_nan_in_param_grad (leave it False)")
+    if expert_names(module, options.parallel):
+        refused.append("expert parameters sharded over an expert mesh (plan them without pipeline parallelism, or "
+                       "with expert_parallel_size 1 and expert_tensor_parallel_size unset on unmarked experts)")
+    if refused:
+        raise ValueError(
+            "pipeline parallelism shards each stage module with FSDP2's door (megatron_fsdp.fsdp2.fully_shard), which "
+            "runs optim_grads_params only, without an expert mesh; it cannot run: " + "; ".join(refused)
+        )
 
 
 def _plan_slice(

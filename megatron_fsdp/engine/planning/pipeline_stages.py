@@ -16,6 +16,7 @@ is held by both, as each stage module holds its own copy. Stage ``s`` runs on pi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,7 +38,9 @@ class PipelineSpec:
     """Pipeline parallelism as torch.distributed.pipelining runs it: ``size`` pipeline ranks,
     ``schedule`` (``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS``: torch's class names,
     with or without ``Schedule``, any case), ``micro_batches`` a step and ``virtual_stages``
-    stage modules a rank (None: 1 for GPipe and 1F1B, 2 for the interleaved schedules)."""
+    stage modules a rank (None: 1 for GPipe and 1F1B, 2 for the interleaved schedules).
+    Whether the schedule runs that many micro-batches is :meth:`micro_batch_problem`'s to say
+    (the plan checks the mesh and the model first)."""
 
     size: int
     schedule: str = "1F1B"
@@ -62,19 +65,27 @@ class PipelineSpec:
                 f"virtual_stages={virtual}: Schedule{name} runs one stage a rank; give 1, or use Interleaved1F1B or "
                 "LoopedBFS for several"
             )
-        if name == "1F1B" and self.micro_batches < self.size:
-            raise ValueError(
-                f"Schedule1F1B needs at least as many micro-batches as stages: {self.micro_batches} micro-batches "
-                f"for {self.size} stages; raise micro_batches to {self.size} or more"
-            )
-        rounds = max(1, self.micro_batches // self.size)
-        if name == "Interleaved1F1B" and self.micro_batches % rounds:
-            raise ValueError(
-                f"ScheduleInterleaved1F1B runs micro-batches in rounds of {self.size} (pipeline_parallel_size): "
-                f"{self.micro_batches} is not a multiple of its {rounds} rounds; use a multiple of {self.size}"
-            )
         object.__setattr__(self, "schedule", name)
         object.__setattr__(self, "virtual_stages", virtual)
+
+    def micro_batch_problem(self, micro_batches: int | None = None) -> str | None:
+        """Why the schedule cannot run ``micro_batches`` (default: this spec's) a step, with the
+        fix; None when it can. torch's own conditions: Schedule1F1B needs at least as many as
+        stages, ScheduleInterleaved1F1B a multiple of its rounds of ``size``."""
+        count = self.micro_batches if micro_batches is None else micro_batches
+        if self.schedule == "1F1B" and count < self.size:
+            return (f"Schedule1F1B needs at least as many micro-batches as stages: {count} micro-batch"
+                    f"{'es' if count > 1 else ''} for "
+                    f"{self.size} stages; raise micro_batches to {self.size} or more")
+        rounds = max(1, count // self.size)
+        if self.schedule == "Interleaved1F1B" and count % rounds:
+            return (f"ScheduleInterleaved1F1B runs micro-batches in rounds of {self.size} (pipeline_parallel_size): "
+                    f"{count} is not a multiple of its {rounds} rounds; use a multiple of {self.size}")
+        return None
+
+    def fewest_micro_batches(self) -> int:
+        """The fewest micro-batches a step the schedule runs (its own conditions, above)."""
+        return next(count for count in itertools.count(1) if self.micro_batch_problem(count) is None)
 
     @property
     def stages(self) -> int:
