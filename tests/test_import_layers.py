@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("megatron_fsdp.engine.params",),  # a parameter's layout, pieces and faces
     ("megatron_fsdp.engine.groups",),  # process groups, meshes, collectives
     (ENGINE_FOOT, "megatron_fsdp.engine"),  # the settings every room reads
-    ("megatron_fsdp.mixed_precision", "megatron_fsdp._ops", "megatron_fsdp.package_info"),
+    ("megatron_fsdp.mixed_precision", "megatron_fsdp._ops", "megatron_fsdp._fake_bucket_pool", "megatron_fsdp.package_info"),
 )
 # The extension module: compiled, below everything.
 EXTENSION = "megatron_fsdp._C"
