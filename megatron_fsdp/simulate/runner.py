@@ -1,0 +1,167 @@
+"""One rank of a simulated world: the real wrap (``megatron_fsdp.fully_shard``, the whole-model
+door) and one real training step (forward, backward, optimizer step) under torch's fake process
+group and ``FakeTensorMode``, with its allocations and collectives logged as they happen."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from megatron_fsdp.fully_shard import fully_shard
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.simulate.inventory import bucket_rows, categories, model_states
+from megatron_fsdp.simulate.memory import POOL_LABEL, AllocationLog
+from megatron_fsdp.simulate.report import STEP_PHASES, RankReport
+from megatron_fsdp.simulate.traffic import CollectiveLog
+from megatron_fsdp.simulate.world import MeshSizes, build_mesh, fake_world
+
+logger = logging.getLogger(__name__)
+
+# plan_memory's optimizer names this simulator can build (torch's own classes, defaults as torch's).
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-4),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-4),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=1e-4, momentum=0.9),
+}
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def _check_choices(optimizer: str, tensor_parallel_plan: dict[str, str] | None, mesh: MeshSizes) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r}: the simulator builds {', '.join(OPTIMIZERS)}")
+    if mesh.tp > 1 and not tensor_parallel_plan:
+        raise ValueError(f"tp={mesh.tp} needs a tensor_parallel_plan ({{module pattern: 'colwise'|'rowwise'}})")
+    for pattern, style in (tensor_parallel_plan or {}).items():
+        if style not in _STYLES:
+            raise ValueError(f"tensor_parallel_plan[{pattern!r}] = {style!r}: use 'colwise' or 'rowwise'")
+
+
+def default_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face causal LM's own loss on ``tokens`` (as labels too); any other model's
+    output (a tensor, or an object with ``.loss``) averaged."""
+    if hasattr(model.module, "config") and hasattr(model.module, "generate"):
+        return model(input_ids=tokens, labels=tokens).loss
+    out = model(tokens)
+    return out.loss if hasattr(out, "loss") else out.float().mean()
+
+
+def _vocab_size(module: nn.Module) -> int:
+    embedding = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        raise ValueError("the model has no nn.Embedding to draw tokens for: pass loss_fn and build its inputs there")
+    return embedding.num_embeddings
+
+
+def simulate_rank(
+    build_model: Callable[[], nn.Module],
+    mesh: MeshSizes,
+    rank: int = 0,
+    *,
+    fsdp_unit_modules: Sequence[type],
+    zero_dp_strategy: str = "optim_grads_params",
+    outer_dp_sharding_strategy: str = "no_shard",
+    mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    optimizer: str = "adamw",
+    tensor_parallel_plan: dict[str, str] | None = None,
+    batch_size: int = 1,
+    seq_len: int = 4096,
+    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = default_loss,
+) -> RankReport:
+    """Rank ``rank`` of ``mesh.world_size``: builds ``build_model()`` (a model on the meta device)
+    as fake tensors on the CPU, splits what ``tensor_parallel_plan`` names over the tp dim
+    (``{module FQN pattern: 'colwise' | 'rowwise'}``, torch's parallelize_module), shards it with
+    ``fully_shard`` and the given strategy, precision and optimizer (``adamw`` default, ``adam``,
+    ``sgd``, ``sgd_momentum``), and runs forward, backward and ``optimizer.step()`` on a batch of
+    ``batch_size`` x ``seq_len`` tokens (``loss_fn(model, tokens)``). Returns what the rank
+    allocated and sent (:class:`RankReport`)."""
+    _check_choices(optimizer, tensor_parallel_plan, mesh)
+    started = time.perf_counter()
+    with fake_world(rank, mesh.world_size):
+        device_mesh = build_mesh(mesh)
+        memory, traffic = AllocationLog(), CollectiveLog()
+        meta_model = build_model()  # before the modes: meta tensors, nothing to log
+        with FakeTensorMode(allow_non_fake_inputs=True), memory, traffic:
+            model, optim = _wrap(meta_model, device_mesh, mesh, memory, traffic, fsdp_unit_modules=fsdp_unit_modules,
+                                 zero_dp_strategy=zero_dp_strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
+                                 mixed_precision_policy=mixed_precision_policy, optimizer=optimizer,
+                                 tensor_parallel_plan=tensor_parallel_plan)
+            tokens = torch.randint(0, _vocab_size(model.module), (batch_size, seq_len))
+            _step(model, optim, tokens, loss_fn, memory, traffic)
+            del tokens
+            gc.collect()
+            named = categories(model, optim)
+            states = model_states(memory.live(), named)
+            peak, at_peak = memory.live_at_peak(STEP_PHASES)
+            report = RankReport(
+                rank=rank, mesh=mesh, strategy=zero_dp_strategy, outer_strategy=outer_dp_sharding_strategy,
+                model_states=states, step_peak=peak,
+                peak_breakdown=_breakdown(at_peak, memory, named),
+                pool_peak=model.pool.high_water_mark(), wrap_peak=memory.peak("wrap"),
+                collectives=traffic.collectives, buckets=bucket_rows(model),
+                seconds=time.perf_counter() - started,
+            )
+            del model, optim
+    return report
+
+
+def _wrap(meta_model: nn.Module, device_mesh, mesh: MeshSizes, memory: AllocationLog, traffic: CollectiveLog, *,
+          optimizer: str, tensor_parallel_plan: dict[str, str] | None, **shard_options):
+    for log in (memory, traffic):
+        log.phase = "model"
+    module = meta_model.to_empty(device="cpu")
+    if mesh.tp > 1:
+        styles = {pattern: _STYLES[style]() for pattern, style in tensor_parallel_plan.items()}
+        parallelize_module(module, device_mesh["tp"], styles)
+    optim = OPTIMIZERS[optimizer](module.parameters())
+    memory.start_phase("wrap")
+    traffic.phase = "wrap"
+    names = dict(device_mesh=device_mesh, dp_shard_dim="dp_shard")
+    if mesh.dp_outer > 1:
+        names["dp_outer_dim"] = "dp_outer"
+    if mesh.tp > 1:
+        names["tp_dim"] = "tp"
+    model, optim = fully_shard(module, optim, **names, **shard_options)
+    gc.collect()
+    return model, optim
+
+
+def _step(model, optim, tokens, loss_fn, memory: AllocationLog, traffic: CollectiveLog) -> None:
+    def enter(phase: str) -> None:
+        memory.start_phase(phase)
+        traffic.phase = phase
+        logger.info("simulating the %s", phase)
+
+    enter("forward")
+    loss = loss_fn(model, tokens)
+    enter("backward")
+    loss.backward()
+    del loss
+    enter("optimizer step")
+    optim.step()
+
+
+def _breakdown(at_peak, memory: AllocationLog, named: dict[int, str]) -> dict[str, int]:
+    """What was live at the step's peak: model states by category (those still held at the end),
+    the pool's blocks by key, and the rest (activations and temporaries)."""
+    live_now = memory.live()
+    ids = {id(allocation): key for key, allocation in live_now.items()}
+    breakdown: dict[str, int] = {}
+    for allocation in at_peak:
+        key = ids.get(id(allocation))
+        if key is not None and key in named:
+            kind = named[key]
+        elif allocation.label.startswith(POOL_LABEL):
+            kind = "pool " + allocation.label[len(POOL_LABEL):]
+        else:
+            kind = "activations and temporaries"
+        breakdown[kind] = breakdown.get(kind, 0) + allocation.nbytes
+    return breakdown
