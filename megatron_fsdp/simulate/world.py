@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import debug as dtensor_debug
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 
@@ -59,6 +61,19 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_sharding_cache()
+
+
+def _forget_sharding_cache() -> None:
+    """DTensor caches sharding decisions by their specs, and a spec's mesh compares equal to the
+    same-shaped mesh of the next simulated world: without this, the next world's DTensors would
+    get this world's mesh, whose groups are gone. torch's own debug helper clears both its
+    Python and C++ caches; where it is missing (older torch) only the Python cache exists."""
+    clear_both = getattr(dtensor_debug, "_clear_sharding_prop_cache", None)
+    if clear_both is not None:
+        clear_both()
+    else:
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
 def build_mesh(sizes: MeshSizes) -> DeviceMesh:
