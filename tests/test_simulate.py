@@ -1,0 +1,149 @@
+"""The simulator (issue 60): one rank of a world of 8 to 4,096 runs the real wrap and one real
+training step under torch's fake process group and FakeTensorMode. Checked for Llama-3 8B's and a
+Mixtral 8x7B-like MoE's shapes (two of their 32 decoder layers: every layer is the same unit, so
+two show the layers' buckets and their prefetch; the root unit is whole) under plain sharding,
+HSDP with 8-rank shard groups, and TP 8 x DP, and for Llama-3 70B's and 405B's (a 405B layer's
+bucket holds 3.2B elements, past 2^31):
+
+- plan_memory's model states for the simulated rank equal the bytes of every storage the rank
+  still holds after the step, to the byte;
+- the buckets are laid out as the rule says (each parameter at an offset aligned to 128 bytes,
+  the bucket padded to a multiple of group size x 128 bytes), their padding named;
+- the step's collectives, counted and sized, and the bytes the rank sends equal each strategy's
+  formula (ZeRO-3: every bucket gathered in forward and every layer's again in backward, the
+  root unit staying gathered; gradients reduce-scattered; HSDP adds an all-reduce of each
+  reduced shard over the replicas; TP 8 adds Megatron's activation all-reduces).
+
+The simulated rank is the last one, whose shard holds each bucket's padded tail.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_fsdp.plan_memory import plan_memory
+from megatron_fsdp.simulate import MeshSizes, simulate_rank
+from megatron_fsdp.simulate.models import LLAMA_TP_PLAN, hugging_face
+from megatron_fsdp.simulate.traffic import sent_bytes
+
+pytest.importorskip("transformers")
+
+LAYERS = 2
+BATCH, SEQ = 1, 256
+ALIGNMENT_BYTES = 128
+_SOURCES = {}
+
+
+def _source(name: str):
+    if name not in _SOURCES:
+        _SOURCES[name] = hugging_face(name, torch.bfloat16, num_hidden_layers=LAYERS)
+    return _SOURCES[name]
+
+
+def _padded(numels: list[int], group: int, itemsize: int) -> int:
+    """The bucket rule: each parameter starts at a multiple of 128 bytes, and the bucket is a
+    multiple of group x 128 bytes (so every shard is whole and aligned)."""
+    align = ALIGNMENT_BYTES // itemsize
+    cursor = 0
+    for numel in numels:
+        cursor = math.ceil((cursor + numel) / align) * align
+    return math.ceil(max(cursor, 1) / (group * align)) * group * align
+
+
+def _expected_buckets(model: nn.Module, units: tuple[type, ...], group: int, tp: int) -> list[tuple[str, int, int]]:
+    """(unit, numel, padded numel) of each bucket: the parameters outside every unit one bucket
+    per module that holds them (the root unit), then one bucket per unit; tensor-parallel
+    parameters by their local (1/tp) size."""
+    tp_split = {f"{name}.weight" for name, _ in _tp_modules(model)} if tp > 1 else set()
+    local = {name: p.numel() // (tp if name in tp_split else 1) for name, p in model.named_parameters()}
+    unit_names = [name for name, m in model.named_modules() if isinstance(m, units)]
+    in_unit = {n for n in local if any(n.startswith(u + ".") for u in unit_names)}
+    root: dict[str, list[int]] = {}
+    for name in local:
+        if name not in in_unit:
+            root.setdefault(name.rpartition(".")[0], []).append(local[name])
+    buckets = [("<root>", numels) for numels in root.values()]
+    buckets += [(u, [local[n] for n in local if n.startswith(u + ".")]) for u in unit_names]
+    return [(unit, sum(numels), _padded(numels, group, 2)) for unit, numels in buckets]
+
+
+def _tp_modules(model: nn.Module):
+    patterns = [pattern.split(".") for pattern in LLAMA_TP_PLAN]
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if any(len(p) == len(parts) and all(a in ("*", b) for a, b in zip(p, parts)) for p in patterns):
+            yield name, module
+
+
+def _expected_collectives(buckets, strategy: str, mesh: MeshSizes, hidden: int, layers: int) -> Counter:
+    """(op, group size, dtype, message bytes) -> count for one step of bf16 weights, gradients
+    and communication (the default policy: fp32 main weights, bf16 main gradients)."""
+    g, expected = mesh.dp_shard, Counter()
+    for unit, _, padded in buckets:
+        nbytes = padded * 2
+        if strategy == "optim_grads_params":
+            expected["all_gather", g, "bfloat16", nbytes] += 1 if unit == "<root>" else 2
+            expected["reduce_scatter", g, "bfloat16", nbytes] += 1
+        elif strategy == "no_shard":
+            expected["all_reduce", g, "bfloat16", nbytes] += 1
+        else:  # optim, optim_grads: gradients reduce-scattered, the stepped weights gathered once
+            expected["reduce_scatter", g, "bfloat16", nbytes] += 1
+            expected["all_gather", g, "bfloat16", nbytes] += 1
+        if mesh.dp_outer > 1:
+            expected["all_reduce", mesh.dp_outer, "bfloat16", nbytes // g] += 1
+    if mesh.tp > 1:  # row-parallel outputs in forward (o, down), column-parallel inputs' gradients (q, k, v, gate, up)
+        expected["all_reduce", mesh.tp, "bfloat16", BATCH * SEQ * hidden * 2] += 7 * layers
+    return Counter({key: count for key, count in expected.items() if key[1] > 1})
+
+
+CASES = [
+    *[("llama3-8b", MeshSizes(w), "optim_grads_params") for w in (8, 64, 512, 4096)],
+    *[("llama3-8b", MeshSizes(w, dp_outer=w // 8), "optim_grads_params") for w in (64, 512, 4096)],
+    *[("llama3-8b", MeshSizes(w, tp=8), "optim_grads_params") for w in (64, 512, 4096)],
+    *[("llama3-8b", MeshSizes(64), s) for s in ("no_shard", "optim", "optim_grads")],
+    *[("mixtral-8x7b", MeshSizes(w), "optim_grads_params") for w in (8, 64, 512, 4096)],
+    *[("mixtral-8x7b", MeshSizes(w, dp_outer=w // 8), "optim_grads_params") for w in (64, 4096)],
+    # A 405B layer is 3.2B elements (past 2^31) in one bucket at TP 1: sizes and offsets beyond int32.
+    ("llama3-70b", MeshSizes(512, tp=8), "optim_grads_params"),
+    ("llama3-405b", MeshSizes(4096), "optim_grads_params"),
+    ("llama3-405b", MeshSizes(4096, dp_outer=512), "optim_grads_params"),
+]
+
+
+def _case_id(case) -> str:
+    name, mesh, strategy = case
+    return f"{name}-W{mesh.world_size}-outer{mesh.dp_outer}-tp{mesh.tp}-{strategy}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_a_simulated_rank_holds_what_the_plan_says_and_sends_what_the_formula_says(case) -> None:
+    name, mesh, strategy = case
+    source = _source(name)
+    rank = mesh.world_size - 1
+    tp_plan = LLAMA_TP_PLAN if mesh.tp > 1 else None
+    report = simulate_rank(source.build, mesh, rank, fsdp_unit_modules=list(source.units), zero_dp_strategy=strategy,
+                           tensor_parallel_plan=tp_plan, batch_size=BATCH, seq_len=SEQ)
+    model = source.build()
+    plan = plan_memory(model, mesh.world_size, dp_outer_size=mesh.dp_outer, tensor_parallel_size=mesh.tp,
+                       tensor_parallel_plan=tp_plan, fsdp_unit_modules=list(source.units), zero_dp_strategy=strategy,
+                       device_type="cpu").for_rank(rank)
+    planned = plan.device_model_states + plan.host_model_states
+    assert report.model_state_bytes == planned, (
+        f"simulated {report.model_states} ({report.model_state_bytes} bytes), planned {plan.device} {plan.host} ({planned})")
+    # Category by category too: nothing here is offloaded, so the plan's host part is empty.
+    assert {kind: n for kind, n in report.model_states.items() if n} == {kind: n for kind, n in plan.device.items() if n}
+
+    expected_buckets = _expected_buckets(model, source.units, mesh.dp_shard, mesh.tp)
+    simulated_buckets = [(row.unit, row.numel, row.padded_numel) for row in report.buckets]
+    assert simulated_buckets == expected_buckets
+    assert [row.padding for row in report.buckets] == [padded - numel for _, numel, padded in expected_buckets]
+
+    expected = _expected_collectives(expected_buckets, strategy, mesh, model.config.hidden_size, LAYERS)
+    assert report.step_collectives() == expected
+    expected_sent = sum(sent_bytes(op, nbytes, size) * count for (op, size, _, nbytes), count in expected.items())
+    assert report.sent_per_step() == expected_sent
