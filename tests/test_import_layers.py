@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("megatron_fsdp.integrations",),  # switches into other programs
     ("megatron_fsdp.utils",),  # upstream's face; finds the wrapper
     ("megatron_fsdp.experimental",),  # upstream v2 names over fsdp2
-    ("megatron_fsdp.fully_shard", "megatron_fsdp.plan_memory", "megatron_fsdp.fsdp2"),  # the public APIs
+    ("megatron_fsdp.fully_shard", "megatron_fsdp.plan_memory", "megatron_fsdp.simulate", "megatron_fsdp.fsdp2"),  # the public APIs
     ("megatron_fsdp.megatron_fsdp",),  # the wrapper
     ("megatron_fsdp.param_and_grad_buffer",),  # the face megatron-core reaches through the wrapper
     ("megatron_fsdp.uneven_dtensor", "megatron_fsdp.distributed_data_parallel_config"),

@@ -1,7 +1,7 @@
 """The memory a simulated rank allocates, read from its fake tensors as they are made and freed.
 
-Every op under the simulation passes through :class:`AllocationLog` (a dispatch mode above
-``FakeTensorMode``): an output whose schema does not alias an input owns a new storage, whose
+Every op under the simulation is shown to :class:`AllocationLog` (by the dispatch mode above
+``FakeTensorMode``, observer.py): an output whose schema does not alias an input owns a new storage, whose
 size is logged, and a finaliser on that storage logs its end. The bucket pool's blocks are fake
 allocations too (megatron_fsdp/_fake_bucket_pool.py) and carry their pool key. Nothing holds
 memory, so the log is the whole record: the live bytes at every moment, their peak and what was
@@ -11,14 +11,17 @@ live at the peak.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from megatron_fsdp._fake_bucket_pool import BLOCK_ALLOCATION_WATCHERS
+
+# The dispatcher's namespaces of torch.distributed's collectives.
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 
 # The label of a block the bucket pool lends: "pool <key>", the key "<purpose>/<role>".
 POOL_LABEL = "pool "
@@ -39,12 +42,11 @@ class Allocation:
         return self.born <= position and (self.died is None or position < self.died)
 
 
-class AllocationLog(TorchDispatchMode):
-    """Logs every storage the ops under it create and free. ``phase`` names the part of the
-    step running (set by the caller); ``peak(phase)`` is the largest live total seen in it."""
+class AllocationLog:
+    """Logs every storage the ops it observes create and free. ``phase`` names the part of the
+    step running (set by :meth:`start_phase`); ``peak(phase)`` is the largest live total seen in it."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.phase = "setup"
         self.allocations: list[Allocation] = []
         self._live: dict[int, Allocation] = {}
@@ -53,28 +55,30 @@ class AllocationLog(TorchDispatchMode):
         # phase -> (peak live bytes, log position of the peak)
         self._peaks: dict[str, tuple[int, int]] = {}
 
-    def __enter__(self) -> AllocationLog:
+    @contextmanager
+    def naming_pool_blocks(self) -> Iterator[None]:
+        """While inside, the bucket pool's blocks are labelled with their pool key."""
         BLOCK_ALLOCATION_WATCHERS.append(self._name_pool_block)
-        return super().__enter__()
+        try:
+            yield
+        finally:
+            BLOCK_ALLOCATION_WATCHERS.remove(self._name_pool_block)
 
-    def __exit__(self, *exc_info) -> None:
-        BLOCK_ALLOCATION_WATCHERS.remove(self._name_pool_block)
-        super().__exit__(*exc_info)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def observe(self, func, args: tuple, kwargs: dict, out) -> None:
+        """After ``func(*args, **kwargs)`` returned ``out``: notes the storages it created."""
         if func is torch.ops.aten.lift_fresh.default:
             # torch.tensor(data): the data was made outside dispatch; its fake is a new storage.
             self._note(out.untyped_storage(), "tensor")
-            return out
+            return
         if any(ret.alias_info is not None for ret in func._schema.returns):
-            return out
-        # Collectives return their (un-annotated) output argument: an input's storage is no new one.
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            return
+        inputs: set[int] = set()
+        if func.namespace in COLLECTIVE_NAMESPACES:
+            # Collectives return their (un-annotated) output argument: an input's storage is no new one.
+            inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in inputs:
                 self._note(tensor.untyped_storage(), func.__name__)
-        return out
 
     def _note(self, storage: torch.UntypedStorage, label: str) -> None:
         key = storage._cdata

@@ -19,6 +19,7 @@ from megatron_fsdp.fully_shard import fully_shard
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.simulate.inventory import bucket_rows, categories, model_states
 from megatron_fsdp.simulate.memory import POOL_LABEL, AllocationLog
+from megatron_fsdp.simulate.observer import StepObserver
 from megatron_fsdp.simulate.report import STEP_PHASES, RankReport
 from megatron_fsdp.simulate.traffic import CollectiveLog
 from megatron_fsdp.simulate.world import MeshSizes, build_mesh, fake_world
@@ -88,14 +89,15 @@ def simulate_rank(
     with fake_world(rank, mesh.world_size):
         device_mesh = build_mesh(mesh)
         memory, traffic = AllocationLog(), CollectiveLog()
+        observer = StepObserver(memory, traffic)
         meta_model = build_model()  # before the modes: meta tensors, nothing to log
-        with FakeTensorMode(allow_non_fake_inputs=True), memory, traffic:
-            model, optim = _wrap(meta_model, device_mesh, mesh, memory, traffic, fsdp_unit_modules=fsdp_unit_modules,
+        with FakeTensorMode(allow_non_fake_inputs=True), observer.observing():
+            model, optim = _wrap(meta_model, device_mesh, mesh, observer, fsdp_unit_modules=fsdp_unit_modules,
                                  zero_dp_strategy=zero_dp_strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
                                  mixed_precision_policy=mixed_precision_policy, optimizer=optimizer,
                                  tensor_parallel_plan=tensor_parallel_plan)
             tokens = torch.randint(0, _vocab_size(model.module), (batch_size, seq_len))
-            _step(model, optim, tokens, loss_fn, memory, traffic)
+            _step(model, optim, tokens, loss_fn, observer)
             del tokens
             gc.collect()
             named = categories(model, optim)
@@ -113,17 +115,15 @@ def simulate_rank(
     return report
 
 
-def _wrap(meta_model: nn.Module, device_mesh, mesh: MeshSizes, memory: AllocationLog, traffic: CollectiveLog, *,
+def _wrap(meta_model: nn.Module, device_mesh, mesh: MeshSizes, observer: StepObserver, *,
           optimizer: str, tensor_parallel_plan: dict[str, str] | None, **shard_options):
-    for log in (memory, traffic):
-        log.phase = "model"
+    observer.start_phase("model")
     module = meta_model.to_empty(device="cpu")
     if mesh.tp > 1:
         styles = {pattern: _STYLES[style]() for pattern, style in tensor_parallel_plan.items()}
         parallelize_module(module, device_mesh["tp"], styles)
     optim = OPTIMIZERS[optimizer](module.parameters())
-    memory.start_phase("wrap")
-    traffic.phase = "wrap"
+    observer.start_phase("wrap")
     names = dict(device_mesh=device_mesh, dp_shard_dim="dp_shard")
     if mesh.dp_outer > 1:
         names["dp_outer_dim"] = "dp_outer"
@@ -134,10 +134,9 @@ def _wrap(meta_model: nn.Module, device_mesh, mesh: MeshSizes, memory: Allocatio
     return model, optim
 
 
-def _step(model, optim, tokens, loss_fn, memory: AllocationLog, traffic: CollectiveLog) -> None:
+def _step(model, optim, tokens, loss_fn, observer: StepObserver) -> None:
     def enter(phase: str) -> None:
-        memory.start_phase(phase)
-        traffic.phase = phase
+        observer.start_phase(phase)
         logger.info("simulating the %s", phase)
 
     enter("forward")

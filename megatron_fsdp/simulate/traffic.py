@@ -2,8 +2,8 @@
 
 torch.distributed's collectives (the engine's, through engine/groups/collectives.py, and torch's
 own: DeviceMesh, DTensor's functional collectives) reach the dispatcher as ``c10d`` and
-``_c10d_functional`` ops carrying their process group. :class:`CollectiveLog` (a dispatch mode)
-records each: the op, its group's size, dtype, message bytes and the bytes this rank sends.
+``_c10d_functional`` ops carrying their process group. :class:`CollectiveLog` (shown every op by
+observer.py's dispatch mode) records each: the op, its group's size, dtype, message bytes and the bytes this rank sends.
 
 Bytes sent are the ring algorithms' (NCCL's, and its bus-bandwidth convention) for a message of
 ``n`` bytes over ``g`` ranks: all-gather (``n`` the gathered output) and reduce-scatter (``n``
@@ -13,13 +13,13 @@ rank's own chunk, ``n (g-1)/g`` when even; broadcast ``n``; point-to-point sends
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from megatron_fsdp.simulate.memory import COLLECTIVE_NAMESPACES
 
 
 @dataclass(frozen=True)
@@ -96,33 +96,20 @@ def _message(args: tuple, out, position: int | None) -> list[torch.Tensor]:
     return [t for t in source if isinstance(t, torch.Tensor)]
 
 
-class CollectiveLog(TorchDispatchMode):
-    """Records the collectives dispatched under it; ``phase`` names the part of the step."""
+class CollectiveLog:
+    """Records the collectives among the ops it observes; ``phase`` names the part of the step."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.phase = "setup"
         self.collectives: list[Collective] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        namespace = func.namespace
-        if namespace in ("c10d", "_c10d_functional") and func._opname in _OPS:
-            op, position = _OPS[func._opname]
-            size = _group_size(args, kwargs)
-            tensors = _message(args, out, position)
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            dtype = tensors[0].dtype if tensors else torch.uint8
-            self.collectives.append(Collective(self.phase, op, size, dtype, nbytes, sent_bytes(op, nbytes, size)))
-        return out
-
-    def summary(self, phases: tuple[str, ...] | None = None) -> Counter[tuple]:
-        """``(phase, op, group size, dtype, message bytes) -> count`` for ``phases`` (None: all)."""
-        return Counter(
-            (c.phase, c.op, c.group_size, c.dtype, c.message_bytes)
-            for c in self.collectives if phases is None or c.phase in phases
-        )
-
-    def sent(self, phases: tuple[str, ...]) -> int:
-        return sum(c.sent_bytes for c in self.collectives if c.phase in phases)
+    def observe(self, func, args: tuple, kwargs: dict, out) -> None:
+        """After ``func(*args, **kwargs)`` returned ``out``: records it if it is a collective."""
+        if func.namespace not in COLLECTIVE_NAMESPACES or func._opname not in _OPS:
+            return
+        op, position = _OPS[func._opname]
+        size = _group_size(args, kwargs)
+        tensors = _message(args, out, position)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        dtype = tensors[0].dtype if tensors else torch.uint8
+        self.collectives.append(Collective(self.phase, op, size, dtype, nbytes, sent_bytes(op, nbytes, size)))
