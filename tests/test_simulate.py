@@ -147,3 +147,37 @@ def test_a_simulated_rank_holds_what_the_plan_says_and_sends_what_the_formula_sa
     assert report.step_collectives() == expected
     expected_sent = sum(sent_bytes(op, nbytes, size) * count for (op, size, _, nbytes), count in expected.items())
     assert report.sent_per_step() == expected_sent
+
+
+def _expected_fsdp2_collectives(buckets, mesh: MeshSizes) -> Counter:
+    """FSDP2's door as torchtitan calls it: bf16 weights gathered (each layer's again in backward;
+    the root, whose forward runs first, keeps its weights), gradients reduce-scattered in float32,
+    HSDP's all-reduce of each float32 shard over the replicas."""
+    g, expected = mesh.dp_shard, Counter()
+    for unit, _, padded in buckets:
+        expected["all_gather", g, "bfloat16", padded * 2] += 1 if unit == "<root>" else 2
+        expected["reduce_scatter", g, "float32", padded * 4] += 1
+        if mesh.dp_outer > 1:
+            expected["all_reduce", mesh.dp_outer, "float32", padded * 4 // g] += 1
+    return expected
+
+
+@pytest.mark.parametrize("mesh", [MeshSizes(64), MeshSizes(4096, dp_outer=512)], ids=["W64", "W4096-outer512"])
+def test_the_fsdp2_door_at_scale_gathers_and_reduces_as_torchtitan_runs_it(mesh: MeshSizes) -> None:
+    source = _source("llama3-8b")
+    report = simulate_rank(source.build, mesh, mesh.world_size - 1, fsdp_unit_modules=list(source.units),
+                           batch_size=BATCH, seq_len=SEQ, door="fsdp2")
+    model = source.build()
+    # Its root is one bucket of everything outside the layers (one per dtype), after the layers'.
+    layers = _expected_buckets(model, source.units, mesh.dp_shard, 1)
+    root = [(n, p) for n, p in model.named_parameters() if ".layers." not in n]
+    buckets = [b for b in layers if b[0] != "<root>"]
+    buckets.append(("<root>", sum(p.numel() for _, p in root), _padded([p.numel() for _, p in root], mesh.dp_shard, 2)))
+    assert [(row.numel, row.padded_numel) for row in report.buckets] == [(numel, padded) for _, numel, padded in buckets]
+    expected = _expected_fsdp2_collectives(buckets, mesh)
+    assert report.step_collectives() == expected
+    assert report.sent_per_step() == sum(sent_bytes(op, n, size) * count for (op, size, _, n), count in expected.items())
+    # Model states: float32 weights (the optimizer's), float32 gradients and AdamW's two moments,
+    # each this rank's shard of every bucket, its padding included.
+    shard = sum(padded for _, _, padded in buckets) // mesh.dp_shard
+    assert report.model_states["main weights"] == shard * 4

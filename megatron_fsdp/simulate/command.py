@@ -19,7 +19,8 @@ import torch
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.plan_memory import plan_memory
 from megatron_fsdp.simulate.models import LLAMA_TP_PLAN, PRESETS, ModelSource, hugging_face, python_callable
-from megatron_fsdp.simulate.runner import OPTIMIZERS, simulate_rank
+from megatron_fsdp.simulate.doors import DOORS, OPTIMIZERS
+from megatron_fsdp.simulate.runner import simulate_rank
 from megatron_fsdp.simulate.world import MeshSizes
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -45,6 +46,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "gate/up colwise, o/down rowwise")
     parser.add_argument("--ranks", default="first,largest,last",
                         help="comma-separated ranks, or first, middle, last, largest (plan_memory's most loaded)")
+    parser.add_argument("--door", choices=DOORS, default="whole_model",
+                        help="fully_shard's whole-model door, or megatron_fsdp's FSDP2 door (fsdp2.fully_shard on each "
+                             "unit and the root, float32 parameters computing in --dtype, gradients reduced in float32)")
     parser.add_argument("--strategy", choices=_STRATEGIES, default="optim_grads_params")
     parser.add_argument("--outer-strategy", choices=("no_shard", "optim"), default="no_shard")
     parser.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16", help="the parameters' (compute) dtype")
@@ -102,7 +106,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{source.description}; units: {', '.join(u.__name__ for u in source.units) or 'none'}")
     for rank in _ranks(args.ranks, mesh.world_size, plan.largest.rank):
         report = simulate_rank(source.build, mesh, rank, optimizer=args.optimizer, tensor_parallel_plan=tp_plan,
-                               batch_size=args.batch_size, seq_len=args.seq_len, **options)
+                               batch_size=args.batch_size, seq_len=args.seq_len, door=args.door, **options)
+        if args.door != "whole_model":  # plan_memory plans the whole-model door's buckets
+            print(json.dumps(report.to_dict()) if args.json else f"{report}\n")
+            continue
         planned = plan.for_rank(rank)
         planned_states = planned.device_model_states + planned.host_model_states
         if args.json:

@@ -13,6 +13,7 @@ from torch import nn
 
 from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.params.dtensor_params import local_tensor
+from megatron_fsdp.engine.step.units import FSDPUnit
 from megatron_fsdp.simulate.memory import Allocation
 
 OTHER = "bookkeeping"
@@ -31,7 +32,6 @@ class BucketRow:
     padded_numel: int
     shard_numel: int
     group_size: int
-    expert: bool
 
     @property
     def padding(self) -> int:
@@ -55,10 +55,11 @@ def _bucket_storages(bucket: Bucket) -> Iterable[tuple[str, torch.Tensor | None]
         yield "main grads", bucket.optimizer_grads
 
 
-def categories(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[int, str]:
-    """Storage (``_cdata``) -> model-state category, for what ``model`` (a MegatronFSDP) and
-    ``optimizer`` hold. The first category found wins: main weights that are the compute weights
-    count as compute weights, as the plan counts them."""
+def categories(units: list[FSDPUnit], module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[int, str]:
+    """Storage (``_cdata``) -> model-state category, for what the engine's ``units``, the user's
+    ``module`` and ``optimizer`` hold. The first category found wins: main weights that are the
+    compute weights count as compute weights, as the plan counts them; a parameter or gradient
+    no bucket holds (torch's FSDP2) counts as ``parameters`` or ``gradients``."""
     found: dict[int, str] = {}
 
     def add(category: str, tensor: torch.Tensor | None) -> None:
@@ -66,7 +67,7 @@ def categories(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dic
         if key is not None:
             found.setdefault(key, category)
 
-    for unit in model.units:
+    for unit in units:
         for bucket in unit.buckets:
             for category, tensor in _bucket_storages(bucket):
                 add(category, tensor)
@@ -75,7 +76,7 @@ def categories(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dic
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     add("optimizer state", value)
-    for buffer in model.module.buffers():
+    for buffer in module.buffers():
         add("module buffers", buffer)
     return found
 
@@ -88,14 +89,12 @@ def model_states(live: dict[int, Allocation], named: dict[int, str]) -> dict[str
     return dict(total)
 
 
-def bucket_rows(model: nn.Module) -> list[BucketRow]:
-    rows = []
-    for unit in model.units:
-        for bucket in unit.buckets:
-            rows.append(BucketRow(
-                unit=unit.name, dtype=str(bucket.dtype).removeprefix("torch."), params=len(bucket.params),
-                numel=sum(slot.numel for slot in bucket.layout.slots), padded_numel=bucket.layout.padded_numel,
-                shard_numel=bucket.layout.shard_numel, group_size=bucket.dp.size,
-                expert=bucket.dp is not model.dp,
-            ))
-    return rows
+def bucket_rows(units: list[FSDPUnit]) -> list[BucketRow]:
+    return [
+        BucketRow(
+            unit=unit.name, dtype=str(bucket.dtype).removeprefix("torch."), params=len(bucket.params),
+            numel=sum(slot.numel for slot in bucket.layout.slots), padded_numel=bucket.layout.padded_numel,
+            shard_numel=bucket.layout.shard_numel, group_size=bucket.dp.size,
+        )
+        for unit in units for bucket in unit.buckets
+    ]

@@ -8,15 +8,14 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from megatron_fsdp.fully_shard import fully_shard
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.simulate.doors import OPTIMIZERS, ShardedRank, check_door, shard
 from megatron_fsdp.simulate.inventory import bucket_rows, categories, model_states
 from megatron_fsdp.simulate.memory import POOL_LABEL, AllocationLog
 from megatron_fsdp.simulate.observer import StepObserver
@@ -26,13 +25,6 @@ from megatron_fsdp.simulate.world import MeshSizes, build_mesh, fake_world
 
 logger = logging.getLogger(__name__)
 
-# plan_memory's optimizer names this simulator can build (torch's own classes, defaults as torch's).
-OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
-    "adam": lambda params: torch.optim.Adam(params, lr=1e-4),
-    "sgd": lambda params: torch.optim.SGD(params, lr=1e-4),
-    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=1e-4, momentum=0.9),
-}
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
@@ -49,7 +41,8 @@ def _check_choices(optimizer: str, tensor_parallel_plan: dict[str, str] | None, 
 def default_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """A Hugging Face causal LM's own loss on ``tokens`` (as labels too); any other model's
     output (a tensor, or an object with ``.loss``) averaged."""
-    if hasattr(model.module, "config") and hasattr(model.module, "generate"):
+    module = getattr(model, "module", model)  # the whole-model door's wrapper holds the user's model
+    if hasattr(module, "config") and hasattr(module, "generate"):
         return model(input_ids=tokens, labels=tokens).loss
     out = model(tokens)
     return out.loss if hasattr(out, "loss") else out.float().mean()
@@ -76,76 +69,77 @@ def simulate_rank(
     batch_size: int = 1,
     seq_len: int = 4096,
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = default_loss,
+    door: str = "whole_model",
 ) -> RankReport:
     """Rank ``rank`` of ``mesh.world_size``: builds ``build_model()`` (a model on the meta device)
     as fake tensors on the CPU, splits what ``tensor_parallel_plan`` names over the tp dim
-    (``{module FQN pattern: 'colwise' | 'rowwise'}``, torch's parallelize_module), shards it with
-    ``fully_shard`` and the given strategy, precision and optimizer (``adamw`` default, ``adam``,
-    ``sgd``, ``sgd_momentum``), and runs forward, backward and ``optimizer.step()`` on a batch of
-    ``batch_size`` x ``seq_len`` tokens (``loss_fn(model, tokens)``). Returns what the rank
-    allocated and sent (:class:`RankReport`)."""
+    (``{module FQN pattern: 'colwise' | 'rowwise'}``, torch's parallelize_module), shards it
+    through ``door`` (``"whole_model"``: ``fully_shard`` with the given strategy and precision;
+    ``"fsdp2"``: megatron_fsdp's FSDP2 door; doors.py) with a torch optimizer (``adamw`` default,
+    ``adam``, ``sgd``, ``sgd_momentum``), and runs forward, backward and ``optimizer.step()`` on a batch of ``batch_size`` x ``seq_len``
+    tokens (``loss_fn(model, tokens)``). Returns what the rank allocated and sent
+    (:class:`RankReport`)."""
     _check_choices(optimizer, tensor_parallel_plan, mesh)
+    check_door(door, mesh, zero_dp_strategy, outer_dp_sharding_strategy)
     started = time.perf_counter()
     with fake_world(rank, mesh.world_size):
         device_mesh = build_mesh(mesh)
         memory, traffic = AllocationLog(), CollectiveLog()
         observer = StepObserver(memory, traffic)
         meta_model = build_model()  # before the modes: meta tensors, nothing to log
+        compute_dtype = next(meta_model.parameters()).dtype
+        if door != "whole_model":
+            meta_model.float()  # FSDP2's parameters are what the optimizer steps (doors.py)
+        shard_options = dict(fsdp_unit_modules=fsdp_unit_modules, optimizer=optimizer, compute_dtype=compute_dtype)
+        if door == "whole_model":
+            shard_options |= dict(zero_dp_strategy=zero_dp_strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
+                                  mixed_precision_policy=mixed_precision_policy)
         with FakeTensorMode(allow_non_fake_inputs=True), observer.observing():
-            model, optim = _wrap(meta_model, device_mesh, mesh, observer, fsdp_unit_modules=fsdp_unit_modules,
-                                 zero_dp_strategy=zero_dp_strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
-                                 mixed_precision_policy=mixed_precision_policy, optimizer=optimizer,
-                                 tensor_parallel_plan=tensor_parallel_plan)
-            tokens = torch.randint(0, _vocab_size(model.module), (batch_size, seq_len))
-            _step(model, optim, tokens, loss_fn, observer)
+            sharded = _wrap(meta_model, device_mesh, mesh, observer, door=door,
+                            tensor_parallel_plan=tensor_parallel_plan, **shard_options)
+            tokens = torch.randint(0, _vocab_size(sharded.module), (batch_size, seq_len))
+            _step(sharded, tokens, loss_fn, observer)
             del tokens
             gc.collect()
-            named = categories(model, optim)
-            states = model_states(memory.live(), named)
+            named = categories(sharded.units, sharded.module, sharded.optimizer)
             peak, at_peak = memory.live_at_peak(STEP_PHASES)
             report = RankReport(
-                rank=rank, mesh=mesh, strategy=zero_dp_strategy, outer_strategy=outer_dp_sharding_strategy,
-                model_states=states, step_peak=peak,
+                rank=rank, mesh=mesh, door=door, strategy=zero_dp_strategy, outer_strategy=outer_dp_sharding_strategy,
+                model_states=model_states(memory.live(), named), step_peak=peak,
                 peak_breakdown=_breakdown(at_peak, memory, named),
-                pool_peak=model.pool.high_water_mark(), wrap_peak=memory.peak("wrap"),
-                collectives=traffic.collectives, buckets=bucket_rows(model),
+                pool_peak=sharded.pool.high_water_mark(),
+                wrap_peak=memory.peak("wrap"), collectives=traffic.collectives, buckets=bucket_rows(sharded.units),
                 seconds=time.perf_counter() - started,
             )
-            del model, optim
+            del sharded
     return report
 
 
-def _wrap(meta_model: nn.Module, device_mesh, mesh: MeshSizes, observer: StepObserver, *,
-          optimizer: str, tensor_parallel_plan: dict[str, str] | None, **shard_options):
+def _wrap(meta_model: nn.Module, device_mesh, mesh: MeshSizes, observer: StepObserver, *, door: str,
+          tensor_parallel_plan: dict[str, str] | None, **shard_options) -> ShardedRank:
     observer.start_phase("model")
     module = meta_model.to_empty(device="cpu")
     if mesh.tp > 1:
         styles = {pattern: _STYLES[style]() for pattern, style in tensor_parallel_plan.items()}
         parallelize_module(module, device_mesh["tp"], styles)
-    optim = OPTIMIZERS[optimizer](module.parameters())
     observer.start_phase("wrap")
-    names = dict(device_mesh=device_mesh, dp_shard_dim="dp_shard")
-    if mesh.dp_outer > 1:
-        names["dp_outer_dim"] = "dp_outer"
-    if mesh.tp > 1:
-        names["tp_dim"] = "tp"
-    model, optim = fully_shard(module, optim, **names, **shard_options)
+    sharded = shard(door, module, device_mesh, mesh, **shard_options)
     gc.collect()
-    return model, optim
+    return sharded
 
 
-def _step(model, optim, tokens, loss_fn, observer: StepObserver) -> None:
+def _step(sharded: ShardedRank, tokens: torch.Tensor, loss_fn, observer: StepObserver) -> None:
     def enter(phase: str) -> None:
         observer.start_phase(phase)
         logger.info("simulating the %s", phase)
 
     enter("forward")
-    loss = loss_fn(model, tokens)
+    loss = loss_fn(sharded.model, tokens)
     enter("backward")
     loss.backward()
     del loss
     enter("optimizer step")
-    optim.step()
+    sharded.optimizer.step()
 
 
 def _breakdown(at_peak, memory: AllocationLog, named: dict[int, str]) -> dict[str, int]:
