@@ -4,7 +4,6 @@ Face config (a preset below, a config.json, or a model id), or a Python callable
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from megatron_fsdp.plan_memory.command import _load_factory_model as load_factory_model
 
 # Published shapes (the models' config.json), enough to build each without its weights.
 _LLAMA3 = dict(vocab_size=128256, num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072,
@@ -91,23 +92,16 @@ def _config(transformers, name: str):
 
 def python_callable(spec: str, kwargs: dict, units: list[str], dtype: torch.dtype) -> ModelSource:
     """``FILE.py:CALLABLE`` called with ``kwargs`` under ``torch.device("meta")``, its unit
-    classes named by ``units``."""
+    classes named by ``units``. The file is run once, by plan_memory's loader (which registers it
+    in ``sys.modules`` under its stem), so every build makes instances of the same classes."""
+    probe = load_factory_model(spec, kwargs, dtype)
     path, _, name = spec.rpartition(":")
-    if not path or not Path(path).is_file():
-        raise ValueError(f"{spec!r}: give FILE.py:CALLABLE, e.g. examples/gpt_model.py:gpt")
-    loaded = importlib.util.spec_from_file_location(Path(path).stem, path)
-    module = importlib.util.module_from_spec(loaded)
-    sys.modules[loaded.name] = module  # dataclasses in the file look their module up
-    loaded.loader.exec_module(module)
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise ValueError(f"{spec!r}: {path} has no callable {name!r}")
+    factory = getattr(sys.modules[Path(path).stem], name)
 
     def build() -> nn.Module:
         with torch.device("meta"):
             return factory(**kwargs).to(dtype)
 
-    probe = build()
     classes = {type(m).__name__: type(m) for m in probe.modules()}
     missing = [unit for unit in units if unit not in classes]
     if missing:
