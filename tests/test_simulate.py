@@ -19,7 +19,9 @@ The simulated rank is the last one, whose shard holds each bucket's padded tail.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections import Counter
 
 import pytest
@@ -28,6 +30,7 @@ from torch import nn
 
 from megatron_fsdp.plan_memory import plan_memory
 from megatron_fsdp.simulate import MeshSizes, simulate_rank
+from megatron_fsdp.simulate.command import main
 from megatron_fsdp.simulate.models import LLAMA_TP_PLAN, hugging_face
 from megatron_fsdp.simulate.traffic import sent_bytes
 
@@ -181,3 +184,26 @@ def test_the_fsdp2_door_at_scale_gathers_and_reduces_as_torchtitan_runs_it(mesh:
     # each this rank's shard of every bucket, its padding included.
     shard = sum(padded for _, _, padded in buckets) // mesh.dp_shard
     assert report.model_states["main weights"] == shard * 4
+
+
+def test_the_command_prints_each_sampled_rank_beside_its_plan(capsys) -> None:
+    main(["--model", "examples/gpt_model.py:gpt", "--model-kwargs", '{"layers": 2, "vocab_size": 1001}',
+          "--units", "TransformerBlock", "--world-size", "512", "--ranks", "first,largest,last", "--seq-len", "32",
+          "--json"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ranks = [row["rank"] for row in rows]
+    assert ranks[0] == 0 and ranks[-1] == 511 and len(ranks) in (2, 3)  # the largest may be one of them
+    for row in rows:
+        assert row["model_state_bytes"] == row["planned_model_state_bytes"] > 0
+        assert row["sent_per_step"] == sum(sent_bytes(c["op"], c["message_bytes"], c["group_size"]) * c["count"]
+                                           for c in row["collectives"])
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--world-size", "6", "--tp", "3"], "tensor_parallel_size 3 does not divide dim 0 (4096)"),
+    (["--world-size", "12", "--tp", "8"], "12 is not divisible by 8"),
+    (["--world-size", "8", "--ranks", "8"], "--ranks: 8 is outside a world of 8"),
+])
+def test_the_command_refuses_a_layout_that_cannot_run_naming_the_fix(arguments: list, message: str) -> None:
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(["--hf", "llama3-8b", "--layers", "1", *arguments])

@@ -104,7 +104,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"error: {error}") from error
     if not args.json:
         print(f"{source.description}; units: {', '.join(u.__name__ for u in source.units) or 'none'}")
-    for rank in _ranks(args.ranks, mesh.world_size, plan.largest.rank):
+    try:
+        ranks = _ranks(args.ranks, mesh.world_size, plan.largest.rank)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from error
+    for rank in ranks:
         report = simulate_rank(source.build, mesh, rank, optimizer=args.optimizer, tensor_parallel_plan=tp_plan,
                                batch_size=args.batch_size, seq_len=args.seq_len, door=args.door, **options)
         if args.door != "whole_model":  # plan_memory plans the whole-model door's buckets
