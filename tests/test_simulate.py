@@ -207,3 +207,38 @@ def test_the_command_prints_each_sampled_rank_beside_its_plan(capsys) -> None:
 def test_the_command_refuses_a_layout_that_cannot_run_naming_the_fix(arguments: list, message: str) -> None:
     with pytest.raises(SystemExit, match=re.escape(message)):
         main(["--hf", "llama3-8b", "--layers", "1", *arguments])
+
+
+@pytest.mark.parametrize("double_buffer", [False, True])
+def test_the_fake_bucket_pool_keeps_the_books_the_cpp_pool_keeps(double_buffer: bool) -> None:
+    """The same fetches and releases on the C++ pool (real CPU tensors) and its fake counterpart
+    (fake tensors): the same bytes in use after each call, the same high-water mark and, double
+    buffered, the same persistent blocks and reserved bytes. (Without the double buffer the CPU
+    pool caches released blocks where CUDA's, which the fake one follows, hands them back.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_fsdp import _ops
+    from megatron_fsdp._fake_bucket_pool import FakeBucketPool
+
+    calls = [("fetch", "weights/unit", 1000, torch.bfloat16), ("fetch", "weights/unit", 3000, torch.bfloat16),
+             ("release", 0), ("fetch", "grads/unit", 700, torch.float32), ("fetch", "weights/unit", 5000, torch.bfloat16),
+             ("release", 1), ("release", 3), ("fetch", "weights/unit", 10, torch.bfloat16), ("release", 2)]
+
+    def run(pool) -> list:
+        held, books = [], []
+        for call in calls:
+            if call[0] == "fetch":
+                held.append(pool.fetch(call[2], call[3], torch.device("cpu"), call[1]))
+            else:
+                pool.release(held[call[1]])
+            books.append(pool.bytes_in_use())
+        books.append(pool.high_water_mark())
+        if double_buffer:
+            books += [dict(pool.blocks_per_key()), pool.bytes_reserved()]
+        return books
+
+    real = run(_ops.new_bucket_pool(double_buffer))
+    with FakeTensorMode():
+        pool = _ops.new_bucket_pool(double_buffer)
+        assert isinstance(pool, FakeBucketPool)
+        assert run(pool) == real
