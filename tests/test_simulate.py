@@ -2,7 +2,7 @@
 training step under torch's fake process group and FakeTensorMode. Checked for Llama-3 8B's and a
 Mixtral 8x7B-like MoE's shapes (two of their 32 decoder layers: every layer is the same unit, so
 two show the layers' buckets and their prefetch; the root unit is whole) under plain sharding,
-HSDP with 8-rank shard groups, and TP 8 x DP, and for Llama-3 70B's and 405B's (a 405B layer's
+HSDP with 8-rank shard groups, TP 8 x DP and (the MoE) EP 8, and for Llama-3 70B's and 405B's (a 405B layer's
 bucket holds 3.2B elements, past 2^31):
 
 - plan_memory's model states for the simulated rank equal the bytes of every storage the rank
@@ -58,21 +58,27 @@ def _padded(numels: list[int], group: int, itemsize: int) -> int:
     return math.ceil(max(cursor, 1) / (group * align)) * group * align
 
 
-def _expected_buckets(model: nn.Module, units: tuple[type, ...], group: int, tp: int) -> list[tuple[str, int, int]]:
-    """(unit, numel, padded numel) of each bucket: the parameters outside every unit one bucket
-    per module that holds them (the root unit), then one bucket per unit; tensor-parallel
-    parameters by their local (1/tp) size."""
-    tp_split = {f"{name}.weight" for name, _ in _tp_modules(model)} if tp > 1 else set()
-    local = {name: p.numel() // (tp if name in tp_split else 1) for name, p in model.named_parameters()}
+def _expected_buckets(model: nn.Module, units: tuple[type, ...], mesh: MeshSizes) -> list[tuple[str, int, int, int]]:
+    """(unit, numel, padded numel, group size) of each bucket: the parameters outside every unit
+    one bucket per module that holds them (the root unit), then per unit its dense parameters and,
+    under expert parallelism, its experts (1/ep of them, sharded over the world / ep ranks holding
+    the same ones); tensor-parallel parameters by their local (1/tp) size."""
+    tp_split = {f"{name}.weight" for name, _ in _tp_modules(model)} if mesh.tp > 1 else set()
+    local = {name: p.numel() // (mesh.tp if name in tp_split else 1) for name, p in model.named_parameters()}
+    experts = {name for name in local if ".experts." in name} if mesh.ep > 1 else set()
     unit_names = [name for name, m in model.named_modules() if isinstance(m, units)]
     in_unit = {n for n in local if any(n.startswith(u + ".") for u in unit_names)}
     root: dict[str, list[int]] = {}
     for name in local:
         if name not in in_unit:
             root.setdefault(name.rpartition(".")[0], []).append(local[name])
-    buckets = [("<root>", numels) for numels in root.values()]
-    buckets += [(u, [local[n] for n in local if n.startswith(u + ".")]) for u in unit_names]
-    return [(unit, sum(numels), _padded(numels, group, 2)) for unit, numels in buckets]
+    groups = [("<root>", numels, mesh.dp_shard) for numels in root.values()]
+    for unit in unit_names:
+        members = [n for n in local if n.startswith(unit + ".")]
+        groups.append((unit, [local[n] for n in members if n not in experts], mesh.dp_shard))
+        if experts:
+            groups.append((unit, [local[n] // mesh.ep for n in members if n in experts], mesh.world_size // mesh.ep))
+    return [(unit, sum(numels), _padded(numels, g, 2), g) for unit, numels, g in groups]
 
 
 def _tp_modules(model: nn.Module):
@@ -86,8 +92,8 @@ def _tp_modules(model: nn.Module):
 def _expected_collectives(buckets, strategy: str, mesh: MeshSizes, hidden: int, layers: int) -> Counter:
     """(op, group size, dtype, message bytes) -> count for one step of bf16 weights, gradients
     and communication (the default policy: fp32 main weights, bf16 main gradients)."""
-    g, expected = mesh.dp_shard, Counter()
-    for unit, _, padded in buckets:
+    expected = Counter()
+    for unit, _, padded, g in buckets:
         nbytes = padded * 2
         if strategy == "optim_grads_params":
             expected["all_gather", g, "bfloat16", nbytes] += 1 if unit == "<root>" else 2
@@ -111,6 +117,7 @@ CASES = [
     *[("llama3-8b", MeshSizes(64), s) for s in ("no_shard", "optim", "optim_grads")],
     *[("mixtral-8x7b", MeshSizes(w), "optim_grads_params") for w in (8, 64, 512, 4096)],
     *[("mixtral-8x7b", MeshSizes(w, dp_outer=w // 8), "optim_grads_params") for w in (64, 4096)],
+    *[("mixtral-8x7b", MeshSizes(w, ep=8), "optim_grads_params") for w in (64, 4096)],
     # A 405B layer is 3.2B elements (past 2^31) in one bucket at TP 1: sizes and offsets beyond int32.
     ("llama3-70b", MeshSizes(512, tp=8), "optim_grads_params"),
     ("llama3-405b", MeshSizes(4096), "optim_grads_params"),
@@ -120,7 +127,7 @@ CASES = [
 
 def _case_id(case) -> str:
     name, mesh, strategy = case
-    return f"{name}-W{mesh.world_size}-outer{mesh.dp_outer}-tp{mesh.tp}-{strategy}"
+    return f"{name}-W{mesh.world_size}-outer{mesh.dp_outer}-tp{mesh.tp}-ep{mesh.ep}-{strategy}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
@@ -133,7 +140,7 @@ def test_a_simulated_rank_holds_what_the_plan_says_and_sends_what_the_formula_sa
                            tensor_parallel_plan=tp_plan, batch_size=BATCH, seq_len=SEQ)
     model = source.build()
     plan = plan_memory(model, mesh.world_size, dp_outer_size=mesh.dp_outer, tensor_parallel_size=mesh.tp,
-                       tensor_parallel_plan=tp_plan, fsdp_unit_modules=list(source.units), zero_dp_strategy=strategy,
+                       expert_parallel_size=mesh.ep, tensor_parallel_plan=tp_plan, fsdp_unit_modules=list(source.units), zero_dp_strategy=strategy,
                        device_type="cpu").for_rank(rank)
     planned = plan.device_model_states + plan.host_model_states
     assert report.model_state_bytes == planned, (
@@ -141,10 +148,10 @@ def test_a_simulated_rank_holds_what_the_plan_says_and_sends_what_the_formula_sa
     # Category by category too: nothing here is offloaded, so the plan's host part is empty.
     assert {kind: n for kind, n in report.model_states.items() if n} == {kind: n for kind, n in plan.device.items() if n}
 
-    expected_buckets = _expected_buckets(model, source.units, mesh.dp_shard, mesh.tp)
-    simulated_buckets = [(row.unit, row.numel, row.padded_numel) for row in report.buckets]
+    expected_buckets = _expected_buckets(model, source.units, mesh)
+    simulated_buckets = [(row.unit, row.numel, row.padded_numel, row.group_size) for row in report.buckets]
     assert simulated_buckets == expected_buckets
-    assert [row.padding for row in report.buckets] == [padded - numel for _, numel, padded in expected_buckets]
+    assert [row.padding for row in report.buckets] == [padded - numel for _, numel, padded, _ in expected_buckets]
 
     expected = _expected_collectives(expected_buckets, strategy, mesh, model.config.hidden_size, LAYERS)
     assert report.step_collectives() == expected
@@ -156,8 +163,8 @@ def _expected_fsdp2_collectives(buckets, mesh: MeshSizes) -> Counter:
     """FSDP2's door as torchtitan calls it: bf16 weights gathered (each layer's again in backward;
     the root, whose forward runs first, keeps its weights), gradients reduce-scattered in float32,
     HSDP's all-reduce of each float32 shard over the replicas."""
-    g, expected = mesh.dp_shard, Counter()
-    for unit, _, padded in buckets:
+    expected = Counter()
+    for unit, _, padded, g in buckets:
         expected["all_gather", g, "bfloat16", padded * 2] += 1 if unit == "<root>" else 2
         expected["reduce_scatter", g, "float32", padded * 4] += 1
         if mesh.dp_outer > 1:
@@ -172,17 +179,18 @@ def test_the_fsdp2_door_at_scale_gathers_and_reduces_as_torchtitan_runs_it(mesh:
                            batch_size=BATCH, seq_len=SEQ, door="fsdp2")
     model = source.build()
     # Its root is one bucket of everything outside the layers (one per dtype), after the layers'.
-    layers = _expected_buckets(model, source.units, mesh.dp_shard, 1)
+    layers = _expected_buckets(model, source.units, mesh)
     root = [(n, p) for n, p in model.named_parameters() if ".layers." not in n]
     buckets = [b for b in layers if b[0] != "<root>"]
-    buckets.append(("<root>", sum(p.numel() for _, p in root), _padded([p.numel() for _, p in root], mesh.dp_shard, 2)))
-    assert [(row.numel, row.padded_numel) for row in report.buckets] == [(numel, padded) for _, numel, padded in buckets]
+    buckets.append(("<root>", sum(p.numel() for _, p in root), _padded([p.numel() for _, p in root], mesh.dp_shard, 2),
+                    mesh.dp_shard))
+    assert [(row.numel, row.padded_numel) for row in report.buckets] == [(numel, padded) for _, numel, padded, _ in buckets]
     expected = _expected_fsdp2_collectives(buckets, mesh)
     assert report.step_collectives() == expected
     assert report.sent_per_step() == sum(sent_bytes(op, n, size) * count for (op, size, _, n), count in expected.items())
     # Model states: float32 weights (the optimizer's), float32 gradients and AdamW's two moments,
     # each this rank's shard of every bucket, its padding included.
-    shard = sum(padded for _, _, padded in buckets) // mesh.dp_shard
+    shard = sum(padded for _, _, padded, _ in buckets) // mesh.dp_shard
     assert report.model_states["main weights"] == shard * 4
 
 

@@ -41,6 +41,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--dp-outer", type=int, default=1, help="HSDP replicas (the mesh is dp_outer x dp_shard x tp)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (--hf Llama-style: Megatron-LM's split)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (a model's 'experts' modules, grouped weights)")
     parser.add_argument("--tensor-parallel-plan", type=json.loads, default=None,
                         help="JSON {module pattern: 'colwise'|'rowwise'}; default for --tp > 1: Llama's q/k/v, "
                              "gate/up colwise, o/down rowwise")
@@ -85,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
-        mesh = MeshSizes(args.world_size, dp_outer=args.dp_outer, tp=args.tp)
+        mesh = MeshSizes(args.world_size, dp_outer=args.dp_outer, tp=args.tp, ep=args.ep)
         source = _source(args)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from error
@@ -99,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    outer_dp_sharding_strategy=args.outer_strategy, mixed_precision_policy=policy)
     try:  # the planner's refusal names the fix, before anything is simulated
         plan = plan_memory(source.build(), mesh.world_size, dp_outer_size=mesh.dp_outer, tensor_parallel_size=mesh.tp,
-                           tensor_parallel_plan=tp_plan, optimizer=args.optimizer, device_type="cpu", **options)
+                           expert_parallel_size=mesh.ep, tensor_parallel_plan=tp_plan, optimizer=args.optimizer, device_type="cpu", **options)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from error
     if not args.json:

@@ -53,6 +53,8 @@ class ShardedRank:
 def check_door(door: str, mesh: MeshSizes, zero_dp_strategy: str, outer_dp_sharding_strategy: str) -> None:
     if door not in DOORS:
         raise ValueError(f"door {door!r}: use one of {', '.join(DOORS)}")
+    if door == "fsdp2" and mesh.ep > 1:
+        raise ValueError("the fsdp2 door takes no expert mesh: simulate expert parallelism through the whole_model door")
     if door == "fsdp2" and (zero_dp_strategy != "optim_grads_params" or outer_dp_sharding_strategy != "no_shard"):
         raise ValueError(
             "the fsdp2 door shards as FSDP2 does (optim_grads_params; HSDP replicas with no_shard): "
@@ -61,15 +63,19 @@ def check_door(door: str, mesh: MeshSizes, zero_dp_strategy: str, outer_dp_shard
 
 
 def shard(door: str, module: nn.Module, device_mesh: DeviceMesh, mesh: MeshSizes, optimizer: str,
-          fsdp_unit_modules: Sequence[type], compute_dtype: torch.dtype, **shard_options) -> ShardedRank:
-    """``module`` (fake tensors, tensor parallelism applied; float32 for the FSDP2 doors, built
-    in ``compute_dtype``) sharded through ``door``, with a torch ``optimizer`` over it."""
+          fsdp_unit_modules: Sequence[type], compute_dtype: torch.dtype, expert_mesh: DeviceMesh | None = None,
+          **shard_options) -> ShardedRank:
+    """``module`` (fake tensors, tensor parallelism applied; float32 for the FSDP2 door, built
+    in ``compute_dtype``) sharded through ``door``, with a torch ``optimizer`` over it;
+    ``expert_mesh``: the whole-model door's ``expt_device_mesh``."""
     if door == "whole_model":
         names = dict(device_mesh=device_mesh, dp_shard_dim="dp_shard")
         if mesh.dp_outer > 1:
             names["dp_outer_dim"] = "dp_outer"
         if mesh.tp > 1:
             names["tp_dim"] = "tp"
+        if expert_mesh is not None:
+            names["expt_device_mesh"] = expert_mesh
         model, optim = fully_shard(module, OPTIMIZERS[optimizer](module.parameters()), fsdp_unit_modules=fsdp_unit_modules,
                                    **names, **shard_options)
         return ShardedRank(model, model.module, optim, model.units, model.pool)

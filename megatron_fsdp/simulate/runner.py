@@ -21,7 +21,7 @@ from megatron_fsdp.simulate.memory import POOL_LABEL, AllocationLog
 from megatron_fsdp.simulate.observer import StepObserver
 from megatron_fsdp.simulate.report import STEP_PHASES, RankReport
 from megatron_fsdp.simulate.traffic import CollectiveLog
-from megatron_fsdp.simulate.world import MeshSizes, build_mesh, fake_world
+from megatron_fsdp.simulate.world import MeshSizes, build_expert_mesh, build_mesh, fake_world
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,27 @@ def default_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens, labels=tokens).loss
     out = model(tokens)
     return out.loss if hasattr(out, "loss") else out.float().mean()
+
+
+def keep_local_experts(model: nn.Module, ep: int) -> None:
+    """What an expert-parallel rank holds: of every module named ``experts``, 1/ep of the experts
+    (its grouped weights' dim 0, Hugging Face's fused layout, as plan_memory deals them out), its
+    ``num_experts`` set to match. On the meta device, before anything is allocated."""
+    found = False
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] != "experts":
+            continue
+        for key, param in list(module.named_parameters(recurse=False)):
+            if param.dim() != 3 or param.shape[0] % ep:
+                raise ValueError(f"{name}.{key} {tuple(param.shape)}: expert parallelism {ep} needs grouped expert "
+                                 f"weights whose dim 0 (experts) it divides")
+            shape = (param.shape[0] // ep, *param.shape[1:])
+            setattr(module, key, nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta")))
+        if hasattr(module, "num_experts"):
+            module.num_experts //= ep
+        found = True
+    if not found:
+        raise ValueError(f"ep={ep}: the model has no module named 'experts' to deal out")
 
 
 def _vocab_size(module: nn.Module) -> int:
@@ -87,10 +108,13 @@ def simulate_rank(
         memory, traffic = AllocationLog(), CollectiveLog()
         observer = StepObserver(memory, traffic)
         meta_model = build_model()  # before the modes: meta tensors, nothing to log
+        if mesh.ep > 1:
+            keep_local_experts(meta_model, mesh.ep)
         compute_dtype = next(meta_model.parameters()).dtype
         if door != "whole_model":
             meta_model.float()  # FSDP2's parameters are what the optimizer steps (doors.py)
-        shard_options = dict(fsdp_unit_modules=fsdp_unit_modules, optimizer=optimizer, compute_dtype=compute_dtype)
+        shard_options = dict(fsdp_unit_modules=fsdp_unit_modules, optimizer=optimizer, compute_dtype=compute_dtype,
+                             expert_mesh=build_expert_mesh(mesh) if mesh.ep > 1 else None)
         if door == "whole_model":
             shard_options |= dict(zero_dp_strategy=zero_dp_strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
                                   mixed_precision_policy=mixed_precision_policy)

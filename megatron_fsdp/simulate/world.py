@@ -18,14 +18,17 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 @dataclass(frozen=True)
 class MeshSizes:
     """The mesh as sizes: ``world_size`` ranks, ``dp_outer`` replicas (HSDP), ``tp`` tensor-parallel
-    ranks; dp_shard is what is left."""
+    ranks; dp_shard is what is left. ``ep``: expert-parallel ranks (each holds 1/ep of every
+    layer's experts), laid out fastest as plan_memory lays them out; the experts are sharded over
+    the ``world_size / ep`` ranks holding the same ones."""
 
     world_size: int
     dp_outer: int = 1
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        sizes = {"world_size": self.world_size, "dp_outer": self.dp_outer, "tp": self.tp}
+        sizes = {"world_size": self.world_size, "dp_outer": self.dp_outer, "tp": self.tp, "ep": self.ep}
         bad = [f"{name}={size}" for name, size in sizes.items() if not isinstance(size, int) or size < 1]
         if bad:
             raise ValueError(f"mesh sizes must be integers >= 1, got {', '.join(bad)}")
@@ -33,6 +36,11 @@ class MeshSizes:
             raise ValueError(
                 f"world size {self.world_size} holds no (dp_outer {self.dp_outer}, dp_shard, tp {self.tp}) mesh: "
                 f"{self.world_size} is not divisible by {self.dp_outer * self.tp}; pick sizes whose product divides it"
+            )
+        if self.ep > 1 and (self.tp > 1 or self.dp_outer > 1 or self.dp_shard % self.ep):
+            raise ValueError(
+                f"ep {self.ep}: the simulator lays experts out over dp_shard alone (tp 1, dp_outer 1, and ep dividing "
+                f"dp_shard {self.dp_shard})"
             )
 
     @property
@@ -80,3 +88,8 @@ def build_mesh(sizes: MeshSizes) -> DeviceMesh:
     """The device mesh over the fake world, its dims named as :meth:`MeshSizes.shape`."""
     names, shape = zip(*sizes.shape())
     return init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+
+
+def build_expert_mesh(sizes: MeshSizes) -> DeviceMesh:
+    """The expert mesh, (dp_shard, ep) with ep fastest: ``fully_shard``'s ``expt_device_mesh``."""
+    return init_device_mesh("cpu", (sizes.world_size // sizes.ep, sizes.ep), mesh_dim_names=("dp_shard", "ep"))
