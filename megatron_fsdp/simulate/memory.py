@@ -120,9 +120,5 @@ class AllocationLog:
         nbytes, position = max(self._peaks[phase] for phase in phases)
         return nbytes, [a for a in self.allocations if a.live_at(position)]
 
-    def live_keys(self) -> set[int]:
-        """The storages alive now (their ``_cdata``)."""
-        return set(self._live)
-
     def live(self) -> dict[int, Allocation]:
         return dict(self._live)
