@@ -147,6 +147,8 @@ def test_a_simulated_rank_holds_what_the_plan_says_and_sends_what_the_formula_sa
         f"simulated {report.model_states} ({report.model_state_bytes} bytes), planned {plan.device} {plan.host} ({planned})")
     # Category by category too: nothing here is offloaded, so the plan's host part is empty.
     assert {kind: n for kind, n in report.model_states.items() if n} == {kind: n for kind, n in plan.device.items() if n}
+    # The plan's working set bounds what the bucket pool lent at once (gathered weights, gradient buffers).
+    assert report.pool_peak <= plan.working_set, f"pool peak {report.pool_peak} > planned working set {plan.working_set}"
 
     expected_buckets = _expected_buckets(model, source.units, mesh)
     simulated_buckets = [(row.unit, row.numel, row.padded_numel, row.group_size) for row in report.buckets]
