@@ -140,8 +140,8 @@ def test_a_simulated_rank_holds_what_the_plan_says_and_sends_what_the_formula_sa
                            tensor_parallel_plan=tp_plan, batch_size=BATCH, seq_len=SEQ)
     model = source.build()
     plan = plan_memory(model, mesh.world_size, dp_outer_size=mesh.dp_outer, tensor_parallel_size=mesh.tp,
-                       expert_parallel_size=mesh.ep, tensor_parallel_plan=tp_plan, fsdp_unit_modules=list(source.units), zero_dp_strategy=strategy,
-                       device_type="cpu").for_rank(rank)
+                       expert_parallel_size=mesh.ep, tensor_parallel_plan=tp_plan, fsdp_unit_modules=list(source.units),
+                       zero_dp_strategy=strategy, device_type="cpu").for_rank(rank)
     planned = plan.device_model_states + plan.host_model_states
     assert report.model_state_bytes == planned, (
         f"simulated {report.model_states} ({report.model_state_bytes} bytes), planned {plan.device} {plan.host} ({planned})")

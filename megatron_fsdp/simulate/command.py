@@ -100,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                    outer_dp_sharding_strategy=args.outer_strategy, mixed_precision_policy=policy)
     try:  # the planner's refusal names the fix, before anything is simulated
         plan = plan_memory(source.build(), mesh.world_size, dp_outer_size=mesh.dp_outer, tensor_parallel_size=mesh.tp,
-                           expert_parallel_size=mesh.ep, tensor_parallel_plan=tp_plan, optimizer=args.optimizer, device_type="cpu", **options)
+                           expert_parallel_size=mesh.ep, tensor_parallel_plan=tp_plan, optimizer=args.optimizer,
+                           device_type="cpu", **options)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from error
     if not args.json:
@@ -120,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.json:
             print(json.dumps(report.to_dict() | {"planned_model_state_bytes": planned_states}))
             continue
-        verdict = "equal" if planned_states == report.model_state_bytes else f"DIFFERS by {report.model_state_bytes - planned_states}"
+        difference = report.model_state_bytes - planned_states
+        verdict = "equal" if difference == 0 else f"DIFFERS by {difference}"
         print(report)
         print(f"plan_memory's model states for rank {rank}: {planned_states} bytes, simulated "
               f"{report.model_state_bytes}: {verdict}\n")

@@ -97,9 +97,11 @@ def simulate_rank(
     (``{module FQN pattern: 'colwise' | 'rowwise'}``, torch's parallelize_module), shards it
     through ``door`` (``"whole_model"``: ``fully_shard`` with the given strategy and precision;
     ``"fsdp2"``: megatron_fsdp's FSDP2 door; doors.py) with a torch optimizer (``adamw`` default,
-    ``adam``, ``sgd``, ``sgd_momentum``), and runs forward, backward and ``optimizer.step()`` on a batch of ``batch_size`` x ``seq_len``
-    tokens (``loss_fn(model, tokens)``). Returns what the rank allocated and sent
-    (:class:`RankReport`)."""
+    ``adam``, ``sgd``, ``sgd_momentum``), and runs forward, backward and ``optimizer.step()`` on a
+    batch of ``batch_size`` x ``seq_len`` tokens (``loss_fn(model, tokens)``). ``mesh.ep`` > 1
+    keeps 1/ep of every ``experts`` module's experts (:func:`keep_local_experts`) and gives
+    ``fully_shard`` the expert mesh. Returns what the rank allocated and sent (:class:`RankReport`);
+    a layout the engine refuses raises its error."""
     _check_choices(optimizer, tensor_parallel_plan, mesh)
     check_door(door, mesh, zero_dp_strategy, outer_dp_sharding_strategy)
     started = time.perf_counter()
