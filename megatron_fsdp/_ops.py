@@ -6,8 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch._guards import detect_fake_mode
 
 from megatron_fsdp import _C  # noqa: F401  (registers torch.ops.megatron_fsdp and the pool class)
+
+from megatron_fsdp._fake_bucket_pool import FakeBucketPool
 
 _ops = torch.ops.megatron_fsdp
 
@@ -228,8 +231,12 @@ def float8_cast_segments(
     _ops.float8_cast_segments(flat, list(bounds), scales, out)
 
 
-def new_bucket_pool(double_buffer: bool = False) -> torch.ScriptObject:
-    """A :class:`BucketPool` (see ``csrc/common/bucket_pool.h``) for temporary buckets."""
+def new_bucket_pool(double_buffer: bool = False) -> torch.ScriptObject | FakeBucketPool:
+    """A :class:`BucketPool` (see ``csrc/common/bucket_pool.h``) for temporary buckets; under
+    ``FakeTensorMode`` (a simulated rank) its fake counterpart, which lends fake memory."""
+    fake_mode = detect_fake_mode()
+    if fake_mode is not None:
+        return FakeBucketPool(double_buffer, fake_mode)
     return torch.classes.megatron_fsdp.BucketPool(double_buffer)
 
 

@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("megatron_fsdp.integrations",),  # switches into other programs
     ("megatron_fsdp.utils",),  # upstream's face; finds the wrapper
     ("megatron_fsdp.experimental",),  # upstream v2 names over fsdp2
-    ("megatron_fsdp.fully_shard", "megatron_fsdp.plan_memory", "megatron_fsdp.fsdp2"),  # the public APIs
+    ("megatron_fsdp.fully_shard", "megatron_fsdp.plan_memory", "megatron_fsdp.simulate", "megatron_fsdp.fsdp2"),  # the public APIs
     ("megatron_fsdp.megatron_fsdp",),  # the wrapper
     ("megatron_fsdp.param_and_grad_buffer",),  # the face megatron-core reaches through the wrapper
     ("megatron_fsdp.uneven_dtensor", "megatron_fsdp.distributed_data_parallel_config"),
@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("megatron_fsdp.engine.params",),  # a parameter's layout, pieces and faces
     ("megatron_fsdp.engine.groups",),  # process groups, meshes, collectives
     (ENGINE_FOOT, "megatron_fsdp.engine"),  # the settings every room reads
-    ("megatron_fsdp.mixed_precision", "megatron_fsdp._ops", "megatron_fsdp.package_info"),
+    ("megatron_fsdp.mixed_precision", "megatron_fsdp._ops", "megatron_fsdp._fake_bucket_pool", "megatron_fsdp.package_info"),
 )
 # The extension module: compiled, below everything.
 EXTENSION = "megatron_fsdp._C"

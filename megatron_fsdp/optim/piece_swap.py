@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_fsdp.engine.buckets.buffer import Bucket
 from megatron_fsdp.engine.buckets.faces import FaceSource, bucket_face_sources, holds_this_piece, to_face_layout
+from megatron_fsdp.engine.groups.collectives import holds_values
 from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
 from megatron_fsdp.engine.params.sharded_params import ShardedParam, sharded_dtensor
 from megatron_fsdp.optim.whole_tensors import WholeTensorSwap, needs_whole_tensors, note_flat_pieces
@@ -228,7 +229,8 @@ class ElementwiseSwap:
         elif grad is face.sharded.shown_grad:
             # The bucket showed the piece this gradient too, unless the piece's was cleared since.
             local = grad._local_tensor
-            if piece.grad is None or piece.grad.data_ptr() != local.data_ptr():
+            # A fake tensor (a simulated rank) has no address to compare: point it again.
+            if piece.grad is None or not holds_values(local) or piece.grad.data_ptr() != local.data_ptr():
                 piece.grad = local.view(piece.shape)
         else:
             piece.grad = self._assigned_grad(face, grad)

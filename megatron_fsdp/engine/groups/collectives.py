@@ -26,6 +26,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from megatron_fsdp.engine.groups.collective_watch import ProcessCollectiveWatch
 from megatron_fsdp.engine.groups.process_exit import settle_gloo_at_exit
@@ -140,6 +141,12 @@ def _launch(collective, arguments: tuple, async_op: bool, **options) -> dist.Wor
     return None
 
 
+def holds_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds values the host may read. A fake tensor (one rank of a simulated
+    world, megatron_fsdp.simulate) holds none: a collective's result there is only its shape."""
+    return not is_fake(tensor)
+
+
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A uint8 view of an 8-bit float tensor (float8 weights, a frozen float8 parameter): gloo
     has no float8 type, and a gather only moves bytes. Other tensors as they are."""
@@ -162,7 +169,7 @@ def _copy_unless_same(destination: torch.Tensor, source: torch.Tensor) -> None:
             f"a collective over one rank got {source.numel()} {source.dtype} elements for a result of "
             f"{destination.numel()} {destination.dtype}"
         )
-    if destination.data_ptr() != source.data_ptr():
+    if not holds_values(destination) or destination.data_ptr() != source.data_ptr():
         destination.copy_(source.view(destination.shape))
     return None
 

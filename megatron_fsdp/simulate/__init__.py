@@ -1,0 +1,14 @@
+"""One rank of a world of thousands, on a CPU: the real wrap and one real training step of
+megatron_fsdp under torch's fake process group and ``FakeTensorMode``, with the memory the rank
+allocates, the collectives it issues and its buckets' layout (docs/scaling.md).
+
+``simulate_rank(build_model, MeshSizes(world_size, dp_outer=, tp=), rank, ...)`` returns a
+:class:`RankReport`; ``python -m megatron_fsdp.simulate`` prints one per rank asked for
+(command.py). No GPU and no real weights: every tensor is fake.
+"""
+
+from megatron_fsdp.simulate.report import RankReport
+from megatron_fsdp.simulate.runner import simulate_rank
+from megatron_fsdp.simulate.world import MeshSizes
+
+__all__ = ["MeshSizes", "RankReport", "simulate_rank"]

@@ -1,0 +1,3 @@
+from megatron_fsdp.simulate.command import main
+
+main()

@@ -1,0 +1,90 @@
+"""How the simulated rank's model is sharded: through megatron_fsdp's whole-model door
+(``fully_shard(model, optimizer, fsdp_unit_modules=...)``) or its FSDP2 door
+(``megatron_fsdp.fsdp2.fully_shard`` on every unit, then the root).
+
+Torch's own FSDP2 is not offered beside them: it frees a gathered parameter by resizing its
+storage to nothing, which the allocation log (memory.py: storages made and destroyed) does not
+see, so its numbers would be wrong.
+
+The FSDP2 door is called as torchtitan calls FSDP2: the parameters in float32 (they are what
+the optimizer steps) and ``MixedPrecisionPolicy(param_dtype=<the model's dtype>,
+reduce_dtype=float32)``; HSDP is a 2-D (dp_outer, dp_shard) mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+
+from megatron_fsdp.engine.step.units import FSDPUnit
+from megatron_fsdp.fsdp2 import fully_shard as fsdp2_fully_shard
+from megatron_fsdp.fsdp2.state import shared_resources, state_of
+from megatron_fsdp.fully_shard import fully_shard
+from megatron_fsdp.simulate.world import MeshSizes
+
+DOORS = ("whole_model", "fsdp2")
+
+# plan_memory's optimizer names this simulator can build (torch's own classes, defaults as torch's).
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-4),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-4),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=1e-4, momentum=0.9),
+}
+
+
+@dataclass
+class ShardedRank:
+    """``model``: what forward is called on; ``module``: the user's model under it; ``units``:
+    the engine's units; ``pool``: the engine's bucket pool."""
+
+    model: nn.Module
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    units: list[FSDPUnit]
+    pool: Any
+
+
+def check_door(door: str, mesh: MeshSizes, zero_dp_strategy: str, outer_dp_sharding_strategy: str) -> None:
+    if door not in DOORS:
+        raise ValueError(f"door {door!r}: use one of {', '.join(DOORS)}")
+    if door == "fsdp2" and mesh.ep > 1:
+        raise ValueError("the fsdp2 door takes no expert mesh: simulate expert parallelism through the whole_model door")
+    if door == "fsdp2" and (zero_dp_strategy != "optim_grads_params" or outer_dp_sharding_strategy != "no_shard"):
+        raise ValueError(
+            "the fsdp2 door shards as FSDP2 does (optim_grads_params; HSDP replicas with no_shard): "
+            "use the whole_model door for other strategies"
+        )
+
+
+def shard(door: str, module: nn.Module, device_mesh: DeviceMesh, mesh: MeshSizes, optimizer: str,
+          fsdp_unit_modules: Sequence[type], compute_dtype: torch.dtype, expert_mesh: DeviceMesh | None = None,
+          **shard_options) -> ShardedRank:
+    """``module`` (fake tensors, tensor parallelism applied; float32 for the FSDP2 door, built
+    in ``compute_dtype``) sharded through ``door``, with a torch ``optimizer`` over it;
+    ``expert_mesh``: the whole-model door's ``expt_device_mesh``."""
+    if door == "whole_model":
+        names = dict(device_mesh=device_mesh, dp_shard_dim="dp_shard")
+        if mesh.dp_outer > 1:
+            names["dp_outer_dim"] = "dp_outer"
+        if mesh.tp > 1:
+            names["tp_dim"] = "tp"
+        if expert_mesh is not None:
+            names["expt_device_mesh"] = expert_mesh
+        model, optim = fully_shard(module, OPTIMIZERS[optimizer](module.parameters()), fsdp_unit_modules=fsdp_unit_modules,
+                                   **names, **shard_options)
+        return ShardedRank(model, model.module, optim, model.units, model.pool)
+    policy = TorchMixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    fsdp_mesh = device_mesh["dp_outer", "dp_shard"] if mesh.dp_outer > 1 else device_mesh["dp_shard"]
+    blocks = [m for m in module.modules() if isinstance(m, tuple(fsdp_unit_modules))]
+    for block in blocks:
+        fsdp2_fully_shard(block, mesh=fsdp_mesh, mp_policy=policy)
+    fsdp2_fully_shard(module, mesh=fsdp_mesh, mp_policy=policy)
+    optim = OPTIMIZERS[optimizer](module.parameters())
+    units = [state.unit for m in [*blocks, module] if (state := state_of(m)) is not None]
+    return ShardedRank(module, module, optim, units, shared_resources().pool)

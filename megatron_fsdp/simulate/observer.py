@@ -1,0 +1,38 @@
+"""The one dispatch mode of a simulation: sits above ``FakeTensorMode``, runs each op and shows
+it with its result to the allocation log and the collective log. One mode for both, since every
+mode on the stack costs each op a round through Python."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_fsdp.simulate.memory import AllocationLog
+from megatron_fsdp.simulate.traffic import CollectiveLog
+
+
+class StepObserver(TorchDispatchMode):
+    """Shows every op to ``memory`` and ``traffic``; ``start_phase`` names what runs next."""
+
+    def __init__(self, memory: AllocationLog, traffic: CollectiveLog) -> None:
+        super().__init__()
+        self.memory = memory
+        self.traffic = traffic
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.memory.observe(func, args, kwargs, out)
+        self.traffic.observe(func, args, kwargs, out)
+        return out
+
+    def start_phase(self, phase: str) -> None:
+        self.memory.start_phase(phase)
+        self.traffic.phase = phase
+
+    @contextmanager
+    def observing(self) -> Iterator[StepObserver]:
+        with self.memory.naming_pool_blocks(), self:
+            yield self

@@ -1,0 +1,99 @@
+"""What one simulated rank allocated and sent, as numbers and as text."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from megatron_fsdp.simulate.inventory import BucketRow
+from megatron_fsdp.simulate.traffic import Collective
+from megatron_fsdp.simulate.world import MeshSizes
+
+# The phases of the one training step simulated (the wrap before them is "wrap").
+STEP_PHASES = ("forward", "backward", "optimizer step")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.3f} GiB"
+
+
+@dataclass
+class RankReport:
+    """One rank after the wrap and one training step.
+
+    ``model_states``: bytes by category (plan_memory's: compute weights, main weights, main
+    grads, optimizer state, module buffers, bookkeeping) of every storage still live after the
+    step; ``step_peak``: the most bytes live at once during the step and ``peak_breakdown`` what
+    they were (model states by category, ``pool <key>``: the bucket pool's gathered weights and
+    gradient buffers by role, the rest activations and temporaries); ``pool_peak``: the bucket
+    pool's high-water mark; ``wrap_peak``: the most live during ``fully_shard`` (the unsharded
+    model included: it is built whole, as fake tensors, before the wrap); ``collectives``: every
+    collective issued, in order; ``buckets``: the layout."""
+
+    rank: int
+    mesh: MeshSizes
+    door: str
+    strategy: str
+    outer_strategy: str
+    model_states: dict[str, int]
+    step_peak: int
+    peak_breakdown: dict[str, int]
+    pool_peak: int
+    wrap_peak: int
+    collectives: list[Collective] = field(repr=False)
+    buckets: list[BucketRow] = field(repr=False)
+    seconds: float = 0.0
+
+    @property
+    def model_state_bytes(self) -> int:
+        return sum(self.model_states.values())
+
+    def step_collectives(self) -> Counter[tuple]:
+        """``(op, group size, dtype, message bytes) -> count`` over the training step."""
+        return Counter(
+            (c.op, c.group_size, str(c.dtype).removeprefix("torch."), c.message_bytes)
+            for c in self.collectives if c.phase in STEP_PHASES
+        )
+
+    def sent_per_step(self) -> int:
+        """Bytes this rank sends in the step (ring algorithms; traffic.py's note)."""
+        return sum(c.sent_bytes for c in self.collectives if c.phase in STEP_PHASES)
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank, "world_size": self.mesh.world_size, "dp_outer": self.mesh.dp_outer,
+            "dp_shard": self.mesh.dp_shard, "tp": self.mesh.tp, "door": self.door, "strategy": self.strategy,
+            "outer_strategy": self.outer_strategy, "model_states": self.model_states,
+            "model_state_bytes": self.model_state_bytes, "step_peak": self.step_peak,
+            "peak_breakdown": self.peak_breakdown, "pool_peak": self.pool_peak, "wrap_peak": self.wrap_peak,
+            "sent_per_step": self.sent_per_step(),
+            "collectives": [
+                {"op": op, "group_size": size, "dtype": dtype, "message_bytes": nbytes, "count": count}
+                for (op, size, dtype, nbytes), count in sorted(self.step_collectives().items())
+            ],
+            "buckets": [row.__dict__ | {"padding": row.padding} for row in self.buckets],
+            "seconds": round(self.seconds, 3),
+        }
+
+    def __str__(self) -> str:
+        mesh = self.mesh
+        lines = [
+            f"rank {self.rank} of {mesh.world_size} (dp_outer {mesh.dp_outer} x dp_shard {mesh.dp_shard} x tp {mesh.tp}), "
+            f"{self.door} door, {self.strategy}" + (f", outer {self.outer_strategy}" if mesh.dp_outer > 1 else "")
+            + f"; simulated in {self.seconds:.1f} s",
+            f"model states: {_gib(self.model_state_bytes)}",
+        ]
+        lines += [f"  {kind:<28}{_gib(nbytes):>14}" for kind, nbytes in sorted(self.model_states.items())]
+        lines.append(f"step peak: {_gib(self.step_peak)} (bucket pool high-water mark {_gib(self.pool_peak)})")
+        lines += [f"  {kind:<28}{_gib(nbytes):>14}" for kind, nbytes in sorted(self.peak_breakdown.items())]
+        lines.append(f"collectives in the step: {_gib(self.sent_per_step())} sent by this rank")
+        lines.append(f"  {'op':<16}{'group':>6}{'dtype':>10}{'message bytes':>16}{'count':>7}")
+        for (op, size, dtype, nbytes), count in sorted(self.step_collectives().items()):
+            lines.append(f"  {op:<16}{size:>6}{dtype:>10}{nbytes:>16}{count:>7}")
+        padding = sum(row.padding for row in self.buckets)
+        lines.append(f"buckets: {len(self.buckets)}, padding {padding} elements in all")
+        lines.append(f"  {'unit':<28}{'dtype':>10}{'params':>7}{'numel':>14}{'padded':>14}{'shard':>12}{'group':>6}")
+        for row in self.buckets:
+            lines.append(f"  {row.unit[:28]:<28}{row.dtype:>10}{row.params:>7}{row.numel:>14}{row.padded_numel:>14}"
+                         f"{row.shard_numel:>12}{row.group_size:>6}")
+        return "\n".join(lines)

@@ -1,0 +1,115 @@
+"""Every collective a simulated rank issues, read where torch dispatches it.
+
+torch.distributed's collectives (the engine's, through engine/groups/collectives.py, and torch's
+own: DeviceMesh, DTensor's functional collectives) reach the dispatcher as ``c10d`` and
+``_c10d_functional`` ops carrying their process group. :class:`CollectiveLog` (shown every op by
+observer.py's dispatch mode) records each: the op, its group's size, dtype, message bytes and the bytes this rank sends.
+
+Bytes sent are the ring algorithms' (NCCL's, and its bus-bandwidth convention) for a message of
+``n`` bytes over ``g`` ranks: all-gather (``n`` the gathered output) and reduce-scatter (``n``
+the full input) send ``n (g-1)/g``; all-reduce ``2 n (g-1)/g``; all-to-all the input less the
+rank's own chunk, ``n (g-1)/g`` when even; broadcast ``n``; point-to-point sends ``n``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+
+from megatron_fsdp.simulate.memory import COLLECTIVE_NAMESPACES
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as issued: ``op`` (all_gather, reduce_scatter, all_reduce, all_to_all,
+    broadcast, ...), the phase of the step, its group's size, the dtype and the message bytes
+    (all-gather: the gathered output; reduce-scatter: the full input; others: the tensor)."""
+
+    phase: str
+    op: str
+    group_size: int
+    dtype: torch.dtype
+    message_bytes: int
+    sent_bytes: int
+
+
+# The dispatcher's name of each collective -> (our name, which tensor argument is the message).
+_OPS = {
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "allgather_": ("all_gather", 0),
+    "all_gather_into_tensor": ("all_gather", None),  # functional: the output is the message
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "all_reduce": ("all_reduce", 0),
+    "alltoall_base_": ("all_to_all", 1),
+    "alltoall_": ("all_to_all", 1),
+    "all_to_all_single": ("all_to_all", 0),
+    "broadcast_": ("broadcast", 0),
+    "broadcast": ("broadcast", 0),
+    "send": ("send", 0),
+    "recv_": ("recv", 0),
+    "scatter_": ("scatter", 0),
+    "gather_": ("gather", 1),
+    "barrier": ("barrier", None),
+}
+
+
+def sent_bytes(op: str, message_bytes: int, group_size: int) -> int:
+    """What this rank sends for ``op`` over ``message_bytes`` (the module's note)."""
+    if group_size <= 1 or op in ("recv", "barrier"):
+        return 0
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"):
+        return message_bytes * (group_size - 1) // group_size
+    if op == "all_reduce":
+        return 2 * message_bytes * (group_size - 1) // group_size
+    return message_bytes  # broadcast, send
+
+
+def _group_size(args: tuple, kwargs: dict) -> int:
+    for arg in tree_flatten((args, kwargs))[0]:
+        if isinstance(arg, dist.ProcessGroup):
+            return arg.size()
+        if isinstance(arg, torch.ScriptObject):  # the dispatcher's boxed ProcessGroup (or Work, ReduceOp)
+            try:
+                return dist.ProcessGroup.unbox(arg).size()
+            except RuntimeError:
+                continue
+    for arg in tree_flatten((args, kwargs))[0]:
+        if isinstance(arg, str):  # a functional collective names its group
+            try:
+                return dist.get_world_size(dist.distributed_c10d._resolve_process_group(arg))
+            except (RuntimeError, ValueError):
+                continue
+    raise RuntimeError("a collective without a process group")
+
+
+def _message(args: tuple, out, position: int | None) -> list[torch.Tensor]:
+    source = tree_flatten(out)[0] if position is None else tree_flatten(args[position])[0]
+    return [t for t in source if isinstance(t, torch.Tensor)]
+
+
+class CollectiveLog:
+    """Records the collectives among the ops it observes; ``phase`` names the part of the step."""
+
+    def __init__(self) -> None:
+        self.phase = "setup"
+        self.collectives: list[Collective] = []
+
+    def observe(self, func, args: tuple, kwargs: dict, out) -> None:
+        """After ``func(*args, **kwargs)`` returned ``out``: records it if it is a collective."""
+        if func.namespace not in COLLECTIVE_NAMESPACES or func._opname not in _OPS:
+            return
+        op, position = _OPS[func._opname]
+        size = _group_size(args, kwargs)
+        tensors = _message(args, out, position)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        dtype = tensors[0].dtype if tensors else torch.uint8
+        self.collectives.append(Collective(self.phase, op, size, dtype, nbytes, sent_bytes(op, nbytes, size)))
