@@ -45,14 +45,14 @@ def _storage(tensor: torch.Tensor | None) -> int | None:
 
 
 def _bucket_storages(bucket: Bucket) -> Iterable[tuple[str, torch.Tensor | None]]:
-    yield "compute weights", bucket.weight_shard
+    yield "compute weights", bucket.weights.shard
     if not bucket.strategy.shards_weights:
-        yield "compute weights", bucket.full_weight
+        yield "compute weights", bucket.weights.full
     if bucket.requires_grad:
         yield "main weights", bucket.main_params
-        yield "main grads", bucket.main_grad
-        yield "main grads", bucket.outer_grad
-        yield "main grads", bucket.optimizer_grads
+        yield "main grads", bucket.grads.main_grad
+        yield "main grads", bucket.grads.outer_grad
+        yield "main grads", bucket.grads.optimizer_grads
 
 
 def categories(units: list[FSDPUnit], module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[int, str]:
