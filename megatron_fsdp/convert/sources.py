@@ -1,0 +1,326 @@
+"""Reading a checkpoint one tensor (or one region of a tensor) at a time, without a model.
+
+A DCP directory (ours, Megatron-LM's ``fsdp_dtensor`` and ``torch_dist``) describes every tensor
+by its global shape and dtype in ``.metadata``, whatever world size and TP/PP/EP layout wrote
+it; :class:`DcpSource` reads a tensor, or a box of it, through torch's ``dcp.load`` with a
+planner that asks only for that box, so what is in memory is the box plus one stored chunk.
+A Hugging Face directory (``*.safetensors``, with or without an index) is read through
+safetensors' own ``safe_open``. Nothing read here runs code that came with the checkpoint:
+``.metadata`` and non-tensor items are unpickled by restricted unpicklers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import types
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megatron_fsdp.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader, read_metadata_safely
+from megatron_fsdp.convert.errors import ConversionError
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
+OURS_LATEST = "latest"
+# Megatron-LM's torch_dist directories: the sharded-backend marker, and the common (non-sharded)
+# state: a ShardedObject item of the DCP files (megatron-core 0.19: ``torch.save([state])``), or
+# the older ``common.pt`` beside them.
+TORCH_DIST_MARKER = "metadata.json"
+TORCH_DIST_COMMON_ITEM = "common_state/shard_0_1"
+TORCH_DIST_COMMON_FILE = "common.pt"
+
+# Slices (a box) or indices (a box one long there, that dimension dropped) of leading dimensions.
+Region = tuple[slice | int, ...]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor's global shape and dtype, as the checkpoint stores it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * self.dtype.itemsize
+
+
+class Source(Protocol):
+    """A checkpoint read tensor by tensor."""
+
+    path: str
+    format: str  # "dcp", "torch_dist" or "huggingface"
+    tensors: dict[str, TensorInfo]
+
+    def read(self, name: str, region: Region | None = None) -> torch.Tensor: ...
+
+    def read_object(self, name: str) -> Any: ...
+
+
+class Opaque:
+    """An object of a class that a checkpoint names and this process does not rebuild (an enum of
+    megatron-core's in Megatron-LM's ``args``): its constructor arguments and state are kept as
+    data, nothing of the class runs."""
+
+    qualified_name = "?"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"Opaque({self.qualified_name}{self.args!r})"
+
+
+def unpickle_inertly(data: bytes | str, what: str) -> Any:
+    """A ``torch.save`` file (bytes or a path) loaded by torch's weights-only unpickler, with every
+    class it names that weights-only loading does not allow replaced by an :class:`Opaque` stand-in
+    (``argparse.Namespace`` and ``types.SimpleNamespace`` are rebuilt as themselves): Megatron-LM's
+    ``args`` read without megatron-core and without running anything the file names."""
+    import io
+
+    def stream() -> Any:
+        return io.BytesIO(data) if isinstance(data, bytes) else data
+
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(stream())
+    except Exception as error:  # noqa: BLE001 - a damaged file: say which
+        raise ConversionError(f"{what} is not a file torch.save wrote ({error}): the checkpoint is damaged") from None
+    real = {"argparse.Namespace": argparse.Namespace, "types.SimpleNamespace": types.SimpleNamespace}
+    stand_ins: list[Any] = []
+    for name in names:
+        if name in real:
+            stand_ins.append(real[name])
+        else:
+            stand_ins.append((type(name.rsplit(".", 1)[-1], (Opaque,), {"qualified_name": name}), name))
+    with torch.serialization.safe_globals(stand_ins):
+        return torch.load(stream(), weights_only=True, map_location="cpu")
+
+
+class _RegionPlanner(DefaultLoadPlanner):
+    """Loads one box of one tensor into ``state_dict[fqn]`` (a tensor of the box's shape): read
+    items only for the stored chunks that overlap the box."""
+
+    def __init__(self, fqn: str, offsets: tuple[int, ...]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._fqn, self._offsets = fqn, offsets
+
+    def create_local_plan(self) -> LoadPlan:
+        target = self.state_dict[self._fqn]
+        box = ChunkStorageMetadata(offsets=torch.Size(self._offsets), sizes=target.shape)
+        stored = self.metadata.state_dict_metadata[self._fqn]
+        return LoadPlan(create_read_items_for_chunk_list(self._fqn, stored, [box]))
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]
+
+
+class _CachedMetadataReader(SafeFileSystemReader):
+    """``SafeFileSystemReader`` that unpickles ``.metadata`` once for all the loads of a conversion."""
+
+    def __init__(self, path: str, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+
+def _box(region: Region | None, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Offsets and sizes of ``region`` in a tensor of ``shape``, and the shape of what it reads
+    (without the dimensions an index picked)."""
+    region = region or ()
+    offsets, sizes, kept = [], [], []
+    for dim, size in enumerate(shape):
+        part = region[dim] if dim < len(region) else slice(None)
+        if isinstance(part, int):
+            offsets.append(part)
+            sizes.append(1)
+            continue
+        start, stop, step = part.indices(size)
+        if step != 1:
+            raise ValueError(f"a region is a box: slice {part} has step {step}")
+        offsets.append(start)
+        sizes.append(max(stop - start, 0))
+        kept.append(sizes[-1])
+    return tuple(offsets), tuple(sizes), tuple(kept)
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+    """``path`` itself, or the checkpoint a ``latest`` pointer in it names: ours
+    (``latest`` -> ``step_<N>``) or Megatron-LM's (``latest_checkpointed_iteration.txt`` ->
+    ``iter_<N>``)."""
+    if os.path.isfile(os.path.join(path, METADATA_FILE)) or not os.path.isdir(path):
+        return path
+    for pointer, directory in ((OURS_LATEST, "step_{:08d}"), (MEGATRON_LATEST, "iter_{:07d}")):
+        pointer_path = os.path.join(path, pointer)
+        if os.path.isfile(pointer_path):
+            with open(pointer_path) as handle:
+                text = handle.read().strip()
+            if text.isdigit():
+                return os.path.join(path, directory.format(int(text)))
+            if text == "release":  # Megatron-LM's name for a converted, iteration-less checkpoint
+                return os.path.join(path, "release")
+    return path
+
+
+class DcpSource:
+    """A torch.distributed.checkpoint directory: ours, Megatron-LM's ``fsdp_dtensor``, or its
+    ``torch_dist`` (whose non-tensor state sits in ``common.pt`` beside the DCP files)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        metadata_path = os.path.join(path, METADATA_FILE)
+        if not os.path.isfile(metadata_path):
+            raise ConversionError(
+                f"{path} is not a torch.distributed.checkpoint directory: it has no {METADATA_FILE}. "
+                f"Give the directory of one checkpoint (ours: <dir>/step_<N>, or <dir> with its '{OURS_LATEST}'; "
+                f"Megatron-LM: <save>/iter_<N>, or <save> with its {MEGATRON_LATEST}), or a Hugging Face directory "
+                f"with *.safetensors"
+            )
+        self.metadata = read_metadata_safely(metadata_path)
+        self.format = "torch_dist" if os.path.isfile(os.path.join(path, TORCH_DIST_MARKER)) else "dcp"
+        self.tensors = {
+            fqn: TensorInfo(tuple(entry.size), entry.properties.dtype)
+            for fqn, entry in self.metadata.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata)
+        }
+        self.objects = [
+            fqn for fqn, entry in self.metadata.state_dict_metadata.items() if isinstance(entry, BytesStorageMetadata)
+        ]
+        self._reader = _CachedMetadataReader(path, self.metadata)
+        self._common: dict[str, Any] | None = None
+
+    def read(self, name: str, region: Region | None = None) -> torch.Tensor:
+        """The tensor ``name`` (or the box ``region`` of it: slices of its leading dimensions)."""
+        info = self.tensors[name]
+        offsets, sizes, kept = _box(region, info.shape)
+        target = torch.empty(sizes, dtype=info.dtype)
+        dcp.load({name: target}, storage_reader=self._reader, planner=_RegionPlanner(name, offsets), no_dist=True)
+        return target.reshape(kept)
+
+    def read_object(self, name: str) -> Any:
+        """A non-tensor item (Megatron-LM's ``args``, ``iteration``...), from the DCP files or, for
+        ``torch_dist``, from ``common.pt``; None when the checkpoint has none of that name."""
+        if self.format == "torch_dist":
+            return self._common_state().get(name)
+        return self._item(name)
+
+    def _item(self, name: str) -> Any:
+        if name not in self.objects:
+            return None
+        info = self.metadata.storage_data[MetadataIndex(name)]
+        if info.transform_descriptors:
+            raise ConversionError(f"{self.path}: the item {name} was written through DCP's stream transforms, which are not read here")
+        with open(os.path.join(self.path, info.relative_path), "rb") as handle:
+            handle.seek(info.offset)
+            data = handle.read(info.length)
+        return unpickle_inertly(data, f"the item {name} of {self.path}")
+
+    def _common_state(self) -> dict[str, Any]:
+        if self._common is None:
+            path = os.path.join(self.path, TORCH_DIST_COMMON_FILE)
+            if os.path.isfile(path):
+                self._common = unpickle_inertly(path, path)
+            else:
+                packed = self._item(TORCH_DIST_COMMON_ITEM)
+                self._common = packed[0] if isinstance(packed, list) else (packed or {})
+        return self._common
+
+
+class HuggingFaceSource:
+    """A Hugging Face model directory: ``*.safetensors`` files (with ``model.safetensors.index.json``
+    when sharded) and ``config.json``."""
+
+    format = "huggingface"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        index_path = os.path.join(path, SAFETENSORS_INDEX)
+        if os.path.isfile(index_path):
+            with open(index_path) as handle:
+                weight_map = json.load(handle)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+        if not files:
+            raise ConversionError(f"{path} holds no *.safetensors file: not a Hugging Face model directory")
+        self.file_of: dict[str, str] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        for file in files:
+            file_path = os.path.join(path, file)
+            if not os.path.isfile(file_path):
+                raise ConversionError(f"{index_path} names {file}, which is missing: the download or copy is incomplete")
+            with safe_open(file_path, framework="pt") as handle:
+                for name in handle.keys():
+                    piece = handle.get_slice(name)
+                    self.tensors[name] = TensorInfo(tuple(piece.get_shape()), _SAFETENSORS_DTYPES[piece.get_dtype()])
+                    self.file_of[name] = file_path
+
+    def read(self, name: str, region: Region | None = None) -> torch.Tensor:
+        with safe_open(self.file_of[name], framework="pt") as handle:
+            if region is None:
+                return handle.get_tensor(name)
+            _, _, kept = _box(region, self.tensors[name].shape)
+            boxes = tuple(slice(part, part + 1) if isinstance(part, int) else part for part in region)
+            return handle.get_slice(name)[boxes].reshape(kept).contiguous()
+
+    def read_object(self, name: str) -> Any:
+        return None
+
+    def config(self) -> dict[str, Any]:
+        path = os.path.join(self.path, "config.json")
+        if not os.path.isfile(path):
+            raise ConversionError(f"{self.path} has no config.json: copy the model's config.json beside its safetensors")
+        with open(path) as handle:
+            return json.load(handle)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+SAFETENSORS_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+
+
+def open_source(path: str) -> DcpSource | HuggingFaceSource:
+    """The checkpoint at ``path``, by what its directory holds."""
+    if not os.path.isdir(path):
+        raise ConversionError(f"{path} is not a directory: give a checkpoint's directory")
+    resolved = resolve_checkpoint_dir(path)
+    if os.path.isfile(os.path.join(resolved, METADATA_FILE)):
+        return DcpSource(resolved)
+    if any(name.endswith(".safetensors") for name in os.listdir(path)) or os.path.isfile(os.path.join(path, SAFETENSORS_INDEX)):
+        return HuggingFaceSource(path)
+    return DcpSource(resolved)  # raises, naming what a checkpoint directory holds
