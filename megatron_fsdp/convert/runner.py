@@ -129,7 +129,13 @@ def run_plan(source: Source, plan: Plan, output: str, layout: Layout, overwrite:
     except Exception as error:  # noqa: BLE001 - every rank must hear of it before the next collective
         problem = f"rank {rank}: {type(error).__name__}: {error}"
         logger.exception("conversion failed on rank %d", rank)
-    _agree(problem, distributed)
+    try:
+        _agree(problem, distributed)
+    except ConversionError:
+        _barrier(distributed)
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # nothing half written stays behind
+        raise
     if rank == 0:
         for name, write_file in layout.extra_files:
             write_file(os.path.join(partial, layout.checkpoint_dir, name))

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from safetensors import safe_open
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
@@ -217,8 +218,19 @@ class DcpSource:
         info = self.tensors[name]
         offsets, sizes, kept = _box(region, info.shape)
         target = torch.empty(sizes, dtype=info.dtype)
-        dcp.load({name: target}, storage_reader=self._reader, planner=_RegionPlanner(name, offsets), no_dist=True)
+        try:
+            dcp.load({name: target}, storage_reader=self._reader, planner=_RegionPlanner(name, offsets), no_dist=True)
+        except CheckpointException as error:
+            files = sorted({self.metadata.storage_data[index].relative_path for index in self._chunks_of(name)})
+            cause = str(error).strip().splitlines()[-1]
+            raise ConversionError(
+                f"reading {name} from {files} in {self.path} failed ({cause}): the checkpoint's data files are damaged "
+                f"or incomplete; convert an intact copy"
+            ) from None
         return target.reshape(kept)
+
+    def _chunks_of(self, name: str) -> list[MetadataIndex]:
+        return [index for index in self.metadata.storage_data if index.fqn == name]
 
     def read_object(self, name: str) -> Any:
         """A non-tensor item (Megatron-LM's ``args``, ``iteration``...), from the DCP files or, for
