@@ -32,6 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spec", choices=(TE_SPEC, LOCAL_SPEC), default=TE_SPEC, help="Megatron-LM names: Transformer Engine's fused norms (te) or the local spec's")
     parser.add_argument("--experts", choices=(SEQUENTIAL_EXPERTS, GROUPED_EXPERTS), default=SEQUENTIAL_EXPERTS, help="Megatron-LM expert names: local_experts.N (sequential) or weightN (grouped GEMM)")
     parser.add_argument("--fc1", choices=(SPLIT_FC1, FUSED_FC1), default=SPLIT_FC1, help="fsdp_dtensor SwiGLU fc1: megatron-core's _w/_v halves (split) or whole (fused)")
+    parser.add_argument("--no-optimizer", dest="optimizer", action="store_false", help="fsdp_dtensor <-> torch_dist: the weights alone")
     parser.add_argument("--step", type=int, default=0, help="the step / iteration the written checkpoint is saved as (0: Megatron-LM's 'release')")
     parser.add_argument("--max-file-gib", type=float, default=5.0, help="Hugging Face output: the largest safetensors file")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT once the conversion has succeeded")
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = convert(
             args.source, args.output, args.to, overwrite=args.overwrite, max_file_bytes=int(args.max_file_gib * 2**30),
-            config=args.config, family=args.family, dtype=args.dtype, spec=args.spec, experts=args.experts, fc1=args.fc1, step=args.step,
+            config=args.config, family=args.family, dtype=args.dtype, spec=args.spec, experts=args.experts, fc1=args.fc1, step=args.step, optimizer=args.optimizer,
         )
     except ConversionError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -25,6 +25,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # The module path our fsdp_dtensor face and megatron-core's Megatron-FSDP give the GPT (the
 # DistributedDataParallel wrapper's ``module``).
 DEFAULT_MEGATRON_PREFIX = "model.module."
+DEFAULT_OPTIMIZER_PREFIX = "optimizer.state.module.module."
+# The non-tensor state both Megatron-LM formats carry over.
+COMMON_STATE = ("args", "checkpoint_version", "iteration", "opt_param_scheduler", "num_floating_point_operations_so_far")
 
 
 def source_format(source: Source) -> str:
@@ -142,21 +145,54 @@ def _between_megatron_formats(source: DcpSource, origin: str, to: str, options: 
     args = source.read_object("args")
     if args is None:
         raise ConversionError(f"{source.path} holds no Megatron-LM args: it was not saved by Megatron-LM")
-    view = torch_dist_view(source.tensors, args.num_layers) if origin == TORCH_DIST else fsdp_dtensor_view(source.tensors, _tensor_parallel(args))
+    if origin == TORCH_DIST:
+        view = torch_dist_view(source.tensors, args.num_layers)
+        sharding = (source.read_object("content_metadata") or {}).get("distrib_optim_sharding_type")
+        if options.get("optimizer", True) and sharding == "dp_reshardable":
+            raise ConversionError(
+                f"{source.path} keeps the distributed optimizer's state as dp_reshardable flat buckets (megatron-core's "
+                f"default), laid out by that run's DDP buckets, not per parameter: re-save it with "
+                f"--dist-ckpt-optim-fully-reshardable, or convert the weights alone with --no-optimizer"
+            )
+    else:
+        view = fsdp_dtensor_view(source.tensors, _tensor_parallel(args))
+    spec = "local" if getattr(args, "transformer_impl", "transformer_engine") == "local" else TE_SPEC
     weights_dtype = dtype or (torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None)
     plan = megatron_to_megatron(
-        view, to, args.num_layers, options.get("megatron_prefix", view.model_prefix or DEFAULT_MEGATRON_PREFIX),
-        view.optimizer_prefix or "optimizer.state.module.", weights_dtype,
+        view, to, args.num_layers, spec, options.get("optimizer", True), options.get("megatron_prefix", DEFAULT_MEGATRON_PREFIX),
+        view.optimizer_prefix or DEFAULT_OPTIMIZER_PREFIX, weights_dtype,
     )
-    iteration = source.read_object("iteration") or 0
-    common = {key: source.read_object(key) for key in ("args", "checkpoint_version", "iteration", "opt_param_scheduler", "num_floating_point_operations_so_far")}
+    common = {key: source.read_object(key) for key in COMMON_STATE}
     common = {key: value for key, value in common.items() if value is not None}
+    step = common.get("iteration", 0)
     if to == TORCH_DIST:
+        common["content_metadata"] = {
+            "distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+        }
         plan.objects[TORCH_DIST_COMMON_ITEM] = [common]
+        plan.objects.update(_linear_extra_states(args.num_layers))
         backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
-        return plan, Layout("megatron", step=iteration, extra_files=((TORCH_DIST_MARKER, _json_writer(backend)),))
-    plan.objects.update(common)
-    return plan, Layout("megatron", step=iteration)
+        return plan, Layout("megatron", step=step, extra_files=((TORCH_DIST_MARKER, _json_writer(backend)),))
+    plan.objects.update(_flattened(common))
+    return plan, Layout("megatron", step=step)
+
+
+def _linear_extra_states(layers: int) -> dict[str, Any]:
+    """The empty ``_extra_state`` ShardedObjects megatron-core's torch_dist keeps for each linear
+    layer of each layer (its loader asks for them)."""
+    modules = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+    return {f"decoder.layers.{module}._extra_state/shard_{layer}_{layers}": [None] for module in modules for layer in range(layers)}
+
+
+def _flattened(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as DCP saves them: one item per leaf, keys joined by dots."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flattened(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
 
 
 def convert(source_path: str, output: str, to: str, overwrite: bool = False, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, **options: Any) -> dict[str, Any]:

@@ -115,6 +115,27 @@ def torch_dist_view(tensors: dict[str, TensorInfo], layers: int) -> MegatronView
     return view
 
 
+# Transformer Engine's fused layers own the norms; the local spec keeps them as modules of their
+# own, and megatron-core's torch_dist names them the Transformer Engine way either way.
+_TE_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def spec_name(canonical: str, spec: str) -> str:
+    """``canonical`` with its norm named as the ``spec`` (``te`` or ``local``) names it."""
+    match = _LAYER.match(canonical)
+    if match is None:
+        return canonical
+    rest = match.group(2)
+    if spec == "local":
+        rest = _TE_NORMS.get(rest, rest)
+    else:
+        rest = {local: te for te, local in _TE_NORMS.items()}.get(rest, rest)
+    return f"decoder.layers.{match.group(1)}.{rest}"
+
+
 def stacked_name(canonical: str) -> tuple[str, tuple[int, ...]]:
     """torch_dist's name for a canonical one, and the leading indices (layer, expert) it sits at."""
     match = _LAYER.match(canonical)

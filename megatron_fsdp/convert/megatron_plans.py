@@ -4,6 +4,7 @@ two formats, from the table in ``megatron_gpt`` and the views of ``megatron_layo
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
@@ -11,6 +12,7 @@ from megatron_fsdp.convert.errors import ConversionError
 from megatron_fsdp.convert.gpt_dims import GptDims
 from megatron_fsdp.convert.megatron_gpt import (
     FUSED_FC1,
+    TE_SPEC,
     Slot,
     fuse_fc1,
     fuse_qkv,
@@ -22,12 +24,14 @@ from megatron_fsdp.convert.megatron_gpt import (
 from megatron_fsdp.convert.megatron_layouts import (
     FSDP_DTENSOR,
     MAIN_PARAM,
+    OPTIMIZER_STATE,
     STATE_KEYS,
     TORCH_DIST,
     MegatronView,
+    spec_name,
     stacked_name,
 )
-from megatron_fsdp.convert.plan import Plan, Read, Write, expect_shape, refuse_unknown, require, same
+from megatron_fsdp.convert.plan import Plan, Read, Step, Write, expect_shape, refuse_unknown, require, same
 from megatron_fsdp.convert.sources import TensorInfo
 
 _UNKNOWN_FIX = (
@@ -128,116 +132,97 @@ def hf_to_megatron(
     return plan
 
 
-def _target_names(canonical: str, target_format: str, model_prefix: str, optimizer_prefix: str, state_key: str | None) -> tuple[str, tuple[int, ...]]:
-    """Where ``canonical`` (a weight, or its optimizer state ``state_key``) goes in the target format."""
-    if target_format == TORCH_DIST:
-        name, index = stacked_name(canonical)
-        return (name if state_key is None else f"optimizer.state.{state_key}.{name}"), index
-    return (model_prefix + canonical if state_key is None else f"{optimizer_prefix}{canonical}.{state_key}"), ()
-
-
-def _whole_fc1(view: MegatronView) -> dict[str, tuple[list[Read], list[str]]]:
-    """Every fc1 of the view as the reads that give its ``[gate; up]`` (two halves or one whole)."""
-    found = {}
-    for canonical in view.model:
-        if canonical.endswith("_w") and canonical[:-2] + "_v" in view.model:
-            found[canonical[:-2]] = [canonical, canonical[:-2] + "_v"]
-    return found
-
-
 def megatron_to_megatron(
-    view: MegatronView,
-    target_format: str,
-    layers: int,
-    model_prefix: str,
-    optimizer_prefix: str,
-    weights_dtype: torch.dtype | None,
+    view: MegatronView, target_format: str, layers: int, spec: str, optimizer: bool, model_prefix: str, optimizer_prefix: str, weights_dtype: torch.dtype | None
 ) -> Plan:
-    """fsdp_dtensor <-> torch_dist: every weight and every optimizer state tensor (``exp_avg``,
-    ``exp_avg_sq``; torch_dist's ``fp32_param`` main weights), renamed, stacked or unstacked, and
-    fc1 halves joined or split. torch_dist keeps the model weights in ``weights_dtype`` (the run's
-    params dtype) and the fp32 main weights as ``fp32_param``; fsdp_dtensor keeps the main weights
-    as its model weights."""
-    if view.format == target_format:
-        raise ConversionError(f"the checkpoint is already {target_format}")
+    """fsdp_dtensor <-> torch_dist: every weight, renamed (torch_dist: layers and experts stacked,
+    norms under Transformer Engine's names; fsdp_dtensor: the ``spec``'s module names, fc1 as
+    ``_w`` / ``_v`` halves) and, with ``optimizer``, every ``exp_avg`` / ``exp_avg_sq`` (and torch_dist's
+    ``fp32_param`` main weights). torch_dist keeps its model weights in ``weights_dtype`` (the run's
+    params dtype) beside the fp32 main weights; fsdp_dtensor keeps the main weights as its weights."""
     plan = Plan()
-    halves = _whole_fc1(view)
-    half_names = {name for pair in halves.values() for name in pair}
-    plain = [canonical for canonical in view.model if canonical not in half_names]
-    kinds = [(None, canonical) for canonical in plain + list(halves)]
-    kinds += [(key, canonical) for key in STATE_KEYS for canonical in plain + list(halves)]
-    if target_format == TORCH_DIST:
-        kinds += [(MAIN_PARAM, canonical) for canonical in plain + list(halves)]
-    for state_key, canonical in kinds:
-        _add_tensor(plan, view, halves, target_format, layers, model_prefix, optimizer_prefix, weights_dtype, state_key, canonical)
+    for canonical in _whole_parameters(view):
+        kinds: list[str | None] = [None]
+        if optimizer and view.optimizer:
+            kinds += [key for key in STATE_KEYS if _reads_of(view, canonical, key) is not None]
+            if target_format == TORCH_DIST:
+                kinds.append(MAIN_PARAM)
+        for kind in kinds:
+            reads = _reads_of(view, canonical, kind)
+            if reads is None:
+                raise ConversionError(f"the checkpoint has optimizer state for some parameters but no {kind} for {canonical}: it is incomplete")
+            _add_converted(plan, view, canonical, kind, reads, target_format, layers, spec, model_prefix, optimizer_prefix, weights_dtype)
     return plan
 
 
-def _source_reads(view: MegatronView, halves: dict[str, list[str]], state_key: str | None, canonical: str) -> list[Read] | None:
-    """Where ``canonical``'s weight (``state_key`` None), main weight or optimizer state is read."""
-    names = halves.get(canonical, [canonical])
-    if state_key is None or (state_key == MAIN_PARAM and view.format == FSDP_DTENSOR):
+def _whole_parameters(view: MegatronView) -> list[str]:
+    """The view's parameters, an fc1 saved as ``_w`` / ``_v`` halves under its whole name."""
+    names = []
+    for canonical in view.model:
+        if canonical.endswith("_v") and canonical[:-2] + "_w" in view.model:
+            continue
+        names.append(canonical[:-2] if canonical.endswith("_w") and canonical[:-2] + "_v" in view.model else canonical)
+    return names
+
+
+def _reads_of(view: MegatronView, canonical: str, kind: str | None) -> list[Read] | None:
+    """Where a parameter's weight (``kind`` None), main weight or optimizer state is read: two
+    halves for an fc1 kept as ``_w`` / ``_v``. torch_dist's fp32 main weights, when it has them,
+    stand for its weights (the bf16 copy is their rounding)."""
+    names = [canonical + "_w", canonical + "_v"] if canonical not in view.model else [canonical]
+    if kind is None and (MAIN_PARAM, names[0]) in view.optimizer:
+        kind = MAIN_PARAM
+    if kind is None or (kind == MAIN_PARAM and view.format == FSDP_DTENSOR):
         return [view.model[name] for name in names]
-    if view.format == TORCH_DIST and state_key is None:
-        return [view.model[name] for name in names]
-    found = [view.optimizer.get((state_key, name)) for name in names]
+    found = [view.optimizer.get((kind, name)) for name in names]
     return None if None in found else found
 
 
-def _add_tensor(plan, view, halves, target_format, layers, model_prefix, optimizer_prefix, weights_dtype, state_key, canonical) -> None:
-    if view.format == TORCH_DIST and state_key is None and (MAIN_PARAM, canonical) in view.optimizer:
-        reads = [view.optimizer[(MAIN_PARAM, canonical)]]  # the fp32 main weights, not their bf16 copy
+def _add_converted(plan, view, canonical, kind, reads, target_format, layers, spec, model_prefix, optimizer_prefix, weights_dtype) -> None:
+    infos = [view.infos[name] for name in ([canonical] if canonical in view.model else [canonical + "_w", canonical + "_v"])]
+    shape = (sum(info.shape[0] for info in infos), *infos[0].shape[1:]) if len(infos) == 2 else infos[0].shape
+    is_fc1 = canonical.endswith("linear_fc1.weight") or re.search(r"linear_fc1\.weight\d+$", canonical) is not None
+    dtype = torch.float32 if kind is not None else (weights_dtype or infos[0].dtype)
+    if len(reads) == 2:
+        build = _cat_halves
+    elif is_fc1 and view.fc1_blocks > 1:
+        build = functools.partial(_rejoin_fc1, view.fc1_blocks)
     else:
-        reads = _source_reads(view, halves, state_key, canonical)
-    if reads is None:
-        return  # no optimizer state for this weight (saved without it)
-    infos = [view.infos[name] for name in halves.get(canonical, [canonical])]
-    whole = TensorInfo((sum(info.shape[0] for info in infos), *infos[0].shape[1:]) if infos[0].shape else (), infos[0].dtype)
-    is_fc1 = canonical in halves or canonical.endswith("linear_fc1.weight") or ".linear_fc1.weight" in canonical
-    split = target_format == FSDP_DTENSOR and is_fc1
-    if state_key in STATE_KEYS or state_key == MAIN_PARAM:
-        dtype = torch.float32
-    elif target_format == TORCH_DIST:
-        dtype = weights_dtype or whole.dtype
-    else:
-        dtype = torch.float32 if (MAIN_PARAM, canonical) in view.optimizer else whole.dtype
-    target, index = _target_names(canonical, target_format, model_prefix, optimizer_prefix, state_key)
-    if split:
-        half_shape = (whole.shape[0] // 2, *whole.shape[1:])
-        suffixes = ("_w", "_v")
-        names = [f"{target}{s}" if state_key is None else target.replace(f"{canonical}.", f"{canonical}{s}.") for s in suffixes]
-        writes = [(name, TensorInfo(half_shape, dtype)) for name in names]
-        plan.add(reads, writes, functools.partial(_split_fc1_halves, view.fc1_blocks))
+        build = same
+    if target_format == FSDP_DTENSOR:
+        name = spec_name(canonical, spec)
+        if kind is None or kind == MAIN_PARAM:
+            dtype = torch.float32 if (MAIN_PARAM, canonical) in view.optimizer else infos[0].dtype
+        targets = [f"{name}_w", f"{name}_v"] if is_fc1 else [name]
+        full = [model_prefix + t if kind is None else f"{optimizer_prefix}{t}.{kind}" for t in targets]
+        if is_fc1:
+            half = TensorInfo((shape[0] // 2, *shape[1:]), dtype)
+            plan.add(reads, [(full[0], half), (full[1], half)], functools.partial(_halves_of, build))
+        else:
+            plan.add(reads, [(full[0], TensorInfo(shape, dtype))], build)
         return
-    build = _cat_halves if len(reads) == 2 else (functools.partial(_rejoin_fc1, view.fc1_blocks) if is_fc1 and view.fc1_blocks > 1 else same)
+    stacked, index = stacked_name(spec_name(canonical, TE_SPEC))
+    target = stacked if kind is None else f"{OPTIMIZER_STATE}{kind}.{stacked}"
     if not index:
-        plan.add(reads, [(target, TensorInfo(whole.shape, dtype))], build)
+        plan.add(reads, [(target, TensorInfo(shape, dtype))], build)
         return
-    full_shape = _stacked_shape(view, canonical, layers, whole.shape)
-    plan.targets[target] = TensorInfo(full_shape, dtype)
-    offsets = (*index, *([0] * len(whole.shape)))
-    box = (*([1] * len(index)), *whole.shape)
-    plan.steps.append(_stacked_step(reads, target, box, offsets, build))
+    experts = 1 + max((stacked_name(other)[1] + (0, 0))[1] for other in view.model)
+    global_shape = (layers, *([experts] if len(index) == 2 else []), *shape)
+    plan.targets[target] = TensorInfo(global_shape, dtype)
+    box = (*([1] * len(index)), *shape)
+    plan.steps.append(Step(tuple(reads), (Write(target, box, (*index, *([0] * len(shape)))),), _boxed(build, box)))
+
+
+def _halves_of(build, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return split_fc1(build(tensors)[0], 1)
+
+
+def _boxed(build, box: tuple[int, ...]):
+    def build_boxed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [build(tensors)[0].reshape(box)]
+
+    return build_boxed
 
 
 def _rejoin_fc1(blocks: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.cat(split_fc1(tensors[0], blocks))]
-
-
-def _stacked_shape(view: MegatronView, canonical: str, layers: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    _, index = stacked_name(canonical)
-    if len(index) == 1:
-        return (layers, *shape)
-    experts = 1 + max(
-        stacked_name(other)[1][1] for other in view.model if len(stacked_name(other)[1]) == 2
-    )
-    return (layers, experts, *shape)
-
-
-def _stacked_step(reads, target, box, offsets, build):
-    from megatron_fsdp.convert.plan import Step
-
-    def build_boxed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [build(tensors)[0].reshape(box)]
-
-    return Step(tuple(reads), (Write(target, tuple(box), tuple(offsets)),), build_boxed)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_fsdp.checkpoint.integrity import MANIFEST, MANIFEST_KEY, ChecksummingWriter, write_manifest
 from megatron_fsdp.convert.errors import ConversionError
@@ -126,8 +127,10 @@ def run_plan(source: Source, plan: Plan, output: str, layout: Layout, overwrite:
             _write_hf(partial, plan, mine, run_step, progress, rank, world, max_file_bytes)
         else:
             _write_dcp(partial, plan, mine, run_step, progress, layout, distributed)
-    except Exception as error:  # noqa: BLE001 - every rank must hear of it before the next collective
-        problem = f"rank {rank}: {type(error).__name__}: {error}"
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - every rank must hear of it before the next collective
+        # DCP wraps a rank's exception with its traceback; its last line says what went wrong.
+        cause = str(error).strip().splitlines()[-1] if isinstance(error, CheckpointException) else f"{type(error).__name__}: {error}"
+        problem = f"rank {rank}: {cause}"
         logger.exception("conversion failed on rank %d", rank)
     try:
         _agree(problem, distributed)

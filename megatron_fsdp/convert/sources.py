@@ -11,10 +11,8 @@ safetensors' own ``safe_open``. Nothing read here runs code that came with the c
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import types
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +33,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from megatron_fsdp.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader, read_metadata_safely
 from megatron_fsdp.convert.errors import ConversionError
+from megatron_fsdp.convert.inert_pickle import unpickle_inertly
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
@@ -75,48 +74,6 @@ class Source(Protocol):
     def read(self, name: str, region: Region | None = None) -> torch.Tensor: ...
 
     def read_object(self, name: str) -> Any: ...
-
-
-class Opaque:
-    """An object of a class that a checkpoint names and this process does not rebuild (an enum of
-    megatron-core's in Megatron-LM's ``args``): its constructor arguments and state are kept as
-    data, nothing of the class runs."""
-
-    qualified_name = "?"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs = args, kwargs
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"Opaque({self.qualified_name}{self.args!r})"
-
-
-def unpickle_inertly(data: bytes | str, what: str) -> Any:
-    """A ``torch.save`` file (bytes or a path) loaded by torch's weights-only unpickler, with every
-    class it names that weights-only loading does not allow replaced by an :class:`Opaque` stand-in
-    (``argparse.Namespace`` and ``types.SimpleNamespace`` are rebuilt as themselves): Megatron-LM's
-    ``args`` read without megatron-core and without running anything the file names."""
-    import io
-
-    def stream() -> Any:
-        return io.BytesIO(data) if isinstance(data, bytes) else data
-
-    try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(stream())
-    except Exception as error:  # noqa: BLE001 - a damaged file: say which
-        raise ConversionError(f"{what} is not a file torch.save wrote ({error}): the checkpoint is damaged") from None
-    real = {"argparse.Namespace": argparse.Namespace, "types.SimpleNamespace": types.SimpleNamespace}
-    stand_ins: list[Any] = []
-    for name in names:
-        if name in real:
-            stand_ins.append(real[name])
-        else:
-            stand_ins.append((type(name.rsplit(".", 1)[-1], (Opaque,), {"qualified_name": name}), name))
-    with torch.serialization.safe_globals(stand_ins):
-        return torch.load(stream(), weights_only=True, map_location="cpu")
 
 
 class _RegionPlanner(DefaultLoadPlanner):
@@ -241,7 +198,9 @@ class DcpSource:
 
     def _item(self, name: str) -> Any:
         if name not in self.objects:
-            return None
+            # DCP flattens a saved dict into one item per key (Megatron-LM's opt_param_scheduler)
+            nested = {item[len(name) + 1 :]: self._item(item) for item in self.objects if item.startswith(name + ".")}
+            return nested or None
         info = self.metadata.storage_data[MetadataIndex(name)]
         if info.transform_descriptors:
             raise ConversionError(f"{self.path}: the item {name} was written through DCP's stream transforms, which are not read here")

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, TensorProperties, TensorWriteData, WriteItem, WriteItemType
 
+from megatron_fsdp.convert.inert_pickle import save_inertly
 from megatron_fsdp.convert.plan import Step, Write
 from megatron_fsdp.convert.sources import SAFETENSORS_DTYPE_NAMES, TensorInfo
 
@@ -111,10 +112,7 @@ class _StreamingSavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         if write_item.type == WriteItemType.BYTE_IO:
-            buffer = io.BytesIO()
-            torch.save(self._objects[write_item.index.fqn], buffer)
-            buffer.seek(0)
-            return buffer
+            return io.BytesIO(save_inertly(self._objects[write_item.index.fqn]))
         step_index, write_index = self._step_of[_plain_index(write_item.index)]
         if self._current is None or self._current[0] != step_index:
             if self._current is not None:
