@@ -80,22 +80,23 @@ def fsdp_dtensor_view(tensors: dict[str, TensorInfo], tensor_parallel: int) -> M
     return view
 
 
-def _unstacked(name: str, info: TensorInfo, layers: int) -> list[tuple[str, Read, TensorInfo]]:
-    """The canonical per-layer (and per-expert) pieces of a torch_dist tensor ``name``."""
+def _unstacked(stored: str, name: str, info: TensorInfo, layers: int) -> list[tuple[str, Read, TensorInfo]]:
+    """The canonical per-layer (and per-expert) pieces of the torch_dist tensor ``stored``, whose
+    model name is ``name`` (``stored`` less an optimizer-state prefix)."""
     if not name.startswith("decoder.layers.") or name[len("decoder.layers.") :].split(".", 1)[0].isdigit():
-        return [(name, Read(name), info)]
+        return [(name, Read(stored), info)]
     if info.shape[0] != layers:
-        raise ConversionError(f"{name} stacks {info.shape[0]} layers, but the checkpoint's args say num_layers={layers}")
+        raise ConversionError(f"{stored} stacks {info.shape[0]} layers, but the checkpoint's args say num_layers={layers}")
     rest = name[len("decoder.layers.") :]
     expert_match = re.match(r"^mlp\.experts\.experts\.(.*)$", rest)
     pieces = []
     for layer in range(layers):
         if expert_match is None:
-            pieces.append((f"decoder.layers.{layer}.{rest}", Read(name, (layer,)), TensorInfo(info.shape[1:], info.dtype)))
+            pieces.append((f"decoder.layers.{layer}.{rest}", Read(stored, (layer,)), TensorInfo(info.shape[1:], info.dtype)))
             continue
         for expert in range(info.shape[1]):
             canonical = f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{expert_match.group(1)}"
-            pieces.append((canonical, Read(name, (layer, expert)), TensorInfo(info.shape[2:], info.dtype)))
+            pieces.append((canonical, Read(stored, (layer, expert)), TensorInfo(info.shape[2:], info.dtype)))
     return pieces
 
 
@@ -107,10 +108,10 @@ def torch_dist_view(tensors: dict[str, TensorInfo], layers: int) -> MegatronView
     for name, info in tensors.items():
         if name.startswith(OPTIMIZER_STATE):
             state_key, rest = name[len(OPTIMIZER_STATE) :].split(".", 1)
-            for canonical, read, _ in _unstacked(rest, info, layers):
+            for canonical, read, _ in _unstacked(name, rest, info, layers):
                 view.optimizer[(state_key, canonical)] = read
         elif not name.startswith(("optimizer.", "rng_state", "rerun_state_machine")):
-            for canonical, read, piece_info in _unstacked(name, info, layers):
+            for canonical, read, piece_info in _unstacked(name, name, info, layers):
                 view.model[canonical], view.infos[canonical] = read, piece_info
     return view
 
