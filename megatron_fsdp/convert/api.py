@@ -14,7 +14,7 @@ from megatron_fsdp.convert.gpt_dims import GptDims, dims_from_hf_config, dims_fr
 from megatron_fsdp.convert.hf_names import hf_to_ours, ours_to_hf
 from megatron_fsdp.convert.megatron_gpt import SEQUENTIAL_EXPERTS, SPLIT_FC1, TE_SPEC
 from megatron_fsdp.convert.megatron_layouts import EMBEDDING, FSDP_DTENSOR, TORCH_DIST, fsdp_dtensor_view, torch_dist_view
-from megatron_fsdp.convert.megatron_plans import hf_to_megatron, megatron_to_hf, megatron_to_megatron
+from megatron_fsdp.convert.megatron_plans import MegatronTarget, hf_to_megatron, megatron_to_hf, megatron_to_megatron
 from megatron_fsdp.convert.plan import Plan
 from megatron_fsdp.convert.runner import DEFAULT_MAX_FILE_BYTES, Layout, run_plan
 from megatron_fsdp.convert.sources import TORCH_DIST_COMMON_ITEM, TORCH_DIST_MARKER, DcpSource, HuggingFaceSource, Source, open_source
@@ -158,10 +158,10 @@ def _between_megatron_formats(source: DcpSource, origin: str, to: str, options: 
         view = fsdp_dtensor_view(source.tensors, _tensor_parallel(args))
     spec = "local" if getattr(args, "transformer_impl", "transformer_engine") == "local" else TE_SPEC
     weights_dtype = dtype or (torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None)
-    plan = megatron_to_megatron(
-        view, to, args.num_layers, spec, options.get("optimizer", True), options.get("megatron_prefix", DEFAULT_MEGATRON_PREFIX),
-        view.optimizer_prefix or DEFAULT_OPTIMIZER_PREFIX, weights_dtype,
+    target = MegatronTarget(
+        to, args.num_layers, spec, options.get("megatron_prefix", DEFAULT_MEGATRON_PREFIX), view.optimizer_prefix or DEFAULT_OPTIMIZER_PREFIX, weights_dtype
     )
+    plan = megatron_to_megatron(view, target, options.get("optimizer", True))
     common = {key: source.read_object(key) for key in COMMON_STATE}
     common = {key: value for key, value in common.items() if value is not None}
     step = common.get("iteration", 0)

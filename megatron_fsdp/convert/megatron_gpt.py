@@ -156,11 +156,3 @@ def split_fc1(fused: torch.Tensor, tp: int) -> list[torch.Tensor]:
         raise ValueError(f"an fc1 of {rows} rows does not split into gate and up over {tp} tensor-parallel ranks")
     blocks = fused.reshape(tp, 2, rows // (2 * tp), *fused.shape[1:])
     return [blocks[:, half].reshape(rows // 2, *fused.shape[1:]) for half in (0, 1)]
-
-
-def fuse_fc1(gate: torch.Tensor, up: torch.Tensor, tp: int) -> torch.Tensor:
-    """The inverse of :func:`split_fc1`."""
-    rest = gate.shape[1:]
-    per_rank = gate.shape[0] // tp
-    blocks = torch.stack((gate.reshape(tp, per_rank, *rest), up.reshape(tp, per_rank, *rest)), dim=1)
-    return blocks.reshape(2 * gate.shape[0], *rest)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -14,7 +16,6 @@ from megatron_fsdp.convert.megatron_gpt import (
     FUSED_FC1,
     TE_SPEC,
     Slot,
-    fuse_fc1,
     fuse_qkv,
     gpt_slots,
     megatron_name,
@@ -132,26 +133,38 @@ def hf_to_megatron(
     return plan
 
 
-def megatron_to_megatron(
-    view: MegatronView, target_format: str, layers: int, spec: str, optimizer: bool, model_prefix: str, optimizer_prefix: str, weights_dtype: torch.dtype | None
-) -> Plan:
+@dataclass(frozen=True)
+class MegatronTarget:
+    """The Megatron-LM checkpoint to write: ``format`` (fsdp_dtensor or torch_dist), the model's
+    layer count, its ``spec`` (te or local: fsdp_dtensor's norm names), fsdp_dtensor's prefixes,
+    and torch_dist's model weights dtype (the run's params dtype; None: as the source's)."""
+
+    format: str
+    layers: int
+    spec: str
+    model_prefix: str
+    optimizer_prefix: str
+    weights_dtype: torch.dtype | None
+
+
+def megatron_to_megatron(view: MegatronView, target: MegatronTarget, optimizer: bool) -> Plan:
     """fsdp_dtensor <-> torch_dist: every weight, renamed (torch_dist: layers and experts stacked,
-    norms under Transformer Engine's names; fsdp_dtensor: the ``spec``'s module names, fc1 as
-    ``_w`` / ``_v`` halves) and, with ``optimizer``, every ``exp_avg`` / ``exp_avg_sq`` (and torch_dist's
-    ``fp32_param`` main weights). torch_dist keeps its model weights in ``weights_dtype`` (the run's
-    params dtype) beside the fp32 main weights; fsdp_dtensor keeps the main weights as its weights."""
+    norms under Transformer Engine's names; fsdp_dtensor: the spec's module names, fc1 as ``_w`` /
+    ``_v`` halves) and, with ``optimizer``, every ``exp_avg`` / ``exp_avg_sq`` (and torch_dist's
+    ``fp32_param`` main weights). torch_dist keeps its model weights in the run's params dtype
+    beside the fp32 main weights; fsdp_dtensor keeps the main weights as its weights."""
     plan = Plan()
     for canonical in _whole_parameters(view):
         kinds: list[str | None] = [None]
         if optimizer and view.optimizer:
             kinds += [key for key in STATE_KEYS if _reads_of(view, canonical, key) is not None]
-            if target_format == TORCH_DIST:
+            if target.format == TORCH_DIST:
                 kinds.append(MAIN_PARAM)
         for kind in kinds:
             reads = _reads_of(view, canonical, kind)
             if reads is None:
                 raise ConversionError(f"the checkpoint has optimizer state for some parameters but no {kind} for {canonical}: it is incomplete")
-            _add_converted(plan, view, canonical, kind, reads, target_format, layers, spec, model_prefix, optimizer_prefix, weights_dtype)
+            _add_converted(plan, view, canonical, kind, reads, target)
     return plan
 
 
@@ -178,51 +191,50 @@ def _reads_of(view: MegatronView, canonical: str, kind: str | None) -> list[Read
     return None if None in found else found
 
 
-def _add_converted(plan, view, canonical, kind, reads, target_format, layers, spec, model_prefix, optimizer_prefix, weights_dtype) -> None:
+def _add_converted(plan: Plan, view: MegatronView, canonical: str, kind: str | None, reads: list[Read], target: MegatronTarget) -> None:
+    """The step writing ``canonical``'s weight (``kind`` None) or optimizer state ``kind``."""
     infos = [view.infos[name] for name in ([canonical] if canonical in view.model else [canonical + "_w", canonical + "_v"])]
     shape = (sum(info.shape[0] for info in infos), *infos[0].shape[1:]) if len(infos) == 2 else infos[0].shape
     is_fc1 = canonical.endswith("linear_fc1.weight") or re.search(r"linear_fc1\.weight\d+$", canonical) is not None
-    dtype = torch.float32 if kind is not None else (weights_dtype or infos[0].dtype)
     if len(reads) == 2:
         build = _cat_halves
     elif is_fc1 and view.fc1_blocks > 1:
         build = functools.partial(_rejoin_fc1, view.fc1_blocks)
     else:
         build = same
-    if target_format == FSDP_DTENSOR:
-        name = spec_name(canonical, spec)
-        if kind is None or kind == MAIN_PARAM:
-            dtype = torch.float32 if (MAIN_PARAM, canonical) in view.optimizer else infos[0].dtype
-        targets = [f"{name}_w", f"{name}_v"] if is_fc1 else [name]
-        full = [model_prefix + t if kind is None else f"{optimizer_prefix}{t}.{kind}" for t in targets]
+    if target.format == FSDP_DTENSOR:
+        main_weights = (MAIN_PARAM, canonical) in view.optimizer
+        dtype = torch.float32 if kind is not None or main_weights else infos[0].dtype
+        name = spec_name(canonical, target.spec)
+        names = [f"{name}_w", f"{name}_v"] if is_fc1 else [name]
+        full = [target.model_prefix + n if kind is None else f"{target.optimizer_prefix}{n}.{kind}" for n in names]
         if is_fc1:
             half = TensorInfo((shape[0] // 2, *shape[1:]), dtype)
             plan.add(reads, [(full[0], half), (full[1], half)], functools.partial(_halves_of, build))
         else:
             plan.add(reads, [(full[0], TensorInfo(shape, dtype))], build)
         return
+    dtype = torch.float32 if kind is not None else (target.weights_dtype or infos[0].dtype)
     stacked, index = stacked_name(spec_name(canonical, TE_SPEC))
-    target = stacked if kind is None else f"{OPTIMIZER_STATE}{kind}.{stacked}"
+    name = stacked if kind is None else f"{OPTIMIZER_STATE}{kind}.{stacked}"
     if not index:
-        plan.add(reads, [(target, TensorInfo(shape, dtype))], build)
+        plan.add(reads, [(name, TensorInfo(shape, dtype))], build)
         return
     experts = 1 + max((stacked_name(other)[1] + (0, 0))[1] for other in view.model)
-    global_shape = (layers, *([experts] if len(index) == 2 else []), *shape)
-    plan.targets[target] = TensorInfo(global_shape, dtype)
+    plan.targets[name] = TensorInfo((target.layers, *([experts] if len(index) == 2 else []), *shape), dtype)
     box = (*([1] * len(index)), *shape)
-    plan.steps.append(Step(tuple(reads), (Write(target, box, (*index, *([0] * len(shape)))),), _boxed(build, box)))
+    plan.steps.append(Step(tuple(reads), (Write(name, box, (*index, *([0] * len(shape)))),), functools.partial(_boxed, build, box)))
 
 
-def _halves_of(build, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _halves_of(build: Callable, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return split_fc1(build(tensors)[0], 1)
 
 
-def _boxed(build, box: tuple[int, ...]):
-    def build_boxed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [build(tensors)[0].reshape(box)]
-
-    return build_boxed
+def _boxed(build: Callable, box: tuple[int, ...], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``build``'s one tensor as the box of a stacked tensor it fills (leading dimensions of 1)."""
+    return [build(tensors)[0].reshape(box)]
 
 
 def _rejoin_fc1(blocks: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A whole fc1 of ``blocks`` TP-local [gate_r; up_r] blocks as [gate; up]."""
     return [torch.cat(split_fc1(tensors[0], blocks))]
