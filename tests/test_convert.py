@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import convert_cost  # noqa: E402
 import hf_llama  # noqa: E402
 from _dist import run_distributed  # noqa: E402
-from safetensors import safe_open  # noqa: E402
+from safetensors_dir import read_safetensors_dir  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
 import megatron_fsdp  # noqa: E402
@@ -76,15 +76,6 @@ def exported(trained) -> str:
     return path
 
 
-def _tensors(directory: str) -> dict[str, torch.Tensor]:
-    found = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, name), framework="pt") as handle:
-                found.update({key: handle.get_tensor(key) for key in handle.keys()})
-    return found
-
-
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
@@ -94,7 +85,7 @@ def test_world2_checkpoint_converts_to_hf_with_the_sharded_models_logits(trained
     assert loaded.dtype == torch.float32 and loaded.lm_head.weight is loaded.model.embed_tokens.weight
     for name, value in trained["params"].items():
         assert torch.equal(dict(loaded.named_parameters())[name].detach(), value), f"{name} differs after conversion"
-    assert "lm_head.weight" not in _tensors(exported), "a tied head is written once, as save_pretrained does"
+    assert "lm_head.weight" not in read_safetensors_dir(exported), "a tied head is written once, as save_pretrained does"
     with torch.no_grad():
         logits = loaded(input_ids=_probe_batch()).logits
     # The same fp32 weights, input and CPU kernels in one process: equal to the bit.
@@ -107,7 +98,7 @@ def test_hf_to_ours_to_hf_is_byte_identical_and_ours_loads_into_a_sharded_model(
     assert sorted(os.listdir(ours)) == ["latest", "step_00000007"]
     assert "manifest.json" in os.listdir(os.path.join(ours, "step_00000007"))
     convert(ours, back, "huggingface", config=exported)
-    original, again = _tensors(exported), _tensors(back)
+    original, again = read_safetensors_dir(exported), read_safetensors_dir(back)
     assert original.keys() == again.keys()
     for name in original:
         assert _same_bytes(original[name], again[name]), f"{name} changed on the way HF -> ours -> HF"
@@ -125,8 +116,8 @@ def test_two_ranks_split_the_work_and_write_what_one_rank_writes(trained, export
     convert(trained["checkpoints"], one, "huggingface", max_file_bytes=100_000, **options)
     results = run_distributed(_convert_on_ranks, WORLD, trained["checkpoints"], two, "huggingface", {"max_file_bytes": 100_000, **options})
     assert all(result["bytes"] > 0 for result in results), f"a rank had nothing to do: {results}"
-    assert sum(result["bytes"] for result in results) == sum(t.nbytes for t in _tensors(one).values())
-    first, second = _tensors(one), _tensors(two)
+    assert sum(result["bytes"] for result in results) == sum(t.nbytes for t in read_safetensors_dir(one).values())
+    first, second = read_safetensors_dir(one), read_safetensors_dir(two)
     assert first.keys() == second.keys()
     assert all(torch.equal(first[name], second[name]) for name in first)
     dcp_two = os.path.join(trained["out"], "ours_two_ranks")
@@ -159,7 +150,7 @@ def test_command_line_converts_and_reports_errors(trained, tmp_path) -> None:
 
     output = str(tmp_path / "cli")
     assert main([trained["checkpoints"], output, "--to", "huggingface", "--config", trained["config"], "--dtype", "bf16"]) == 0
-    assert all(t.dtype == torch.bfloat16 for t in _tensors(output).values())
+    assert all(t.dtype == torch.bfloat16 for t in read_safetensors_dir(output).values())
     assert main([str(tmp_path), str(tmp_path / "nothing"), "--to", "huggingface"]) == 2
 
 

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 pytest.importorskip("transformers")
 
-from safetensors import safe_open  # noqa: E402
+from safetensors_dir import read_safetensors_dir  # noqa: E402
 from transformers import LlamaForCausalLM, MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 from megatron_fsdp.convert import ConversionError, convert  # noqa: E402
@@ -32,15 +32,6 @@ FSDP_DTENSOR, TORCH_DIST = os.path.join(DATA, "fsdp_dtensor"), os.path.join(DATA
 # max |difference| 2.7e-7 on logits of size ~0.6 (a few ulps). 5e-6 leaves room for other CPUs;
 # a mapping mistake (gate and up swapped, heads of another query group) moves logits by > 1e-2.
 LOGITS_ATOL = 5e-6
-
-
-def _tensors(directory: str) -> dict[str, torch.Tensor]:
-    found = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, name), framework="pt") as handle:
-                found.update({key: handle.get_tensor(key) for key in handle.keys()})
-    return found
 
 
 def _fixture_args() -> argparse.Namespace:
@@ -162,7 +153,7 @@ def test_fc1_saved_whole_at_tp2_splits_into_the_tp_local_gate_and_up(tmp_path) -
     dcp.save(state, checkpoint_id=whole, no_dist=True)
     convert(whole, str(tmp_path / "whole_hf"), "huggingface")
     convert(FSDP_DTENSOR, halves, "huggingface")
-    expected, got = _tensors(halves), _tensors(str(tmp_path / "whole_hf"))
+    expected, got = read_safetensors_dir(halves), read_safetensors_dir(str(tmp_path / "whole_hf"))
     assert expected.keys() == got.keys() and all(torch.equal(got[name], expected[name]) for name in expected)
 
 
@@ -184,7 +175,7 @@ def test_mixtral_experts_map_to_megatron_cores_moe_layers_and_back(mixtral, expe
     path, model = mixtral
     megatron, back = str(tmp_path / "megatron"), str(tmp_path / "back")
     convert(path, megatron, "fsdp_dtensor", experts=experts, fc1="fused")
-    original, converted = _tensors(path), open_source(megatron)
+    original, converted = read_safetensors_dir(path), open_source(megatron)
     layer = "model.module.decoder.layers.1.mlp."
     fc1 = f"{layer}experts.local_experts.2.linear_fc1.weight" if experts == "sequential" else f"{layer}experts.linear_fc1.weight2"
     moe = "model.layers.1.block_sparse_moe."
@@ -192,7 +183,7 @@ def test_mixtral_experts_map_to_megatron_cores_moe_layers_and_back(mixtral, expe
     assert torch.equal(converted.read(fc1), torch.cat([original[f"{moe}experts.2.w1.weight"], original[f"{moe}experts.2.w3.weight"]]))
     assert torch.equal(converted.read(f"{layer}router.weight"), original[f"{moe}gate.weight"])
     convert(megatron, back, "huggingface", config=path)
-    again = _tensors(back)
+    again = read_safetensors_dir(back)
     assert again.keys() == original.keys() and all(torch.equal(again[name], original[name]) for name in original)
     loaded = MixtralForCausalLM.from_pretrained(back).eval()
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -209,7 +200,7 @@ def test_mixtral_experts_stack_in_torch_dist(mixtral, tmp_path) -> None:
     convert(megatron, torch_dist, "torch_dist")
     stacked = open_source(torch_dist)
     assert stacked.tensors["decoder.layers.mlp.experts.experts.linear_fc2.weight"].shape == (2, 4, 32, 48)
-    original = _tensors(path)
+    original = read_safetensors_dir(path)
     assert torch.equal(stacked.read("decoder.layers.mlp.experts.experts.linear_fc2.weight", (1, 3)), original["model.layers.1.block_sparse_moe.experts.3.w2.weight"])
 
 

@@ -107,13 +107,7 @@ def share_of(steps: list[Step], targets: dict[str, TensorInfo], rank: int, world
     mine: list[tuple[int, Step]] = []
 
     def size(step: Step) -> int:
-        total = 0
-        for write in step.writes:
-            count = 1
-            for extent in write.shape:
-                count *= extent
-            total += count * targets[write.name].dtype.itemsize
-        return total
+        return sum(TensorInfo(write.shape, targets[write.name].dtype).nbytes for write in step.writes)
 
     order = sorted(range(len(steps)), key=lambda index: (-size(steps[index]), index))
     for index in order:

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_fsdp.checkpoint.integrity import MANIFEST, MANIFEST_KEY, ChecksummingWriter, write_manifest
 from megatron_fsdp.convert.errors import ConversionError
 from megatron_fsdp.convert.plan import Plan, Step, share_of
-from megatron_fsdp.convert.sources import SAFETENSORS_INDEX, Source
+from megatron_fsdp.convert.sources import SAFETENSORS_INDEX, Source, TensorInfo
 from megatron_fsdp.convert.writers import Progress, iter_files, save_dcp, write_safetensors
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def run_plan(source: Source, plan: Plan, output: str, layout: Layout, overwrite:
     _barrier(distributed)
     start, resident_at_start = time.monotonic(), _reset_peak_resident()
     mine = share_of(plan.steps, plan.targets, rank, world)
-    total = sum(plan.targets[write.name].dtype.itemsize * _count(write.shape) for step in mine for write in step.writes)
+    total = sum(TensorInfo(write.shape, plan.targets[write.name].dtype).nbytes for step in mine for write in step.writes)
     progress = Progress(len(mine), total)
     run_step = step_runner(source, plan)
     problem = None
@@ -168,13 +168,6 @@ def _reset_peak_resident() -> int:
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")
     return _status_bytes("VmRSS")
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _commit(partial: str, output: str, overwrite: bool) -> None:

@@ -6,7 +6,7 @@ it; :class:`DcpSource` reads a tensor, or a box of it, through torch's ``dcp.loa
 planner that asks only for that box, so what is in memory is the box plus one stored chunk.
 A Hugging Face directory (``*.safetensors``, with or without an index) is read through
 safetensors' own ``safe_open``. Nothing read here runs code that came with the checkpoint:
-``.metadata`` and non-tensor items are unpickled by restricted unpicklers.
+``.metadata`` and non-tensor items are unpickled by restricted unpicklers (``inert_pickle``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from safetensors import safe_open
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
