@@ -57,7 +57,9 @@ def _megatron_dims(source: DcpSource, config: dict[str, Any] | None, family: str
     args = source.read_object("args")
     if config is not None:
         return dims_from_hf_config(config, family), args
-    embedding = next(name for name in source.tensors if name.endswith(EMBEDDING))
+    embedding = next((name for name in source.tensors if name.endswith(EMBEDDING)), None)
+    if embedding is None:
+        raise ConversionError(f"{source.path} has no tensor named ...{EMBEDDING}: it is not a Megatron-LM GPT checkpoint")
     return dims_from_megatron_args(args, source.tensors[embedding].shape[0], family), args
 
 
