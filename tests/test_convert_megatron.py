@@ -9,6 +9,7 @@ megatron-core's documented layouts."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import shutil
@@ -89,12 +90,6 @@ def test_megatron_formats_convert_into_each_others_files(direction: str, tmp_pat
     assert converted.read_object("iteration") == 4
     assert converted.read_object("opt_param_scheduler") == open_source(source).read_object("opt_param_scheduler")
     assert os.path.basename(converted.path) == "iter_0000004"
-
-
-def test_dp_reshardable_optimizer_state_is_refused_with_the_fix(tmp_path) -> None:
-    with pytest.raises(ConversionError, match="--dist-ckpt-optim-fully-reshardable, or convert the weights alone with --no-optimizer"):
-        convert(TORCH_DIST, str(tmp_path / "out"), "fsdp_dtensor")
-    assert not os.listdir(tmp_path)
 
 
 def _with_optimizer_state(directory: str) -> dict[str, torch.Tensor]:
@@ -236,3 +231,85 @@ def _hf_of_fixture(tmp_path) -> str:
     path = str(tmp_path / "fixture_hf")
     convert(FSDP_DTENSOR, path, "huggingface")
     return path
+
+
+def _dp_reshardable(directory: str, order: list[str]) -> dict[str, torch.Tensor]:
+    """The torch_dist fixture plus megatron-core's default optimizer state: one flat bucket each
+    of fp32 main weights and Adam state, parameters in ``order`` reversed, each starting on a
+    multiple of 64 (the layout megatron-core's own DDP checkpoint of this model has, compared
+    element by element on the full artifact); returns each parameter's exp_avg."""
+    source = open_source(TORCH_DIST)
+    state = {name: source.read(name) for name in source.tensors}
+    te_names = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight", "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    weights, offset, offsets = {}, 0, {}
+    for name in reversed(order):
+        if name.startswith("decoder.layers."):
+            layer, rest = int(name.split(".")[2]), name.split(".", 3)[3]
+            weights[name] = state["decoder.layers." + te_names.get(rest, rest)][layer]
+        else:
+            weights[name] = state[name]
+        offset = -(-offset // 64) * 64
+        offsets[name] = offset
+        offset += weights[name].numel()
+    generator = torch.Generator().manual_seed(0)
+    buckets = {key: torch.zeros(offset) for key in ("param", "exp_avg", "exp_avg_sq")}
+    exp_avgs = {}
+    for name, weight in weights.items():
+        piece = slice(offsets[name], offsets[name] + weight.numel())
+        buckets["param"][piece] = weight.reshape(-1)
+        exp_avgs[name] = torch.randn(weight.shape, generator=generator)
+        buckets["exp_avg"][piece] = exp_avgs[name].reshape(-1)
+        buckets["exp_avg_sq"][piece] = exp_avgs[name].reshape(-1).square()
+    prefix = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0."
+    state.update({prefix + key: value for key, value in buckets.items()})
+    # ShardedObjects, as megatron-core hands them to DCP: torch.save of a list, as bytes.
+    common = {"args": _fixture_args(), "iteration": 4, "content_metadata": source.read_object("content_metadata")}
+    state["common_state/shard_0_1"] = _saved([common])
+    state["optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1"] = _saved([[{(torch.float32, torch.float32): [offset]}]])
+    dcp.save(state, checkpoint_id=directory, no_dist=True)
+    shutil.copy(os.path.join(source.path, "metadata.json"), directory)
+    return exp_avgs
+
+
+def _saved(value: object) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+MODULE_ORDER = ["embedding.word_embeddings.weight"] + [
+    f"decoder.layers.{layer}.{name}"
+    for layer in range(2)
+    for name in ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+] + ["decoder.final_layernorm.weight", "output_layer.weight"]
+
+
+def test_megatron_cores_default_ddp_optimizer_state_converts_to_fsdp_dtensor(tmp_path) -> None:
+    """dp_reshardable flat buckets are placed per parameter: each parameter's Adam state lands
+    under its fsdp_dtensor name, fc1's split into the _w / _v halves."""
+    source, output = str(tmp_path / "ddp"), str(tmp_path / "fsdp")
+    exp_avgs = _dp_reshardable(source, MODULE_ORDER)
+    convert(source, output, "fsdp_dtensor")
+    converted = open_source(output)
+    prefix = "optimizer.state.module.module."
+    for name, exp_avg in exp_avgs.items():
+        if name.endswith("linear_fc1.weight"):
+            assert torch.equal(converted.read(f"{prefix}{name}_w.exp_avg"), exp_avg[:128])
+            assert torch.equal(converted.read(f"{prefix}{name}_v.exp_avg_sq"), exp_avg[128:].square())
+        else:
+            assert torch.equal(converted.read(f"{prefix}{name}.exp_avg"), exp_avg), name
+    for name, value in _model_tensors(FSDP_DTENSOR, "model.").items():
+        assert torch.equal(converted.read(name), value), f"{name}: the weights are the main weights, which are the model's"
+
+
+def test_flat_buckets_laid_out_otherwise_fail_naming_the_parameter(tmp_path) -> None:
+    """Buckets in another order: the main weights found for a parameter are not its weights, and
+    the conversion stops naming it, with nothing written."""
+    swapped = list(MODULE_ORDER)
+    swapped[1], swapped[2] = swapped[2], swapped[1]
+    source = str(tmp_path / "ddp")
+    _dp_reshardable(source, swapped)
+    with pytest.raises(ConversionError, match=r"the optimizer's main weights for decoder\.layers\..* are not"):
+        convert(source, str(tmp_path / "fsdp"), "fsdp_dtensor")
+    assert not os.path.exists(tmp_path / "fsdp")

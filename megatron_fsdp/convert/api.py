@@ -12,7 +12,8 @@ import torch
 from megatron_fsdp.convert.errors import ConversionError
 from megatron_fsdp.convert.gpt_dims import GptDims, dims_from_hf_config, dims_from_megatron_args, hf_config
 from megatron_fsdp.convert.hf_names import hf_to_ours, ours_to_hf
-from megatron_fsdp.convert.megatron_gpt import SEQUENTIAL_EXPERTS, SPLIT_FC1, TE_SPEC
+from megatron_fsdp.convert.megatron_dp_buckets import add_bucket_state
+from megatron_fsdp.convert.megatron_gpt import LOCAL_SPEC, SEQUENTIAL_EXPERTS, SPLIT_FC1, TE_SPEC
 from megatron_fsdp.convert.megatron_layouts import EMBEDDING, FSDP_DTENSOR, TORCH_DIST, fsdp_dtensor_view, torch_dist_view
 from megatron_fsdp.convert.megatron_plans import MegatronTarget, hf_to_megatron, megatron_to_hf, megatron_to_megatron
 from megatron_fsdp.convert.plan import Plan
@@ -151,14 +152,10 @@ def _between_megatron_formats(source: DcpSource, origin: str, to: str, options: 
         view = torch_dist_view(source.tensors, args.num_layers)
         sharding = (source.read_object("content_metadata") or {}).get("distrib_optim_sharding_type")
         if options.get("optimizer", True) and sharding == "dp_reshardable":
-            raise ConversionError(
-                f"{source.path} keeps the distributed optimizer's state as dp_reshardable flat buckets (megatron-core's "
-                f"default), laid out by that run's DDP buckets, not per parameter: re-save it with "
-                f"--dist-ckpt-optim-fully-reshardable, or convert the weights alone with --no-optimizer"
-            )
+            add_bucket_state(source, view, _spec_of(args))
     else:
         view = fsdp_dtensor_view(source.tensors, _tensor_parallel(args))
-    spec = "local" if getattr(args, "transformer_impl", "transformer_engine") == "local" else TE_SPEC
+    spec = _spec_of(args)
     weights_dtype = dtype or (torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None)
     target = MegatronTarget(
         to, args.num_layers, spec, options.get("megatron_prefix", DEFAULT_MEGATRON_PREFIX), view.optimizer_prefix or DEFAULT_OPTIMIZER_PREFIX, weights_dtype
@@ -177,6 +174,11 @@ def _between_megatron_formats(source: DcpSource, origin: str, to: str, options: 
         return plan, Layout("megatron", step=step, extra_files=((TORCH_DIST_MARKER, _json_writer(backend)),))
     plan.objects.update(_flattened(common))
     return plan, Layout("megatron", step=step)
+
+
+def _spec_of(args: Any) -> str:
+    """Which module names a Megatron-LM run's layers have: Transformer Engine's or the local spec's."""
+    return LOCAL_SPEC if getattr(args, "transformer_impl", "transformer_engine") == "local" else TE_SPEC
 
 
 def _linear_extra_states(layers: int) -> dict[str, Any]:

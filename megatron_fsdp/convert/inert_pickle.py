@@ -3,8 +3,8 @@ without megatron-core and without running anything the files name.
 
 Reading: torch's weights-only unpickler, with each class it does not allow replaced by an
 :class:`Opaque` stand-in that keeps the constructor arguments and state as data (an enum of
-megatron-core's in ``args``); ``argparse.Namespace`` and ``types.SimpleNamespace`` are rebuilt
-as themselves. Writing: ``torch.save`` whose pickler names each stand-in's class by the original
+megatron-core's in ``args``); ``argparse.Namespace``, ``types.SimpleNamespace`` and ``io.BytesIO``
+are rebuilt as themselves. Writing: ``torch.save`` whose pickler names each stand-in's class by the original
 module and name, so Megatron-LM unpickles what it wrote.
 """
 
@@ -42,7 +42,9 @@ class Opaque:
         return f"Opaque({self.qualified_name}{self.args!r})"
 
 
-_REBUILT = {"argparse.Namespace": argparse.Namespace, "types.SimpleNamespace": types.SimpleNamespace}
+# Plain containers of data, rebuilt as themselves (a pickled ``io.BytesIO``: bytes DCP's default
+# planner pickled once more).
+_REBUILT = {"argparse.Namespace": argparse.Namespace, "types.SimpleNamespace": types.SimpleNamespace, "_io.BytesIO": io.BytesIO}
 
 
 def unpickle_inertly(data: bytes | str, what: str) -> Any:

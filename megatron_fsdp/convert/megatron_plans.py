@@ -196,7 +196,10 @@ def _add_converted(plan: Plan, view: MegatronView, canonical: str, kind: str | N
     infos = [view.infos[name] for name in ([canonical] if canonical in view.model else [canonical + "_w", canonical + "_v"])]
     shape = (sum(info.shape[0] for info in infos), *infos[0].shape[1:]) if len(infos) == 2 else infos[0].shape
     is_fc1 = canonical.endswith("linear_fc1.weight") or re.search(r"linear_fc1\.weight\d+$", canonical) is not None
-    if len(reads) == 2:
+    if kind is None and view.format == TORCH_DIST and (MAIN_PARAM, canonical) in view.optimizer:
+        reads = [*reads, view.model[canonical]]
+        build = functools.partial(_checked_main_weights, view.model[canonical].name)
+    elif len(reads) == 2:
         build = _cat_halves
     elif is_fc1 and view.fc1_blocks > 1:
         build = functools.partial(_rejoin_fc1, view.fc1_blocks)
@@ -224,6 +227,19 @@ def _add_converted(plan: Plan, view: MegatronView, canonical: str, kind: str | N
     plan.targets[name] = TensorInfo((target.layers, *([experts] if len(index) == 2 else []), *shape), dtype)
     box = (*([1] * len(index)), *shape)
     plan.steps.append(Step(tuple(reads), (Write(name, box, (*index, *([0] * len(shape)))),), functools.partial(_boxed, build, box)))
+
+
+def _checked_main_weights(name: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The fp32 main weights, once they are checked to round to the model's weights ``name``:
+    what proves the optimizer state was found where the model's parameters are."""
+    main, weights = tensors
+    if not torch.equal(main.to(weights.dtype), weights):
+        raise ConversionError(
+            f"the optimizer's main weights for {name} are not {name} (max difference "
+            f"{(main.to(weights.dtype).float() - weights.float()).abs().max():.3g}): the optimizer state is not laid out as "
+            f"read here; re-save with --dist-ckpt-optim-fully-reshardable, or convert the weights alone with --no-optimizer"
+        )
+    return [main]
 
 
 def _halves_of(build: Callable, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -20,10 +20,12 @@ from megatron_fsdp.convert.sources import Region, TensorInfo
 
 @dataclass(frozen=True)
 class Read:
-    """A source tensor, or a box of it (slices of its leading dimensions)."""
+    """A source tensor, or a box of it (slices of its leading dimensions), reshaped to ``shape``
+    when given (a parameter's piece of a flat buffer)."""
 
     name: str
     region: Region | None = None
+    shape: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,8 @@ def step_runner(source: Source, plan: Plan) -> Callable[[Step], list[torch.Tenso
     """Reads a step's tensors, builds its outputs, and checks and casts them to the plan's targets."""
 
     def run(step: Step) -> list[torch.Tensor]:
-        outputs = step.build([source.read(read.name, read.region) for read in step.reads])
+        inputs = [source.read(read.name, read.region) for read in step.reads]
+        outputs = step.build([tensor if read.shape is None else tensor.reshape(read.shape) for read, tensor in zip(step.reads, inputs)])
         cast = []
         for write, tensor in zip(step.writes, outputs, strict=True):
             if tuple(tensor.shape) != tuple(write.shape):

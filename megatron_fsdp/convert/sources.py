@@ -11,6 +11,7 @@ safetensors' own ``safe_open``. Nothing read here runs code that came with the c
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import dataclass
@@ -194,12 +195,13 @@ class DcpSource:
         ``torch_dist``, from ``common.pt``; None when the checkpoint has none of that name."""
         if self.format == "torch_dist":
             return self._common_state().get(name)
-        return self._item(name)
+        return self.read_item(name)
 
-    def _item(self, name: str) -> Any:
+    def read_item(self, name: str) -> Any:
+        """A non-tensor item of the DCP files themselves (None when there is none of that name)."""
         if name not in self.objects:
             # DCP flattens a saved dict into one item per key (Megatron-LM's opt_param_scheduler)
-            nested = {item[len(name) + 1 :]: self._item(item) for item in self.objects if item.startswith(name + ".")}
+            nested = {item[len(name) + 1 :]: self.read_item(item) for item in self.objects if item.startswith(name + ".")}
             return nested or None
         info = self.metadata.storage_data[MetadataIndex(name)]
         if info.transform_descriptors:
@@ -207,7 +209,10 @@ class DcpSource:
         with open(os.path.join(self.path, info.relative_path), "rb") as handle:
             handle.seek(info.offset)
             data = handle.read(info.length)
-        return unpickle_inertly(data, f"the item {name} of {self.path}")
+        value = unpickle_inertly(data, f"the item {name} of {self.path}")
+        if isinstance(value, io.BytesIO):  # bytes DCP's default planner pickled once more (megatron-core's does not)
+            value = unpickle_inertly(value.getvalue(), f"the item {name} of {self.path}")
+        return value
 
     def _common_state(self) -> dict[str, Any]:
         if self._common is None:
@@ -215,7 +220,7 @@ class DcpSource:
             if os.path.isfile(path):
                 self._common = unpickle_inertly(path, path)
             else:
-                packed = self._item(TORCH_DIST_COMMON_ITEM)
+                packed = self.read_item(TORCH_DIST_COMMON_ITEM)
                 self._common = packed[0] if isinstance(packed, list) else (packed or {})
         return self._common
 
