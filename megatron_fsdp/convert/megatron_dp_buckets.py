@@ -47,7 +47,8 @@ def registration_order(view: MegatronView, spec: str) -> list[str]:
 
 def add_bucket_state(source: DcpSource, view: MegatronView, spec: str) -> None:
     """Adds every parameter's main weight and Adam state, read from the flat bucket buffers, to
-    ``view.optimizer``; raises for layouts other than one group and one buffer."""
+    ``view.optimizer`` (nothing when there are none); raises for layouts other than one group and
+    one buffer."""
     buckets: dict[int, dict[str, str]] = {}
     groups = set()
     for name in source.tensors:
@@ -55,6 +56,8 @@ def add_bucket_state(source: DcpSource, view: MegatronView, spec: str) -> None:
         if match is not None:
             groups.add(match.group(1, 2, 3))
             buckets.setdefault(int(match.group(4)), {})[match.group(5)] = name
+    if not groups:
+        return  # saved without optimizer state (--no-save-optim)
     if len(groups) != 1:
         raise ConversionError(
             f"{source.path} keeps its optimizer state in {len(groups)} flat buffers (several tensor- or pipeline-parallel "
