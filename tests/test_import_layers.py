@@ -20,7 +20,7 @@ ENGINE_FOOT = "megatron_fsdp.engine.config"
 # Top to bottom. A module belongs to the first layer one of whose prefixes names it or a package
 # holding it. Modules of one layer may import each other (without a circle).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("megatron_fsdp.integrations",),  # switches into other programs
+    ("megatron_fsdp.integrations", "megatron_fsdp.convert"),  # switches into other programs; offline conversion
     ("megatron_fsdp.utils",),  # upstream's face; finds the wrapper
     ("megatron_fsdp.experimental",),  # upstream v2 names over fsdp2
     ("megatron_fsdp.fully_shard", "megatron_fsdp.plan_memory", "megatron_fsdp.simulate", "megatron_fsdp.fsdp2"),  # the public APIs

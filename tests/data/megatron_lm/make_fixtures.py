@@ -1,0 +1,64 @@
+"""Makes this folder's fixtures from the Megatron-LM checkpoints of issue 63 (README.txt says how
+they were made): each keeps, byte for byte, the items Megatron-LM wrote for the model's weights and
+its non-tensor state (args, iteration, torch_dist's common state), and leaves the optimizer state
+and RNG states out (they do not fit the 1 MB a fixture may take). ``.metadata`` is Megatron-LM's,
+less the entries left out and with the kept items' new offsets.
+
+    python tests/data/megatron_lm/make_fixtures.py /work/wt/megatron_artifacts
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import shutil
+import sys
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHECKPOINTS = {"ours_fsdp_dtensor": "fsdp_dtensor", "ddp_torch_dist": "torch_dist"}
+
+
+def keep(fqn: str) -> bool:
+    return not fqn.startswith(("optimizer.", "rng_state", "rerun_state_machine"))
+
+
+def prune(source: str, target: str) -> None:
+    metadata = FileSystemReader(source).read_metadata()  # our own artifact: trusted
+    metadata.state_dict_metadata = {fqn: entry for fqn, entry in metadata.state_dict_metadata.items() if keep(fqn)}
+    storage = {}
+    os.makedirs(target)
+    with open(os.path.join(target, "__0_0.distcp"), "wb") as out:
+        for index, info in sorted(metadata.storage_data.items(), key=lambda pair: (pair[1].relative_path, pair[1].offset)):
+            if not keep(index.fqn):
+                continue
+            with open(os.path.join(source, info.relative_path), "rb") as handle:
+                handle.seek(info.offset)
+                data = handle.read(info.length)
+            storage[index] = dataclasses.replace(info, relative_path="__0_0.distcp", offset=out.tell())
+            out.write(data)
+    metadata.storage_data = storage
+    with open(os.path.join(target, ".metadata"), "wb") as handle:
+        pickle.dump(metadata, handle)
+    for extra in ("metadata.json",):
+        if os.path.exists(os.path.join(source, extra)):
+            shutil.copy(os.path.join(source, extra), target)
+
+
+def main(artifacts: str) -> None:
+    for name, fixture in CHECKPOINTS.items():
+        target = os.path.join(HERE, fixture)
+        shutil.rmtree(target, ignore_errors=True)
+        os.makedirs(target)
+        shutil.copy(os.path.join(artifacts, name, "latest_checkpointed_iteration.txt"), target)
+        prune(os.path.join(artifacts, name, "iter_0000004"), os.path.join(target, "iter_0000004"))
+    first, second = (torch.load(os.path.join(artifacts, f"logits_{name}.pt")) for name in CHECKPOINTS)
+    assert torch.equal(first["logits"], second["logits"]), "both checkpoints' Megatron-LM logits should agree"
+    torch.save(first, os.path.join(HERE, "megatron_logits.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
