@@ -154,7 +154,7 @@ def _ideal(config, device: torch.device) -> dict:
 def _torch_muon_on_owned_seconds(shapes: list[tuple[int, int]], device: torch.device) -> float:
     """torch's Muon step alone on plain fp32 matrices: those this rank owns (the engine's
     ``assign_owners``), with gradients, as the owner steps them; the median of five after one."""
-    from megatron_fsdp.optim.owner_placement import assign_owners
+    from megatron_fsdp.engine.params.owner_assignment import assign_owners
 
     rank, world = dist.get_rank(), dist.get_world_size()
     owned = [shape for shape, owner in zip(shapes, assign_owners(shapes, world)) if owner == rank]
@@ -178,7 +178,7 @@ def projected_muon_step(shapes: list[tuple[int, int]], worlds: list[int], tflops
     """Muon's step at each world size of ``worlds`` from the parts measured at one: the most loaded
     owner's Newton-Schulz (owners as the engine assigns them) at ``tflops``, plus the exchanges at
     ``gb_per_s`` a rank (the measured rate: within a node; across nodes it is lower)."""
-    from megatron_fsdp.optim.owner_placement import assign_owners
+    from megatron_fsdp.engine.params.owner_assignment import assign_owners
 
     values = sum(rows * columns for rows, columns in shapes)
     projected = []

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from megatron_fsdp.optim.owner_placement import assign_owners, flat_route, gather_to_owners, scatter_from_owners
+from megatron_fsdp.engine.params.owner_assignment import assign_owners
+from megatron_fsdp.optim.owner_placement import flat_route, gather_to_owners, scatter_from_owners
 
 
 def block_shapes(hidden: int, layers: int) -> list[tuple[int, int]]:

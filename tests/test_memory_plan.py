@@ -94,7 +94,9 @@ def _live_storages() -> dict[int, int]:
     only once gloo's workers let go of their tensors (collectives.HostWork), so no temporary of
     theirs is counted."""
     objects = gc.get_objects()
-    mesh_tables = {obj.mesh.untyped_storage().data_ptr() for obj in objects if isinstance(obj, DeviceMesh)}
+    # issubclass on the type: isinstance against DeviceMesh goes through torch's opaque-object
+    # check, seconds for every object a rank holds.
+    mesh_tables = {obj.mesh.untyped_storage().data_ptr() for obj in objects if issubclass(type(obj), DeviceMesh)}
     storages = {}
     for obj in objects:
         if type(obj) not in (torch.Tensor, nn.Parameter):

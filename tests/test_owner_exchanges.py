@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_distributed
 from megatron_fsdp.optim import owner_placement
-from megatron_fsdp.optim.owner_placement import Route, assign_owners, exchange_chunks, flat_route, gather_to_owners, scatter_from_owners
+from megatron_fsdp.engine.params.owner_assignment import assign_owners, exchange_chunks
+from megatron_fsdp.optim.owner_placement import Route, flat_route, gather_to_owners, scatter_from_owners
 
 SHAPES = [(6, 5), (4, 4), (9, 3), (2, 7), (8, 8), (3, 3)]
 CHUNK_VALUES = 40  # below the sum of the shapes' sizes (256), above the largest but one

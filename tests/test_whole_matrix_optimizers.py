@@ -622,7 +622,7 @@ def test_fsdp2_muon_resumes_through_torchs_state_dict_helpers_at_another_world_s
 
 
 def test_owners_are_balanced_by_newton_schulz_cost_and_the_same_on_every_call() -> None:
-    from megatron_fsdp.optim.owner_placement import assign_owners, step_cost
+    from megatron_fsdp.engine.params.owner_assignment import assign_owners, step_cost
 
     shapes = [(60, 20), (20, 20), (52, 20), (20, 52)] * 2 + [(512, 512), (7,)]
     owners = assign_owners(shapes, 4)

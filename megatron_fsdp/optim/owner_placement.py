@@ -4,7 +4,8 @@ bring the tensor's pieces to that rank and its pieces back.
 Each tensor is given to one *owner* rank of the mesh its face lives on, balanced by the work its
 optimizer does on it (Newton-Schulz on an ``m x n`` matrix costs ~``m n min(m, n)``): largest
 first, each to the least loaded rank, ties to the lower index and rank, so every rank computes the
-same owners from the faces' metadata alone. The owner receives every rank's piece of the tensor
+same owners from the faces' metadata alone (the rules, pure arithmetic the memory planner shares,
+are engine/params/owner_assignment.py's). The owner receives every rank's piece of the tensor
 (:func:`gather_to_owners`) and, after its step, sends each rank its piece back
 (:func:`scatter_from_owners`): all-to-alls each way for all tensors of one mesh and dtype, in runs
 that bring an owner at most ``EXCHANGE_CHUNK_VALUES`` values each (:func:`exchange_chunks`), moving
@@ -34,38 +35,8 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megatron_fsdp.engine.groups.collectives import all_reduce_max, all_to_all_uneven
+from megatron_fsdp.engine.params.owner_assignment import EXCHANGE_CHUNK_VALUES, exchange_chunks
 from megatron_fsdp.engine.params.sharded_params import ShardSpec
-
-# Values an owner receives in one exchange: 256 MiB of fp32 a run, so the send and receive buffers
-# beside the whole tensors stay small (one exchange for every tensor held them, the size of the
-# whole tensors twice over, at once) while each all-to-all still moves enough for full bandwidth.
-EXCHANGE_CHUNK_VALUES = 1 << 26
-
-
-def step_cost(shape: torch.Size | tuple[int, ...]) -> int:
-    """The relative cost of a whole-tensor step on a tensor of ``shape``: Newton-Schulz on the
-    matrix its first dim and the rest make, ``m n min(m, n)`` (a vector: its length)."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    if len(shape) < 2 or numel == 0:
-        return numel
-    rows = shape[0]
-    return numel * min(rows, numel // rows)
-
-
-def assign_owners(shapes: list[torch.Size | tuple[int, ...]], world: int) -> list[int]:
-    """The owner rank (``0 <= owner < world``) of each tensor of ``shapes``: largest
-    :func:`step_cost` first, each to the rank with the least cost so far (ties: lower index, lower
-    rank). Deterministic, so every rank computes the same owners."""
-    load = [0] * world
-    owners = [0] * len(shapes)
-    for index in sorted(range(len(shapes)), key=lambda i: (-step_cost(shapes[i]), i)):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owners[index] = rank
-        load[rank] += step_cost(shapes[index])
-    return owners
-
 
 # ``(offsets, sizes)`` of a block of a route's grid.
 Rectangle = tuple[tuple[int, ...], tuple[int, ...]]
@@ -178,22 +149,6 @@ def _own_rectangles(spec: ShardSpec) -> tuple[Rectangle, ...]:
         return ((tuple(offsets), tuple(sizes)),)
     start, length = spec.layout.mine(spec.mesh)
     return tuple((tuple(offsets), tuple(sizes)) for offsets, sizes, _ in spec.layout.rectangles(start, start + length))
-
-
-def exchange_chunks(routes: list[Route], world: int, chunk_values: int) -> list[list[int]]:
-    """The routes' indices in runs, in order, each run bringing every owner at most
-    ``chunk_values`` values (a larger tensor makes a run of its own): each run is one exchange,
-    so its buffers stay about ``chunk_values`` long beside the whole tensors. The same on every
-    rank, from the routes alone."""
-    runs: list[list[int]] = []
-    owned = [0] * world
-    for index, route in enumerate(routes):
-        if not runs or owned[route.owner] + route.numel > chunk_values or max(owned) > chunk_values:
-            runs.append([])
-            owned = [0] * world
-        runs[-1].append(index)
-        owned[route.owner] += route.numel
-    return runs
 
 
 def gather_to_owners(

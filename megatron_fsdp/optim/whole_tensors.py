@@ -32,7 +32,8 @@ from torch.distributed.tensor import DTensor
 from megatron_fsdp.engine.buckets.faces import FaceSource, local_piece
 from megatron_fsdp.engine.groups.collectives import all_gather_shards
 from megatron_fsdp.engine.params.piece_dtensor import plain_attribute_access
-from megatron_fsdp.optim.owner_placement import Route, any_rank_failed, assign_owners, gather_to_owners, routes_of, scatter_from_owners
+from megatron_fsdp.engine.params.owner_assignment import assign_owners
+from megatron_fsdp.optim.owner_placement import Route, any_rank_failed, gather_to_owners, routes_of, scatter_from_owners
 from megatron_fsdp.optim.owner_state import show_owner_state, state_to_owners
 
 Placement = Literal["owner", "replicated"]

@@ -30,17 +30,20 @@ from megatron_fsdp.engine.planning.memory_plan import (
 )
 from megatron_fsdp.engine.planning.model_parallel import ParallelSizes, TensorParallelPlan
 from megatron_fsdp.engine.planning.model_plan import plan_model
+from megatron_fsdp.engine.planning.owner_plan import check_whole_matrix_options, split_optimizers, typical_rank
 from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec
 from megatron_fsdp.engine.planning.plan import check_outer_strategy, resolve_offload
 from megatron_fsdp.engine.step.units import resolve_unit_classes
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.optim.whole_tensors import needs_whole_tensors
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """``largest``: the rank needing the most device memory (``step_peak``); ``ranks``: every rank planned
-    (ranks that cannot differ from one of them are left out); ``alike``: for each rank, the
-    planned rank it holds alike with."""
+    """``largest``: the rank needing the most device memory (``step_peak``; with a whole-matrix
+    optimizer, the most loaded owner); ``ranks``: every rank planned (ranks that cannot differ
+    from one of them are left out); ``alike``: for each rank, the planned rank it holds alike
+    with."""
 
     options: PlanOptions
     largest: RankMemory
@@ -53,6 +56,12 @@ class MemoryPlan:
         if not 0 <= rank < self.options.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.options.world_size}")
         return next(memory for memory in self.ranks if memory.rank == self.alike[rank])
+
+    @property
+    def typical(self) -> RankMemory:
+        """The median rank of the world by device need: under a whole-matrix optimizer (Muon),
+        whose owners hold more than the others, what most ranks hold; else alike ``largest``."""
+        return typical_rank(self.ranks, self.alike)
 
     def __str__(self) -> str:
         return describe(self.largest)
@@ -72,7 +81,7 @@ def plan_memory(
     zero_dp_strategy: int | str = "optim_grads_params",
     outer_dp_sharding_strategy: int | str = "no_shard",
     mixed_precision_policy: MixedPrecisionPolicy | None = None,
-    optimizer: str | OptimizerSpec | torch.optim.Optimizer | None = "adamw",
+    optimizer: str | OptimizerSpec | torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = "adamw",
     overlap_param_gather: bool = True,
     fsdp_double_buffer: bool = False,
     nccl_ub: bool = False,
@@ -91,7 +100,13 @@ def plan_memory(
     """The bytes each rank holds when ``module`` (on the meta device) is sharded by
     ``fully_shard`` with these arguments over ``world_size`` ranks, ``dp_outer_size`` of them
     replicas (HSDP; the mesh is ``(dp_outer, dp_shard)``). ``optimizer``: what keeps state per
-    parameter (a name such as ``"adamw"``, a torch optimizer, or an :class:`OptimizerSpec`);
+    parameter (a name such as ``"adamw"``, a torch optimizer, or an :class:`OptimizerSpec`), or
+    a whole-matrix optimizer with an elementwise one for the other parameters: ``"muon+adamw"``
+    (torch's Muon on the 2-D parameters of the ``fsdp_unit_modules`` modules, AdamW on the rest)
+    or a list of torch optimizers built over ``module``'s parameters, e.g.
+    ``[torch.optim.Muon(matrices), torch.optim.AdamW(rest)]``; each matrix's momentum is then
+    planned on its owner rank only (``MemoryPlan.largest`` is the most loaded owner,
+    ``MemoryPlan.typical`` the median rank, ``RankMemory.owned_matrices`` each rank's count);
     ``device_type``: ``"cuda"`` or ``"cpu"`` (where step counters and pinned buffers live).
     ``micro_batches`` backward passes make one optimizer step; ``deferred_reduction=True`` (or
     ``"no_sync"``): all but the last run inside ``model.no_sync()`` or with
@@ -146,13 +161,17 @@ def plan_memory(
         overlap_param_gather=overlap_param_gather, fsdp_double_buffer=fsdp_double_buffer or nccl_ub, nccl_ub=nccl_ub,
         report_nan_in_param_grad=report_nan_in_param_grad, **resolve_offload(cpu_offload, offload_policy),
     )
+    unit_classes = resolve_unit_classes(fsdp_unit_modules)
+    elementwise, whole_matrix = split_optimizers(optimizer, module, unit_classes, needs_whole_tensors)
     parallel = ParallelSizes(tensor_parallel_size, context_parallel_size, expert_parallel_size, expert_tensor_parallel_size)
     options = PlanOptions(
         world_size=world_size, settings=settings, outer_strategy=outer, outer_size=dp_outer_size,
         parallel=parallel, tensor_parallel_plan=tensor_parallel_plan,
-        optimizer=OptimizerSpec.parse(optimizer), micro_batches=micro_batches,
+        optimizer=OptimizerSpec.parse(elementwise), whole_matrix=whole_matrix, micro_batches=micro_batches,
         deferred_reduction=deferred_reduction, device_type=device_type, pipeline=pipeline,
         reshard_after_forward=reshard_after_forward, activation_bytes_per_layer=activation_bytes_per_layer,
     )
-    largest, ranks, alike = plan_model(module, resolve_unit_classes(fsdp_unit_modules), options)
+    if whole_matrix is not None:
+        check_whole_matrix_options(whole_matrix, options)
+    largest, ranks, alike = plan_model(module, unit_classes, options)
     return MemoryPlan(options, largest, ranks, tuple(alike))

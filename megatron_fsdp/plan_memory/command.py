@@ -197,7 +197,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "optim_grads_params only, the one FSDP2's door runs)")
     parser.add_argument("--cpu-offload", choices=("off", "on", "both"), default="off",
                         help="main weights, gradients and optimizer state on the host ('both': a row for each)")
-    parser.add_argument("--optimizer", default="adamw", help=", ".join(OptimizerSpec.KINDS))
+    parser.add_argument("--optimizer", default="adamw",
+                        help=", ".join(OptimizerSpec.KINDS) + "; or muon+<one of those>, e.g. muon+adamw: torch's Muon on "
+                             "the layers' (--units) 2-D matrices, each on one owner rank, the other on the rest")
     parser.add_argument("--double-buffer", action="store_true", help="fsdp_double_buffer")
     parser.add_argument("--micro-batches", type=_positive_int, default=None,
                         help="backward passes per optimizer step (default: 1, or under pipeline parallelism the "
@@ -328,6 +330,10 @@ def _row(plan: MemoryPlan, strategy: str, world: int, outer_size: int, tp: int, 
         row |= {"schedule": plan.options.pipeline.schedule, "virtual_stages": plan.options.pipeline.virtual_stages,
                 "micro_batches": plan.options.micro_batches, "stages": list(memory.stages),
                 "gathered_between_micro_batches": memory.gathered_between_micro_batches}
+    if plan.options.whole_matrix is not None:  # owners hold more than the others: the median rank too
+        typical = plan.typical
+        row |= {"owned_matrices": memory.owned_matrices, "typical_states": typical.device_model_states,
+                "typical_device": typical.device_total}
     if plan.options.activation_bytes_per_layer is not None:
         row |= {"activations": memory.activations, "peak": memory.step_peak}
     if args.device_memory is not None:
@@ -348,7 +354,8 @@ def _parallel_columns(rows: list[dict]) -> list[str]:
 def _columns(rows: list[dict]) -> tuple[tuple[str, str], ...]:
     """The size columns: with the activation estimate also it and the step's estimated peak."""
     estimated = (("activations", "activ."), ("peak", "peak")) if rows and "peak" in rows[0] else ()
-    return _COLUMNS + estimated
+    owners = (("owned_matrices", "owns"), ("typical_states", "typ.state"), ("typical_device", "typ.dev"))
+    return _COLUMNS + (owners if rows and "owned_matrices" in rows[0] else ()) + estimated
 
 
 def format_table(rows: list[dict]) -> str:
@@ -363,7 +370,7 @@ def format_table(rows: list[dict]) -> str:
     for row in rows:
         line = f"{row['strategy']:<19}{row['world']:>6}{row['dp_outer']:>6}" + "".join(f"{row[key]:>5}" for key in parallel)
         line += f"{'yes' if row['offload'] else 'no':>8}"
-        line += "".join(f"{gib(row[key]):>10.2f}" for key, _ in columns)
+        line += "".join(f"{row[key]:>10}" if key == "owned_matrices" else f"{gib(row[key]):>10.2f}" for key, _ in columns)
         if "fits" in row:
             line += "  " + ("yes" if row["fits"] else "no")
         lines.append(line)
@@ -413,6 +420,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if any(row["pp"] > 1 for row in rows):
             split += _pipeline_note([row for row in rows if row["pp"] > 1], args)
         print(f"model-parallel sizes: {', '.join(columns)} (world: all ranks){split}")
+    if any("owned_matrices" in row for row in rows):
+        print(f"{args.optimizer.split('+')[0]}: each layer matrix is stepped whole on one owner rank, which keeps its "
+              "momentum; the rank shown is the most loaded owner ('owns' = its matrices), 'typ.state'/'typ.dev' = "
+              "the median rank's")
     if any("peak" in row for row in rows):
         print("'activ.' = activations the schedule keeps in flight (an estimate from --activation-mib-per-layer, layers "
               "only), 'peak' = the step's estimated peak with them")

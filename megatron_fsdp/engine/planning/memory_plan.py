@@ -28,6 +28,7 @@ from megatron_fsdp.engine.planning.model_parallel import (
     TensorParallelPlan,
     place_of,
 )
+from megatron_fsdp.engine.planning.owner_plan import WholeMatrixPart, add_whole_matrix_state
 from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec
 from megatron_fsdp.engine.step.units import ROOT_UNIT_NAME, assign_params_to_units, bucket_groups, find_unit_modules
 
@@ -75,8 +76,9 @@ class OptimizerSpec:
             states, counter = cls.KINDS[optimizer.lower()]
             return cls(optimizer.lower(), states, step_counter=counter, stepped_by_kernels=optimizer.lower() != "none")
         raise ValueError(
-            f"unknown optimizer {optimizer!r}: use one of {', '.join(cls.KINDS)}, a torch optimizer, or an "
-            "OptimizerSpec(name, states, state_dtype) for another one"
+            f"unknown optimizer {optimizer!r}: use one of {', '.join(cls.KINDS)}, 'muon+<one of those>', a torch "
+            "optimizer (or a list: Muon and an elementwise one), or an OptimizerSpec(name, states, state_dtype) for "
+            "another one"
         )
 
     @classmethod
@@ -112,6 +114,9 @@ class PlanOptions:
     parallel: ParallelSizes = field(default_factory=ParallelSizes)
     tensor_parallel_plan: TensorParallelPlan | None = None
     optimizer: OptimizerSpec = field(default_factory=lambda: OptimizerSpec.parse("adamw"))
+    # A whole-matrix optimizer (Muon) over some parameters, ``optimizer`` over the rest
+    # (owner_plan.py): each matrix's state on one owner rank.
+    whole_matrix: WholeMatrixPart | None = None
     micro_batches: int = 1
     # How micro-batches before the last hold back (DEFERRED_REDUCTIONS).
     deferred_reduction: bool | str = False
@@ -192,6 +197,8 @@ class RankMemory:
     # and one stage micro-batch's share of it; None: not estimated.
     activations: int | None = None
     stage_micro_batch_activations: int = 0
+    # Matrices of a whole-matrix optimizer (Muon) this rank owns: steps whole and keeps the state of.
+    owned_matrices: int = 0
 
     @property
     def device_model_states(self) -> int:
@@ -256,14 +263,18 @@ class _BucketPlan:
     float8: bool = False
     # Expert parameters, sharded over the expert-data-parallel group.
     expert: bool = False
+    # Per parameter: stepped by the whole-matrix optimizer (owner_plan.py), which keeps no state
+    # of its pieces; empty: none is.
+    whole_matrix: tuple[bool, ...] = ()
+    names: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def shape(self) -> _BucketShape:
-        """What its geometry depends on: alike buckets (the same bucket of every layer) share it."""
-        return self.numels, self.dtype, self.requires_grad, self.float8, self.expert
+        """What its plan depends on: alike buckets (the same bucket of every layer) share it."""
+        return self.numels, self.dtype, self.requires_grad, self.float8, self.expert, self.whole_matrix
 
 
-_BucketShape = tuple[tuple[int, ...], torch.dtype, bool, bool, bool]
+_BucketShape = tuple[tuple[int, ...], torch.dtype, bool, bool, bool, tuple[bool, ...]]
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -305,13 +316,14 @@ def plan_buckets(
     float8_dtypes: Mapping[nn.Parameter, torch.dtype] | None = None,
     local: LocalParams | None = None,
     root_unit: str = ROOT_UNIT_NAME,
+    whole_matrix: frozenset[str] = frozenset(),
 ) -> list[_BucketPlan]:
     """The buckets fully_shard would build, unit by unit (the root unit first); ``float8_dtypes``:
     the weights it would gather in float8 (float8_weights.float8_gathered_weights); ``local``:
     what one rank holds of each parameter under tensor and expert parallelism (without it, each
     parameter's local tensor, and expert buckets planned over the dense group: the wrap-time
     check's approximation); ``root_unit``: the root unit's name (STAGE_ROOT_UNIT_NAME: FSDP2's
-    door's buckets)."""
+    door's buckets); ``whole_matrix``: the parameters a whole-matrix optimizer steps."""
     unit_modules = find_unit_modules(module, unit_classes, units_required=strategy.shards_weights, log_absent=False)
     assignment = assign_params_to_units(module, [m for _, m in unit_modules])
     names = {m: name for name, m in unit_modules}
@@ -325,12 +337,14 @@ def plan_buckets(
         for key, members in bucket_groups(unit, held, float8_dtypes or {}, experts).items():
             sizes = tuple(numels[n] for n, _ in members)
             expert = key.expert and local is not None
-            buckets.append(_BucketPlan(unit, sizes, key.dtype, key.requires_grad, key.float8 is not None, expert))
+            whole = tuple(n in whole_matrix for n, _ in members) if whole_matrix else ()
+            buckets.append(_BucketPlan(unit, sizes, key.dtype, key.requires_grad, key.float8 is not None, expert, whole,
+                                       tuple(n for n, _ in members)))
     return buckets
 
 
 def _geometry(shape: _BucketShape, options: PlanOptions, place: RankPlace) -> BucketGeometry:
-    numels, dtype, requires_grad, float8, expert = shape
+    numels, dtype, requires_grad, float8, expert, _ = shape
     settings = options.settings
     rank, size, outer_size, outer_rank = place.shard_rank, options.shard_size, options.outer_size, place.outer_rank
     if expert:  # the expert-data-parallel group; under HSDP within each outer replica (distributed_index.py)
@@ -349,10 +363,12 @@ def _compute_itemsize(geometry: BucketGeometry) -> int:
     return 1 if geometry.float8_weights else geometry.dtypes.compute.itemsize
 
 
-def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptions, kernel_step: bool) -> None:
+def _add_bucket(
+    memory: RankMemory, geometry: BucketGeometry, options: PlanOptions, kernel_step: bool, whole_matrix: tuple[bool, ...] = (),
+) -> None:
     """The bucket's persistent tensors on this rank, as buffer.py and bucket_weights.py allocate
     them; ``kernel_step``: the C++ ops step the optimizer, reading low-precision main gradients as
-    they are."""
+    they are; ``whole_matrix``: the parameters whose state owner_plan.py plans instead."""
     dtypes = geometry.dtypes
     compute = _compute_itemsize(geometry)
     main, grads = dtypes.main_params.itemsize, dtypes.main_grads.itemsize
@@ -390,9 +406,10 @@ def _add_bucket(memory: RankMemory, geometry: BucketGeometry, options: PlanOptio
     spec = options.optimizer
     state = spec.state_dtype.itemsize if spec.state_dtype is not None else main
     location = "host" if geometry.offloaded else "device"
+    pieces = [piece for index, piece in enumerate(geometry.main_pieces()) if not whole_matrix or not whole_matrix[index]]
     if spec.step_counter and spec.states >= 2 and not geometry.offloaded and not kernel_step:
-        memory.optimizer_step += sum(hi - lo for lo, hi in geometry.main_pieces()) * state
-    for lo, hi in geometry.main_pieces():
+        memory.optimizer_step += sum(hi - lo for lo, hi in pieces) * state
+    for lo, hi in pieces:
         for _ in range(spec.states):
             memory.add(location, "optimizer state", (hi - lo) * state)
         if spec.step_counter:
@@ -502,13 +519,15 @@ def plan_rank(
     kernel_step = _stepped_by_kernels(list(geometries.values()), options)
     for shape, count in counts.items():
         one = RankMemory(rank)
-        _add_bucket(one, geometries[shape], options, kernel_step)
+        _add_bucket(one, geometries[shape], options, kernel_step, shape[-1])
         memory.merge(one, count)
     for name, buffer in module.named_buffers():
         held = buffers is None or name in buffers
         if held and not any(name.startswith(f"{prefix}.") for prefix in other_experts):
             memory.add("device", "module buffers", buffer.numel() * buffer.element_size())
     plans = [(b, geometries[b.shape]) for b in buckets]
+    if options.whole_matrix is not None:
+        add_whole_matrix_state(memory, options.whole_matrix, [(b.names, g) for b, g in plans], module, options, place, kernel_step)
     _add_offload_staging(memory, plans, options)
     _working_set(memory, plans, options)
     return memory
@@ -559,6 +578,9 @@ def describe(memory: RankMemory) -> str:
                 lines.append(f"  {where:6} {name:18} {gib(nbytes):10.3f} GiB")
     if memory.padding:
         lines.append(f"  of which padding {gib(memory.padding):.3f} GiB")
+    if memory.owned_matrices:
+        lines.append(f"  owns {memory.owned_matrices} whole matrices (their state, and the step's "
+                     f"{gib(memory.optimizer_step):.3f} GiB of temporaries)")
     return "\n".join(lines)
 
 

@@ -163,8 +163,9 @@ def _plan_slice(
                 local = replace(local, numels={n: k for n, k in local.numels.items() if n in held.params})
             # A stage module is sharded by FSDP2's door, which torch's pipelining runs over.
             root = ROOT_UNIT_NAME if held is None else STAGE_ROOT_UNIT_NAME
+            whole = frozenset(options.whole_matrix.params) if options.whole_matrix else frozenset()
             by_expert_rank[expert_rank] = local, plan_buckets(
-                module, unit_classes, options.settings.strategy, float8, local, root)
+                module, unit_classes, options.settings.strategy, float8, local, root, whole)
         local, buckets = by_expert_rank[expert_rank]
         memory = plan_rank(buckets, module, options, rank, local.other_experts, held.buffers if held else None)
         _add_activations(memory, options, layers, pp_rank)
