@@ -92,6 +92,19 @@ def test_megatron_formats_convert_into_each_others_files(direction: str, tmp_pat
     assert os.path.basename(converted.path) == "iter_0000004"
 
 
+# The two param groups megatron-core's default gives a GPT (as its DDP run of the fixture's model
+# saved them at iteration 3): weight decay, and none for the 1-D norms.
+PARAM_GROUPS = [
+    {
+        "is_expert_parallel": False, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0, "is_decoupled_lr": False,
+        "max_lr": 3e-4, "min_lr": 3e-5, "lr": 0.0002604594154601839, "betas": (0.9, 0.999), "eps": 1e-8,
+        "weight_decay": 0.1 * wd_mult, "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+        "differentiable": False, "fused": None, "decoupled_weight_decay": True,
+    }
+    for wd_mult in (1.0, 0.0)
+]
+
+
 def _with_optimizer_state(directory: str) -> dict[str, torch.Tensor]:
     """The fsdp_dtensor fixture plus Adam state under the names Megatron-LM writes for it
     (``optimizer.state.module.module.<fqn>.exp_avg``), and its args; returns every tensor."""
@@ -104,6 +117,9 @@ def _with_optimizer_state(directory: str) -> dict[str, torch.Tensor]:
             state[name] = source.read(name)
             for key in ("exp_avg", "exp_avg_sq"):
                 state[f"optimizer.state.module.module.{fqn}.{key}"] = torch.randn(source.tensors[name].shape, generator=generator)
+            state[f"optimizer.state.module.module.{fqn}.step"] = torch.tensor(4.0)
+            group = PARAM_GROUPS[len(source.tensors[name].shape) == 1]
+            state.update({f"optimizer.param_to_group_meta.module.module.{fqn.removesuffix('_w').removesuffix('_v')}.{key}": value for key, value in group.items()})
     dcp.save(state, checkpoint_id=directory, no_dist=True)
     return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
 
@@ -265,6 +281,7 @@ def _dp_reshardable(directory: str, order: list[str]) -> dict[str, torch.Tensor]
     # ShardedObjects, as megatron-core hands them to DCP: torch.save of a list, as bytes.
     common = {"args": _fixture_args(), "iteration": 4, "content_metadata": source.read_object("content_metadata")}
     state["common_state/shard_0_1"] = _saved([common])
+    state["optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"] = _saved([{"param_groups": [{**group, "step": 4.0} for group in PARAM_GROUPS]}])
     state["optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1"] = _saved([[{(torch.float32, torch.float32): [offset]}]])
     dcp.save(state, checkpoint_id=directory, no_dist=True)
     shutil.copy(os.path.join(source.path, "metadata.json"), directory)
