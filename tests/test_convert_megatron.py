@@ -330,3 +330,78 @@ def test_flat_buckets_laid_out_otherwise_fail_naming_the_parameter(tmp_path) -> 
     with pytest.raises(ConversionError, match=r"the optimizer's main weights for decoder\.layers\..* are not"):
         convert(source, str(tmp_path / "fsdp"), "fsdp_dtensor")
     assert not os.path.exists(tmp_path / "fsdp")
+
+
+def test_step_chooses_which_saved_iteration_is_converted(tmp_path) -> None:
+    """``--step 4`` converts the save directory's iter_0000004 although ``latest`` names another,
+    and the output is iteration 4."""
+    save = tmp_path / "save"
+    shutil.copytree(os.path.join(TORCH_DIST, "iter_0000004"), save / "iter_0000004")
+    (save / "iter_0000009").mkdir()  # the latest: not a checkpoint, so converting it would fail
+    (save / "latest_checkpointed_iteration.txt").write_text("9")
+    convert(str(save), str(tmp_path / "out"), "fsdp_dtensor", step=4)
+    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert open_source(str(tmp_path / "out")).read_object("iteration") == 4
+    with pytest.raises(ConversionError, match=r"no checkpoint of step 5 \(it holds \['iter_0000004', 'iter_0000009'\]\)"):
+        convert(str(save), str(tmp_path / "out5"), "fsdp_dtensor", step=5)
+
+
+def test_param_groups_and_step_reach_the_form_each_loader_reads(tmp_path) -> None:
+    """fsdp_dtensor's per-parameter group settings and step become the distributed optimizer's
+    param groups (with ``step``) in torch_dist's common state, and come back per parameter."""
+    source, torch_dist, back = str(tmp_path / "fsdp"), str(tmp_path / "torch_dist"), str(tmp_path / "back")
+    _with_optimizer_state(source)
+    convert(source, torch_dist, "torch_dist")
+    optimizer = open_source(torch_dist).read_object("optimizer")
+    assert optimizer == {"optimizer": {"param_groups": [{**group, "step": 4.0} for group in PARAM_GROUPS]}, "param_state_sharding_type": "fully_reshardable"}
+    convert(torch_dist, back, "fsdp_dtensor")
+    original, returned = open_source(source), open_source(back)
+    metas = [name for name in original.objects if name.startswith("optimizer.param_to_group_meta.")]
+    assert metas and sorted(metas) == sorted(name for name in returned.objects if name.startswith("optimizer.param_to_group_meta."))
+    for name in metas:
+        assert returned.read_item(name) == original.read_item(name), name
+
+
+# A real pair of runs (tests/gpu/megatron_lm_convert_resume.sh makes one): <run>/ddp and <run>/ours,
+# megatron-core's DDP and ours, same model, data and seed, both saved at iteration 3.
+REAL_RUN = os.environ.get("MEGATRON_LM_RUN")
+
+
+@pytest.mark.skipif(not REAL_RUN, reason="set MEGATRON_LM_RUN to a directory holding real ddp/ and ours/ Megatron-LM saves")
+def test_real_checkpoints_convert_into_the_other_packages_own(tmp_path) -> None:
+    """ours/iter_3 converted to torch_dist holds ddp/iter_3's entries, and ddp/iter_3 converted to
+    fsdp_dtensor holds ours/iter_3's: same names, shapes, dtypes and values (the two runs print the
+    same losses, so their weights, Adam state and RNG state are the same bit for bit). Left out:
+    each package's own args; torch_dist's optimizer state is compared per parameter, as it is
+    written model-space (``fully_reshardable``) and megatron-core's DDP writes flat buckets."""
+    from megatron_lm_entries import entries, torch_dist_optimizer_state
+
+    ddp, ours = os.path.join(REAL_RUN, "ddp"), os.path.join(REAL_RUN, "ours")
+    convert(ddp, str(tmp_path / "fsdp_dtensor"), "fsdp_dtensor", step=3)
+    real, converted = entries(os.path.join(ours, "iter_0000003")), entries(str(tmp_path / "fsdp_dtensor" / "iter_0000003"))
+    _assert_same_entries(real, converted, left_out=("args",))
+    convert(ours, str(tmp_path / "torch_dist"), "torch_dist", step=3)
+    real_path, converted_path = os.path.join(ddp, "iter_0000003"), str(tmp_path / "torch_dist" / "iter_0000003")
+    real, converted = entries(real_path), entries(converted_path)
+    groups = real.pop("optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1")[0]
+    assert converted.pop("common.optimizer")["optimizer"] == groups
+    assert converted.pop("common.content_metadata") == {**real.pop("common.content_metadata"), "distrib_optim_sharding_type": "fully_reshardable"}
+    for name in ("common.optimizer", "common.rerun_state_machine", "rerun_state_machine_state/shard_0_1"):
+        real.pop(name)  # megatron-core resets what it does not find (fsdp_dtensor saves no rerun state)
+    converted = {name: value for name, value in converted.items() if not name.startswith("optimizer.state.")}
+    _assert_same_entries(real, converted, left_out=("common.args",))
+    real_state, converted_state = torch_dist_optimizer_state(real_path), torch_dist_optimizer_state(converted_path)
+    assert sorted(real_state) == sorted(converted_state) and len(real_state) == 3 * 15
+    for key, value in real_state.items():
+        assert torch.equal(converted_state[key], value), key
+
+
+def _assert_same_entries(real: dict, converted: dict, left_out: tuple[str, ...]) -> None:
+    names = sorted(name for name in real if not name.startswith(left_out))
+    assert names == sorted(name for name in converted if not name.startswith(left_out))
+    for name in names:
+        expected, found = real[name], converted[name]
+        if isinstance(expected, torch.Tensor):
+            assert found.dtype == expected.dtype and found.shape == expected.shape and torch.equal(found, expected), name
+        else:
+            assert found == expected, name
