@@ -21,12 +21,7 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 MLM=${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to the Megatron-LM checkout}
 W=${1:-/tmp/convert_resume}
 rm -rf "$W" && mkdir -p "$W"
-model=(--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4
-       --group-query-attention --num-query-groups 2 --seq-length 32 --max-position-embeddings 32
-       --swiglu --normalization RMSNorm --position-embedding-type rope --no-rope-fusion
-       --untie-embeddings-and-output-weights --disable-bias-linear
-       --tokenizer-type NullTokenizer --vocab-size 128 --transformer-impl local
-       --no-persist-layer-norm --no-masked-softmax-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion)
+source "$REPO/scripts/megatron_lm_tiny_llama.sh"
 training=(--micro-batch-size 2 --global-batch-size 8 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
           --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --mock-data
           --attention-dropout 0 --hidden-dropout 0 --no-gradient-accumulation-fusion
