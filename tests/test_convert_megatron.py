@@ -416,32 +416,25 @@ def test_real_run_state_is_carried_into_the_other_packages_form() -> None:
     exactly DDP's; and DDP's groups, step and RNG state become exactly ours' per-parameter items."""
     from megatron_lm_entries import plain
 
-    from megatron_fsdp.convert.megatron_run_state import (
-        add_fsdp_dtensor_optimizer_state,
-        add_fsdp_dtensor_rng,
-        add_torch_dist_rng,
-        read_fsdp_dtensor_state,
-        read_torch_dist_state,
-        torch_dist_optimizer_common,
-    )
+    from megatron_fsdp.convert import megatron_run_state as carried
     from megatron_fsdp.convert.plan import Plan
     from megatron_fsdp.convert.sources import TensorInfo
 
     ours, ddp = open_source(os.path.join(RUN_STATE, "ours", "iter_0000003")), open_source(os.path.join(RUN_STATE, "ddp", "iter_0000003"))
     prefix = "optimizer.state.module.module."
-    to_torch_dist, plan = read_fsdp_dtensor_state(ours, prefix), Plan()
-    assert torch_dist_optimizer_common(to_torch_dist)["optimizer"] == ddp.read_item("optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1")[0]
-    add_torch_dist_rng(plan, to_torch_dist)
+    to_torch_dist, plan = carried.read_fsdp_dtensor_state(ours, prefix), Plan()
+    assert carried.torch_dist_optimizer_common(to_torch_dist)["optimizer"] == ddp.read_item("optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1")[0]
+    carried.add_torch_dist_rng(plan, to_torch_dist)
     assert list(plan.objects) == ["rng_state/shard_0.0_1.1"]
     assert plain(plan.objects["rng_state/shard_0.0_1.1"]) == plain(ddp.read_item("rng_state/shard_0.0_1.1"))
 
-    to_fsdp_dtensor, plan = read_torch_dist_state(ddp, "dp_reshardable"), Plan()
+    to_fsdp_dtensor, plan = carried.read_torch_dist_state(ddp, "dp_reshardable"), Plan()
     shapes = open_source(FSDP_DTENSOR).tensors  # the same model's weights: which are 1-D
     steps = [name for name in ours.tensors if name.endswith(".step")]
     for name in steps:
         plan.targets[name.removesuffix(".step") + ".exp_avg"] = shapes["model.module." + name[len(prefix) : -len(".step")]]
-    add_fsdp_dtensor_optimizer_state(plan, to_fsdp_dtensor, prefix)
-    add_fsdp_dtensor_rng(plan, to_fsdp_dtensor)
+    carried.add_fsdp_dtensor_optimizer_state(plan, to_fsdp_dtensor, prefix)
+    carried.add_fsdp_dtensor_rng(plan, to_fsdp_dtensor)
     metas = [name for name in ours.objects if name.startswith("optimizer.param_to_group_meta.")]
     assert len(metas) == 3 * 18
     for name in metas:
