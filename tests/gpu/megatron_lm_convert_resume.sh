@@ -66,7 +66,12 @@ python3 -m megatron_fsdp.convert "$W/ours" "$W/ours_as_torch_dist" --to torch_di
 python3 -m megatron_fsdp.convert "$W/ddp" "$W/ddp_as_fsdp_dtensor" --to fsdp_dtensor --step 3 > "$W/convert_ddp.log" 2>&1 || { echo "FAIL convert ddp"; tail "$W/convert_ddp.log"; exit 1; }
 cat "$W"/ours_as_torch_dist/latest_checkpointed_iteration.txt "$W"/ddp_as_fsdp_dtensor/latest_checkpointed_iteration.txt; echo " <- converted iterations (want 3 3)"
 # Entry for entry against the other package's own iteration-3 checkpoint.
-MEGATRON_LM_RUN=$W python3 -m pytest -q -p no:cacheprovider tests/test_convert_megatron.py -k real_checkpoints 2>&1 | tail -3
+if MEGATRON_LM_RUN=$W python3 -m pytest -q -rs -p no:cacheprovider tests/test_convert_megatron.py -k real_checkpoints > "$W/entries.log" 2>&1; then
+  echo "PASS entries (or skipped: see below)"
+else
+  echo "FAIL entries"; failed=1
+fi
+tail -4 "$W/entries.log"
 
 run_ours ours_from_ddp 29612 --load "$W/ddp_as_fsdp_dtensor" --save "$W/s_ours_from_ddp" &
 # DDP's own save directory as of iteration 3 (its latest is 6; Megatron-LM loads the latest)
