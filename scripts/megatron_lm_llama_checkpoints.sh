@@ -17,12 +17,7 @@ mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$repo:$MEGATRON_LM_DIR:${PYTHONPATH:-}"
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-model=(--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4
-       --group-query-attention --num-query-groups 2 --seq-length 32 --max-position-embeddings 32
-       --swiglu --normalization RMSNorm --position-embedding-type rope --no-rope-fusion
-       --untie-embeddings-and-output-weights --disable-bias-linear
-       --tokenizer-type NullTokenizer --vocab-size 128 --transformer-impl local
-       --no-persist-layer-norm --no-masked-softmax-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion)
+source "$repo/scripts/megatron_lm_tiny_llama.sh"
 training=(--micro-batch-size 2 --global-batch-size 8 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
           --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --mock-data
           --no-gradient-accumulation-fusion --log-interval 1 --eval-iters 0 --eval-interval 1000 --train-iters 4 --save-interval 4)

@@ -92,6 +92,19 @@ def test_megatron_formats_convert_into_each_others_files(direction: str, tmp_pat
     assert os.path.basename(converted.path) == "iter_0000004"
 
 
+# The two param groups megatron-core's default gives a GPT (as its DDP run of the fixture's model
+# saved them at iteration 3): weight decay, and none for the 1-D norms.
+PARAM_GROUPS = [
+    {
+        "is_expert_parallel": False, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0, "is_decoupled_lr": False,
+        "max_lr": 3e-4, "min_lr": 3e-5, "lr": 0.0002604594154601839, "betas": (0.9, 0.999), "eps": 1e-8,
+        "weight_decay": 0.1 * wd_mult, "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+        "differentiable": False, "fused": None, "decoupled_weight_decay": True,
+    }
+    for wd_mult in (1.0, 0.0)
+]
+
+
 def _with_optimizer_state(directory: str) -> dict[str, torch.Tensor]:
     """The fsdp_dtensor fixture plus Adam state under the names Megatron-LM writes for it
     (``optimizer.state.module.module.<fqn>.exp_avg``), and its args; returns every tensor."""
@@ -104,6 +117,9 @@ def _with_optimizer_state(directory: str) -> dict[str, torch.Tensor]:
             state[name] = source.read(name)
             for key in ("exp_avg", "exp_avg_sq"):
                 state[f"optimizer.state.module.module.{fqn}.{key}"] = torch.randn(source.tensors[name].shape, generator=generator)
+            state[f"optimizer.state.module.module.{fqn}.step"] = torch.tensor(4.0)
+            group = PARAM_GROUPS[len(source.tensors[name].shape) == 1]
+            state.update({f"optimizer.param_to_group_meta.module.module.{fqn.removesuffix('_w').removesuffix('_v')}.{key}": value for key, value in group.items()})
     dcp.save(state, checkpoint_id=directory, no_dist=True)
     return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
 
@@ -265,6 +281,7 @@ def _dp_reshardable(directory: str, order: list[str]) -> dict[str, torch.Tensor]
     # ShardedObjects, as megatron-core hands them to DCP: torch.save of a list, as bytes.
     common = {"args": _fixture_args(), "iteration": 4, "content_metadata": source.read_object("content_metadata")}
     state["common_state/shard_0_1"] = _saved([common])
+    state["optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"] = _saved([{"param_groups": [{**group, "step": 4.0} for group in PARAM_GROUPS]}])
     state["optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1"] = _saved([[{(torch.float32, torch.float32): [offset]}]])
     dcp.save(state, checkpoint_id=directory, no_dist=True)
     shutil.copy(os.path.join(source.path, "metadata.json"), directory)
@@ -313,3 +330,118 @@ def test_flat_buckets_laid_out_otherwise_fail_naming_the_parameter(tmp_path) -> 
     with pytest.raises(ConversionError, match=r"the optimizer's main weights for decoder\.layers\..* are not"):
         convert(source, str(tmp_path / "fsdp"), "fsdp_dtensor")
     assert not os.path.exists(tmp_path / "fsdp")
+
+
+def test_step_chooses_which_saved_iteration_is_converted(tmp_path) -> None:
+    """``--step 4`` converts the save directory's iter_0000004 although ``latest`` names another,
+    and the output is iteration 4."""
+    save = tmp_path / "save"
+    shutil.copytree(os.path.join(TORCH_DIST, "iter_0000004"), save / "iter_0000004")
+    (save / "iter_0000009").mkdir()  # the latest: not a checkpoint, so converting it would fail
+    (save / "latest_checkpointed_iteration.txt").write_text("9")
+    convert(str(save), str(tmp_path / "out"), "fsdp_dtensor", step=4)
+    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert open_source(str(tmp_path / "out")).read_object("iteration") == 4
+    with pytest.raises(ConversionError, match=r"no checkpoint of step 5 \(it holds \['iter_0000004', 'iter_0000009'\]\)"):
+        convert(str(save), str(tmp_path / "out5"), "fsdp_dtensor", step=5)
+
+
+def test_param_groups_and_step_reach_the_form_each_loader_reads(tmp_path) -> None:
+    """fsdp_dtensor's per-parameter group settings and step become the distributed optimizer's
+    param groups (with ``step``) in torch_dist's common state, and come back per parameter."""
+    source, torch_dist, back = str(tmp_path / "fsdp"), str(tmp_path / "torch_dist"), str(tmp_path / "back")
+    _with_optimizer_state(source)
+    convert(source, torch_dist, "torch_dist")
+    optimizer = open_source(torch_dist).read_object("optimizer")
+    assert optimizer == {"optimizer": {"param_groups": [{**group, "step": 4.0} for group in PARAM_GROUPS]}, "param_state_sharding_type": "fully_reshardable"}
+    convert(torch_dist, back, "fsdp_dtensor")
+    original, returned = open_source(source), open_source(back)
+    metas = [name for name in original.objects if name.startswith("optimizer.param_to_group_meta.")]
+    assert metas and sorted(metas) == sorted(name for name in returned.objects if name.startswith("optimizer.param_to_group_meta."))
+    for name in metas:
+        assert returned.read_item(name) == original.read_item(name), name
+
+
+# A real pair of runs (tests/gpu/megatron_lm_convert_resume.sh makes one): <run>/ddp and <run>/ours,
+# megatron-core's DDP and ours, same model, data and seed, both saved at iteration 3.
+REAL_RUN = os.environ.get("MEGATRON_LM_RUN")
+
+
+@pytest.mark.skipif(not REAL_RUN, reason="set MEGATRON_LM_RUN to a directory holding real ddp/ and ours/ Megatron-LM saves")
+def test_real_checkpoints_convert_into_the_other_packages_own(tmp_path) -> None:
+    """ours/iter_3 converted to torch_dist holds ddp/iter_3's entries, and ddp/iter_3 converted to
+    fsdp_dtensor holds ours/iter_3's: same names, shapes, dtypes and values (the two runs print the
+    same losses, so their weights, Adam state and RNG state are the same bit for bit). Left out:
+    each package's own args; torch_dist's optimizer state is compared per parameter, as it is
+    written model-space (``fully_reshardable``) and megatron-core's DDP writes flat buckets."""
+    from megatron_lm_entries import entries, torch_dist_optimizer_state
+
+    ddp, ours = os.path.join(REAL_RUN, "ddp"), os.path.join(REAL_RUN, "ours")
+    convert(ddp, str(tmp_path / "fsdp_dtensor"), "fsdp_dtensor", step=3)
+    real, converted = entries(os.path.join(ours, "iter_0000003")), entries(str(tmp_path / "fsdp_dtensor" / "iter_0000003"))
+    _assert_same_entries(real, converted, left_out=("args",))
+    convert(ours, str(tmp_path / "torch_dist"), "torch_dist", step=3)
+    real_path, converted_path = os.path.join(ddp, "iter_0000003"), str(tmp_path / "torch_dist" / "iter_0000003")
+    real, converted = entries(real_path), entries(converted_path)
+    groups = real.pop("optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1")[0]
+    assert converted.pop("common.optimizer")["optimizer"] == groups
+    assert converted.pop("common.content_metadata") == {**real.pop("common.content_metadata"), "distrib_optim_sharding_type": "fully_reshardable"}
+    for name in ("common.optimizer", "common.rerun_state_machine", "rerun_state_machine_state/shard_0_1"):
+        real.pop(name)  # megatron-core resets what it does not find (fsdp_dtensor saves no rerun state)
+    converted = {name: value for name, value in converted.items() if not name.startswith("optimizer.state.")}
+    _assert_same_entries(real, converted, left_out=("common.args",))
+    real_state, converted_state = torch_dist_optimizer_state(real_path), torch_dist_optimizer_state(converted_path)
+    assert sorted(real_state) == sorted(converted_state) and len(real_state) == 3 * 15
+    for key, value in real_state.items():
+        assert torch.equal(converted_state[key], value), key
+
+
+def _assert_same_entries(real: dict, converted: dict, left_out: tuple[str, ...]) -> None:
+    names = sorted(name for name in real if not name.startswith(left_out))
+    assert names == sorted(name for name in converted if not name.startswith(left_out))
+    for name in names:
+        expected, found = real[name], converted[name]
+        if isinstance(expected, torch.Tensor):
+            assert found.dtype == expected.dtype and found.shape == expected.shape and torch.equal(found, expected), name
+        else:
+            assert found == expected, name
+
+
+RUN_STATE = os.path.join(DATA, "run_state")
+
+
+def test_real_run_state_is_carried_into_the_other_packages_form() -> None:
+    """The run state of a real pair of runs at iteration 3 (make_fixtures.py --run-state): ours'
+    param groups and Adam step become exactly the groups megatron-core's DDP saved, its RNG state
+    exactly DDP's; and DDP's groups, step and RNG state become exactly ours' per-parameter items."""
+    from megatron_lm_entries import plain
+
+    from megatron_fsdp.convert import megatron_run_state as carried
+    from megatron_fsdp.convert.plan import Plan
+    from megatron_fsdp.convert.sources import TensorInfo
+
+    ours, ddp = open_source(os.path.join(RUN_STATE, "ours", "iter_0000003")), open_source(os.path.join(RUN_STATE, "ddp", "iter_0000003"))
+    prefix = "optimizer.state.module.module."
+    to_torch_dist, plan = carried.read_fsdp_dtensor_state(ours, prefix), Plan()
+    assert carried.torch_dist_optimizer_common(to_torch_dist)["optimizer"] == ddp.read_item("optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1")[0]
+    carried.add_torch_dist_rng(plan, to_torch_dist)
+    assert list(plan.objects) == ["rng_state/shard_0.0_1.1"]
+    assert plain(plan.objects["rng_state/shard_0.0_1.1"]) == plain(ddp.read_item("rng_state/shard_0.0_1.1"))
+
+    to_fsdp_dtensor, plan = carried.read_torch_dist_state(ddp, "dp_reshardable"), Plan()
+    shapes = open_source(FSDP_DTENSOR).tensors  # the same model's weights: which are 1-D
+    steps = [name for name in ours.tensors if name.endswith(".step")]
+    for name in steps:
+        plan.targets[name.removesuffix(".step") + ".exp_avg"] = shapes["model.module." + name[len(prefix) : -len(".step")]]
+    carried.add_fsdp_dtensor_optimizer_state(plan, to_fsdp_dtensor, prefix)
+    carried.add_fsdp_dtensor_rng(plan, to_fsdp_dtensor)
+    metas = [name for name in ours.objects if name.startswith("optimizer.param_to_group_meta.")]
+    assert len(metas) == 3 * 18
+    for name in metas:
+        assert plan.objects[name] == ours.read_item(name), name
+    written = {write.name: step.build([])[0] for step in plan.steps for write in step.writes}
+    for name in [*steps, *(name for name in ours.tensors if name.startswith("rng_state."))]:
+        assert written[name].dtype == ours.tensors[name].dtype and torch.equal(written[name], ours.read(name)), name
+    for name in (name for name in ours.objects if name.startswith("rng_state.")):
+        assert plain(plan.objects[name]) == plain(ours.read_item(name)), name
+    assert len(written) == len(steps) + sum(name.startswith("rng_state.") for name in ours.tensors)

@@ -33,7 +33,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--experts", choices=(SEQUENTIAL_EXPERTS, GROUPED_EXPERTS), default=SEQUENTIAL_EXPERTS, help="Megatron-LM expert names: local_experts.N (sequential) or weightN (grouped GEMM)")
     parser.add_argument("--fc1", choices=(SPLIT_FC1, FUSED_FC1), default=SPLIT_FC1, help="fsdp_dtensor SwiGLU fc1: megatron-core's _w/_v halves (split) or whole (fused)")
     parser.add_argument("--no-optimizer", dest="optimizer", action="store_false", help="fsdp_dtensor <-> torch_dist: the weights alone")
-    parser.add_argument("--step", type=int, default=0, help="the step / iteration the written checkpoint is saved as (0: Megatron-LM's 'release')")
+    parser.add_argument(
+        "--step", type=int,
+        help="which checkpoint of SOURCE (a save directory holding several step_<N> / iter_<N>) to convert, default the latest; "
+        "the output keeps its number. From Hugging Face: the step the output is saved as (default 0: Megatron-LM's 'release')",
+    )
     parser.add_argument("--max-file-gib", type=float, default=5.0, help="Hugging Face output: the largest safetensors file")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT once the conversion has succeeded")
     return parser.parse_args(argv)

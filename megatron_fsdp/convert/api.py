@@ -15,6 +15,14 @@ from megatron_fsdp.convert.hf_names import hf_to_ours, ours_to_hf
 from megatron_fsdp.convert.megatron_dp_buckets import add_bucket_state
 from megatron_fsdp.convert.megatron_gpt import LOCAL_SPEC, SEQUENTIAL_EXPERTS, SPLIT_FC1, TE_SPEC
 from megatron_fsdp.convert.megatron_layouts import EMBEDDING, FSDP_DTENSOR, TORCH_DIST, fsdp_dtensor_view, torch_dist_view
+from megatron_fsdp.convert.megatron_run_state import (
+    add_fsdp_dtensor_optimizer_state,
+    add_fsdp_dtensor_rng,
+    add_torch_dist_rng,
+    read_fsdp_dtensor_state,
+    read_torch_dist_state,
+    torch_dist_optimizer_common,
+)
 from megatron_fsdp.convert.megatron_plans import MegatronTarget, hf_to_megatron, megatron_to_hf, megatron_to_megatron
 from megatron_fsdp.convert.plan import Plan
 from megatron_fsdp.convert.runner import DEFAULT_MAX_FILE_BYTES, Layout, run_plan
@@ -127,7 +135,7 @@ def build_plan(source: Source, to: str, options: dict[str, Any]) -> tuple[Plan, 
         return plan, Layout(HUGGINGFACE, extra_files=(("config.json", _json_writer(hf_config(dims, dtype_name))),))
     if origin == HUGGINGFACE and to == OURS:
         hf = source.config()
-        return hf_to_ours(source.tensors, bool(hf.get("tie_word_embeddings", False)), dtype), Layout(OURS, step=options.get("step", 0))
+        return hf_to_ours(source.tensors, bool(hf.get("tie_word_embeddings", False)), dtype), Layout(OURS, step=options.get("step") or 0)
     if origin == HUGGINGFACE and to == FSDP_DTENSOR:
         dims = dims_from_hf_config(config or source.config(), family)
         plan = hf_to_megatron(
@@ -135,7 +143,7 @@ def build_plan(source: Source, to: str, options: dict[str, Any]) -> tuple[Plan, 
             options.get("experts", SEQUENTIAL_EXPERTS), options.get("fc1", SPLIT_FC1), dtype,
         )
         plan.objects.update(args=megatron_args(dims), iteration=0, checkpoint_version=3.0)
-        return plan, Layout("megatron", step=options.get("step", 0))
+        return plan, Layout("megatron", step=options.get("step") or 0)
     if {origin, to} == {FSDP_DTENSOR, TORCH_DIST}:
         return _between_megatron_formats(source, origin, to, options, dtype)
     raise ConversionError(
@@ -148,30 +156,40 @@ def _between_megatron_formats(source: DcpSource, origin: str, to: str, options: 
     args = source.read_object("args")
     if args is None:
         raise ConversionError(f"{source.path} holds no Megatron-LM args: it was not saved by Megatron-LM")
+    with_optimizer = options.get("optimizer", True)
     if origin == TORCH_DIST:
         view = torch_dist_view(source.tensors, args.num_layers)
         sharding = (source.read_object("content_metadata") or {}).get("distrib_optim_sharding_type")
-        if options.get("optimizer", True) and sharding == "dp_reshardable":
+        if with_optimizer and sharding == "dp_reshardable":
             add_bucket_state(source, view, _spec_of(args))
+        run_state = read_torch_dist_state(source, sharding)
     else:
         view = fsdp_dtensor_view(source.tensors, _tensor_parallel(args))
+        run_state = read_fsdp_dtensor_state(source, view.optimizer_prefix or DEFAULT_OPTIMIZER_PREFIX)
     spec = _spec_of(args)
     weights_dtype = dtype or (torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None)
     target = MegatronTarget(
         to, args.num_layers, spec, options.get("megatron_prefix", DEFAULT_MEGATRON_PREFIX), view.optimizer_prefix or DEFAULT_OPTIMIZER_PREFIX, weights_dtype
     )
-    plan = megatron_to_megatron(view, target, options.get("optimizer", True))
+    plan = megatron_to_megatron(view, target, with_optimizer)
+    with_optimizer = with_optimizer and bool(view.optimizer)
     common = {key: source.read_object(key) for key in COMMON_STATE}
     common = {key: value for key, value in common.items() if value is not None}
     step = common.get("iteration", 0)
     if to == TORCH_DIST:
+        if with_optimizer:
+            common["optimizer"] = torch_dist_optimizer_common(run_state)
         common["content_metadata"] = {
             "distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
         }
         plan.objects[TORCH_DIST_COMMON_ITEM] = [common]
         plan.objects.update(_linear_extra_states(args.num_layers))
+        add_torch_dist_rng(plan, run_state)
         backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
         return plan, Layout("megatron", step=step, extra_files=((TORCH_DIST_MARKER, _json_writer(backend)),))
+    if with_optimizer:
+        add_fsdp_dtensor_optimizer_state(plan, run_state, target.optimizer_prefix)
+    add_fsdp_dtensor_rng(plan, run_state)
     plan.objects.update(_flattened(common))
     return plan, Layout("megatron", step=step)
 
@@ -204,10 +222,12 @@ def convert(source_path: str, output: str, to: str, overwrite: bool = False, max
     ``fsdp_dtensor``, ``torch_dist``) at ``output``, which appears whole or not at all. Options:
     ``config`` (a config.json or Hugging Face directory), ``family`` (llama, mistral, qwen2,
     mixtral), ``dtype`` (bf16, fp16, fp32; default: the source's), ``spec`` (te, local),
-    ``experts`` (sequential, grouped), ``fc1`` (split, fused), ``step``. A collective under
+    ``experts`` (sequential, grouped), ``fc1`` (split, fused), ``step`` (which checkpoint of a
+    save directory holding several, default the latest; the output keeps its number; from Hugging
+    Face, the step the output is saved as), ``optimizer``. A collective under
     torchrun (each rank converts its share). Returns this rank's seconds, bytes and peak memory."""
     if to not in TARGETS:
         raise ConversionError(f"--to {to} is not one of {TARGETS}")
-    source = open_source(source_path)
+    source = open_source(source_path, options.get("step"))
     plan, layout = build_plan(source, to, options)
     return run_plan(source, plan, output, layout, overwrite=overwrite, max_file_bytes=max_file_bytes)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -126,13 +127,30 @@ def _box(region: Region | None, shape: tuple[int, ...]) -> tuple[tuple[int, ...]
     return tuple(offsets), tuple(sizes), tuple(kept)
 
 
-def resolve_checkpoint_dir(path: str) -> str:
-    """``path`` itself, or the checkpoint a ``latest`` pointer in it names: ours
-    (``latest`` -> ``step_<N>``) or Megatron-LM's (``latest_checkpointed_iteration.txt`` ->
+_STEP_DIRS = ("step_{:08d}", "iter_{:07d}")  # ours, Megatron-LM's
+
+
+def _saved_steps(path: str) -> list[str]:
+    return sorted(name for name in os.listdir(path) if re.fullmatch(r"(step|iter)_\d+|release", name))
+
+
+def resolve_checkpoint_dir(path: str, step: int | None = None) -> str:
+    """``path`` itself, its checkpoint of ``step`` (ours: ``step_<N>``, Megatron-LM's:
+    ``iter_<N>``, or ``release`` for 0), or else the checkpoint a ``latest`` pointer in it names:
+    ours (``latest`` -> ``step_<N>``) or Megatron-LM's (``latest_checkpointed_iteration.txt`` ->
     ``iter_<N>``)."""
     if os.path.isfile(os.path.join(path, METADATA_FILE)) or not os.path.isdir(path):
+        named = re.fullmatch(r"(?:step|iter)_(\d+)", os.path.basename(os.path.normpath(path)))
+        if step is not None and named is not None and int(named.group(1)) != step:
+            raise ConversionError(f"{path} is the checkpoint of step {int(named.group(1))}, not --step {step}: give its parent directory, or leave --step out")
         return path
-    for pointer, directory in ((OURS_LATEST, "step_{:08d}"), (MEGATRON_LATEST, "iter_{:07d}")):
+    if step is not None:
+        for directory in (*_STEP_DIRS, *(("release",) if step == 0 else ())):
+            candidate = os.path.join(path, directory.format(step))
+            if os.path.isdir(candidate):
+                return candidate
+        raise ConversionError(f"{path} holds no checkpoint of step {step} (it holds {_saved_steps(path) or 'none'}): choose one of those with --step")
+    for pointer, directory in zip((OURS_LATEST, MEGATRON_LATEST), _STEP_DIRS):
         pointer_path = os.path.join(path, pointer)
         if os.path.isfile(pointer_path):
             with open(pointer_path) as handle:
@@ -290,13 +308,14 @@ _SAFETENSORS_DTYPES = {
 SAFETENSORS_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 
 
-def open_source(path: str) -> DcpSource | HuggingFaceSource:
-    """The checkpoint at ``path``, by what its directory holds."""
+def open_source(path: str, step: int | None = None) -> DcpSource | HuggingFaceSource:
+    """The checkpoint at ``path``, by what its directory holds (``step``: which of a save
+    directory's checkpoints; default the latest)."""
     if not os.path.isdir(path):
         raise ConversionError(f"{path} is not a directory: give a checkpoint's directory")
-    resolved = resolve_checkpoint_dir(path)
-    if os.path.isfile(os.path.join(resolved, METADATA_FILE)):
-        return DcpSource(resolved)
     if any(name.endswith(".safetensors") for name in os.listdir(path)) or os.path.isfile(os.path.join(path, SAFETENSORS_INDEX)):
         return HuggingFaceSource(path)
+    resolved = resolve_checkpoint_dir(path, step)
+    if os.path.isfile(os.path.join(resolved, METADATA_FILE)):
+        return DcpSource(resolved)
     return DcpSource(resolved)  # raises, naming what a checkpoint directory holds

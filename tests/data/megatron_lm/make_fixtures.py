@@ -5,6 +5,13 @@ and RNG states out (they do not fit the 1 MB a fixture may take). ``.metadata`` 
 less the entries left out and with the kept items' new offsets.
 
     python tests/data/megatron_lm/make_fixtures.py /work/wt/megatron_artifacts
+
+``run_state/`` (``--run-state RUN``, RUN a directory holding a real ``ddp/`` and ``ours/`` save of
+the same model, data and seed, as tests/gpu/megatron_lm_convert_resume.sh makes): their
+iteration-3 run state alone, byte for byte (the RNG states, the optimizer's param groups and
+Adam steps, torch_dist's common state), which the converter must carry from one to the other.
+
+    python tests/data/megatron_lm/make_fixtures.py --run-state /tmp/gpu3/x
 """
 
 from __future__ import annotations
@@ -26,7 +33,21 @@ def keep(fqn: str) -> bool:
     return not fqn.startswith(("optimizer.", "rng_state", "rerun_state_machine"))
 
 
-def prune(source: str, target: str) -> None:
+# Three parameters' group settings (each item is pickled apart, ~1.3 KB): a weight with decay, a
+# 1-D norm without, and a SwiGLU fc1 (its settings under the whole name, its steps by halves).
+GROUP_META_KEPT = tuple(
+    f"optimizer.param_to_group_meta.module.module.{name}."
+    for name in ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "decoder.layers.0.mlp.linear_fc1.weight")
+)
+
+
+def run_state(fqn: str) -> bool:
+    return fqn.startswith(("rng_state", "common_state/", "optimizer.distributed.dp_group_idx_0.optimizer/", *GROUP_META_KEPT)) or (
+        fqn.startswith("optimizer.state.") and fqn.endswith(".step")
+    )
+
+
+def prune(source: str, target: str, keep=keep) -> None:
     metadata = FileSystemReader(source).read_metadata()  # our own artifact: trusted
     metadata.state_dict_metadata = {fqn: entry for fqn, entry in metadata.state_dict_metadata.items() if keep(fqn)}
     storage = {}
@@ -60,5 +81,12 @@ def main(artifacts: str) -> None:
     torch.save(first, os.path.join(HERE, "megatron_logits.pt"))
 
 
+def main_run_state(run: str) -> None:
+    target = os.path.join(HERE, "run_state")
+    shutil.rmtree(target, ignore_errors=True)
+    for name in ("ddp", "ours"):
+        prune(os.path.join(run, name, "iter_0000003"), os.path.join(target, name, "iter_0000003"), run_state)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main_run_state(sys.argv[2]) if sys.argv[1] == "--run-state" else main(sys.argv[1])
