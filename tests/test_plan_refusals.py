@@ -213,3 +213,15 @@ def test_the_plan_accepts_exactly_the_expert_layouts_fully_shard_accepts() -> No
                             f"plan_memory {planned or 'accepts'}")
     assert len(engine) == 25 and sum(r is None for r in engine.values()) == 21, engine
     assert not disagree, "\n".join(disagree)
+
+
+def test_a_model_file_never_replaces_the_module_its_stem_names(capsys: pytest.CaptureFixture[str]) -> None:
+    """--model FILE.py:CALLABLE runs the file under a name of its own: a process that imported the
+    same file by its stem (the suite's ``models``, a user's ``gpt_model``) keeps its classes, which
+    pickling to other ranks looks up by name (this once broke every later test using models.Block)."""
+    import models
+
+    block = models.Block
+    main(["--model", str(REPO / "tests" / "models.py") + ":make_model", "--units", "Block", "--world-sizes", "2"])
+    assert "optim_grads_params" in capsys.readouterr().out
+    assert sys.modules["models"] is models and models.Block is block

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib.util
 import itertools
 import json
 import sys
+import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -71,16 +73,31 @@ def _without_torchao() -> Iterator[None]:
             del sys.modules["torchao"]
 
 
-def _load_factory_model(spec: str, kwargs: dict, dtype: torch.dtype) -> nn.Module:
+def load_model_file(path: str) -> types.ModuleType:
+    """The Python file at ``path``, run once a process: registered in ``sys.modules`` (dataclasses in
+    it look their module up) under a name of its own, so it never replaces a module the process
+    imported by the file's stem (a test's ``models``, a user's ``gpt_model``)."""
+    resolved = Path(path).resolve()
+    name = f"_megatron_fsdp_model_file_{hashlib.sha1(str(resolved).encode()).hexdigest()[:16]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    loaded = importlib.util.spec_from_file_location(name, resolved)
+    module = importlib.util.module_from_spec(loaded)
+    sys.modules[name] = module
+    try:
+        loaded.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load_factory_model(spec: str, kwargs: dict, dtype: torch.dtype) -> nn.Module:
     """``FILE.py:CALLABLE`` called with ``kwargs`` on the meta device."""
     path, _, name = spec.rpartition(":")
     if not path or not Path(path).is_file():
         raise SystemExit(f"--model {spec!r}: give FILE.py:CALLABLE, e.g. examples/gpt_model.py:gpt")
-    loaded = importlib.util.spec_from_file_location(Path(path).stem, path)
-    module = importlib.util.module_from_spec(loaded)
-    sys.modules[loaded.name] = module  # dataclasses in the file look their module up
-    loaded.loader.exec_module(module)
-    factory = getattr(module, name, None)
+    factory = getattr(load_model_file(path), name, None)
     if not callable(factory):
         raise SystemExit(f"--model {spec!r}: {path} has no callable {name!r}")
     with torch.device("meta"):
@@ -402,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.hf:
         model, default_units = _load_hf_model(args.hf, dtype)
     else:
-        model, default_units = _load_factory_model(args.model, json.loads(args.model_kwargs), dtype), []
+        model, default_units = load_factory_model(args.model, json.loads(args.model_kwargs), dtype), []
     units = _unit_classes(model, _csv(args.units) if args.units else default_units)
     params = sum(p.numel() for p in model.parameters())
     rows = _rows(model, units, args)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megatron_fsdp.plan_memory.command import _load_factory_model as load_factory_model
+from megatron_fsdp.plan_memory.command import load_factory_model, load_model_file
 
 # Published shapes (the models' config.json), enough to build each without its weights.
 _LLAMA3 = dict(vocab_size=128256, num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072,
@@ -96,7 +96,7 @@ def python_callable(spec: str, kwargs: dict, units: list[str], dtype: torch.dtyp
     in ``sys.modules`` under its stem), so every build makes instances of the same classes."""
     probe = load_factory_model(spec, kwargs, dtype)
     path, _, name = spec.rpartition(":")
-    factory = getattr(sys.modules[Path(path).stem], name)
+    factory = getattr(load_model_file(path), name)
 
     def build() -> nn.Module:
         with torch.device("meta"):
