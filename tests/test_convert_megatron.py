@@ -92,6 +92,26 @@ def test_megatron_formats_convert_into_each_others_files(direction: str, tmp_pat
     assert os.path.basename(converted.path) == "iter_0000004"
 
 
+
+def test_fsdp_dtensor_written_where_a_gpu_is_present_reads_back(monkeypatch, tmp_path) -> None:
+    """With a GPU present, DCP's FileSystemWriter loads tensors through its overlapping loader
+    (sorted by size, resolved ahead of saving) unless per_thread_copy_ahead is 0; the converter's
+    streaming planner drops a step's tensors when the next step starts, so that loader saved empty
+    storages that torch.load cannot rebuild. Here DCP takes that code path on the CPU: it tests
+    torch.cuda.is_available() and synchronizes the current stream of the device type it finds,
+    which for CPU tensors is nothing to wait for."""
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dcp_filesystem, "_get_available_device_type", lambda: "cpu")
+    monkeypatch.setattr(torch.cpu.Stream, "synchronize", lambda self: None, raising=False)
+    output = str(tmp_path / "out")
+    convert(TORCH_DIST, output, "fsdp_dtensor", optimizer=False)
+    expected, got = _model_tensors(FSDP_DTENSOR), _model_tensors(output)
+    assert expected.keys() == got.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), f"{name} differs"
+
 # The two param groups megatron-core's default gives a GPT (as its DDP run of the fixture's model
 # saved them at iteration 3): weight decay, and none for the 1-D norms.
 PARAM_GROUPS = [

@@ -205,7 +205,7 @@ def _write_dcp(partial: str, plan: Plan, mine: list[Step], run_step, progress: P
     objects = dict(plan.objects)
     if layout.kind == "ours":
         objects[MANIFEST_KEY] = MANIFEST  # as save_checkpoint writes it: tells a lost manifest from none
-    writer = ChecksummingWriter(directory)
+    writer = ChecksummingWriter(directory, per_thread_copy_ahead=0)  # save_dcp's streaming needs it
     save_dcp(writer, mine, plan.targets, objects, run_step, progress, distributed)
     checksums = writer.checksums()
     gathered = [checksums]

@@ -86,7 +86,8 @@ class _StreamingSavePlanner(DefaultSavePlanner):
     """Plans the writes of ``steps`` (and, on the coordinator, the non-tensor ``objects``) without
     holding their tensors: ``resolve_data`` runs a step when DCP's writer first asks for one of its
     tensors and drops the previous step's tensors' memory (torch's writer keeps a reference to
-    every tensor of a file until the file is closed)."""
+    every tensor of a file until the file is closed). That is only sound when the writer saves
+    each tensor before it asks for the next, in plan order, which :func:`save_dcp` ensures."""
 
     def __init__(self, steps: list[Step], targets: dict[str, TensorInfo], objects: dict[str, Any], run_step: StepRunner, progress: Progress) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -114,6 +115,12 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(save_inertly(self._objects[write_item.index.fqn]))
         step_index, write_index = self._step_of[_plain_index(write_item.index)]
+        if self._current is not None and step_index < self._current[0]:
+            raise RuntimeError(
+                f"DCP's writer asked for {write_item.index.fqn} of step {step_index} after step {self._current[0]}, "
+                "whose tensors' memory was already dropped: the storage writer must resolve items in plan order "
+                "(a FileSystemWriter with thread_count=1 and per_thread_copy_ahead=0)"
+            )
         if self._current is None or self._current[0] != step_index:
             if self._current is not None:
                 for tensor in self._current[1]:
@@ -164,7 +171,17 @@ def save_dcp(
     progress: Progress,
     distributed: bool,
 ) -> None:
-    """``dcp.save`` of this rank's ``steps`` (a collective when ``distributed``)."""
+    """``dcp.save`` of this rank's ``steps`` (a collective when ``distributed``). ``writer`` must
+    have ``thread_count=1`` and ``per_thread_copy_ahead=0``: with a GPU present and any copy-ahead,
+    torch's writer resolves tensors ahead of saving them (and sorted by size), so a step's tensors
+    would be dropped before they are saved and the file would hold empty storages that
+    ``torch.load`` cannot rebuild ("Trying to resize storage that is not resizable")."""
+    if writer.thread_count != 1 or writer.per_thread_copy_ahead != 0:
+        raise ValueError(
+            f"save_dcp streams its tensors and needs a writer that saves each before asking for the next: "
+            f"got thread_count={writer.thread_count}, per_thread_copy_ahead={writer.per_thread_copy_ahead}; "
+            "build it with thread_count=1, per_thread_copy_ahead=0"
+        )
     planner = _StreamingSavePlanner(steps, targets, objects, run_step, progress)
     dcp.save({}, storage_writer=writer, planner=planner, no_dist=not distributed)
 
