@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_fsdp.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader, read_metadata_safely
+from megatron_fsdp.checkpoint.safetensors_storage import SAFETENSORS_DTYPES
 from megatron_fsdp.convert.errors import ConversionError
 from megatron_fsdp.convert.inert_pickle import unpickle_inertly
 
@@ -269,7 +270,7 @@ class HuggingFaceSource:
             with safe_open(file_path, framework="pt") as handle:
                 for name in handle.keys():
                     piece = handle.get_slice(name)
-                    self.tensors[name] = TensorInfo(tuple(piece.get_shape()), _SAFETENSORS_DTYPES[piece.get_dtype()])
+                    self.tensors[name] = TensorInfo(tuple(piece.get_shape()), SAFETENSORS_DTYPES[piece.get_dtype()])
                     self.file_of[name] = file_path
 
     def read(self, name: str, region: Region | None = None) -> torch.Tensor:
@@ -291,21 +292,7 @@ class HuggingFaceSource:
             return json.load(handle)
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-SAFETENSORS_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+SAFETENSORS_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 def open_source(path: str, step: int | None = None) -> DcpSource | HuggingFaceSource:
