@@ -4,10 +4,6 @@ import sys
 
 # Test helpers (op_checks, _dist, models) are imported by name from this folder and from gpu/.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# ATen's AVX2 kernels on every x86 machine, before torch loads (rank processes inherit it): the
-# parity tolerances were measured with them, and AVX-512's other summation orders flip one bf16
-# rounding in Muon's Newton-Schulz (2.2e-3 against 1e-5 on an AVX-512 machine, 2026-12-01).
-os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
