@@ -9,8 +9,9 @@ rows at once: ~1e-7 relative). torch's Muon rounds the momentum to bf16 before N
 such a difference can round an entry the other way, and Newton-Schulz spreads that over the matrix:
 measured at world 4, one such entry of blocks.0.proj.weight's gradient moves its first step by
 2.7e-4 (2% of the step), the same on one process given the two gradients. Where no entry rounds
-differently (the fp32 cases below, measured: at most 8e-7 after STEPS steps) the parameters are
-held to RTOL = 1e-5 of the one-process run; the others to LOOSE_RTOL on Muon's matrices. A matrix
+differently (the fp32 cases below, measured: at most 8e-7 after STEPS steps on AVX2 machines) the
+parameters are held to FLIP_RTOL (one such flip under AVX-512's summation orders); the others to
+LOOSE_RTOL on Muon's matrices. A matrix
 stepped on its flat piece, a missing gather or a piece written back to the wrong range is off by
 its whole update.
 
@@ -56,6 +57,13 @@ STEPS, ROWS, LR, MUON_LR, MAX_NORM = 3, 2, 1e-2, 2e-2, 0.5
 # above), and each step's loss (the mean over ranks of the rank's loss, which is the whole batch's)
 # within RTOL too (measured at most 1e-7): the owner steps the same whole tensors one process does.
 RTOL = 1e-5
+# Where the kernels sum the fp32 gradients in other orders (AVX-512's ATen kernels, measured on such
+# a machine 2026-12-01), one gradient entry can round to the other bf16 neighbour inside Muon's
+# Newton-Schulz, which then moves the matrices by up to 2.2e-3 of their largest entry and the
+# momentum and AdamW's parameters by up to 1.7e-4 after STEPS steps (on AVX2 machines: below 1e-6).
+# The fp32 parity cases hold every parameter, loss and momentum to this, still 20x below a matrix
+# stepped wrongly (~1e-1).
+FLIP_RTOL = 5e-3
 # bf16 compute (fp32 main weights and reductions) against the one-process run in fp32, and HSDP's
 # and CPU offloading's sums in another order that round one bf16 entry differently (see above):
 # Muon's matrices end up to 1.4e-2 (bf16), 6.2e-3 (HSDP) and 2.2e-3 (offload) of their largest
@@ -223,7 +231,7 @@ def test_muon_and_adamw_step_like_one_process(
     door: str, strategy: int, world: int, accumulate: int, clip: bool, bf16: bool, special: str
 ) -> None:
     loose = bf16 or special in ("hsdp", "hfsdp", "offload")
-    rtol = LOOSE_RTOL if loose else RTOL
+    rtol = LOOSE_RTOL if loose else FLIP_RTOL
     for rank, errors in enumerate(run_distributed(_parity, world, door, strategy, accumulate, clip, bf16, special, loose)):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= rtol, f"rank {rank}: {worst} differs by {errors[worst]:.2e} relative (allowed {rtol:.0e}); all: {errors}"
@@ -278,7 +286,7 @@ def test_muon_momentum_lives_on_its_owner_and_round_trips_through_its_state_dict
     results = run_distributed(_momentum_round_trip, 2, door)
     for rank, (errors, _) in enumerate(results):
         worst = max(errors, key=errors.get)
-        assert errors[worst] <= RTOL, f"rank {rank}: {worst} differs by {errors[worst]:.2e} relative; all: {errors}"
+        assert errors[worst] <= FLIP_RTOL, f"rank {rank}: {worst} differs by {errors[worst]:.2e} relative; all: {errors}"
     held = [set(names) for _, names in results]
     matrices = {name for name, param in make_model(seed=0).named_parameters() if _is_matrix_in_block(name, param)}
     assert held[0].isdisjoint(held[1]) and held[0] | held[1] == matrices, held
