@@ -209,6 +209,5 @@ def test_the_command_takes_pipeline_sizes_and_schedules(capsys) -> None:
             "pp"], pipeline_schedule="Interleaved1F1B", virtual_stages=2, activation_bytes_per_layer=2**20)
         assert (row["model_states"], row["peak"]) == (plan.largest.device_model_states, plan.largest.step_peak), row
         assert (row["schedule"], row["virtual_stages"]) == ("Interleaved1F1B", 2), row
-    assert rows[1]["model_states"] < rows[0]["model_states"]
     with pytest.raises(SystemExit, match="unknown pipeline schedule 'dualpipe'"):
         main(common + ["--pipeline-parallel-size", "2", "--pipeline-schedule", "dualpipe"])
