@@ -9,8 +9,10 @@ from megatron_fsdp.simulate.inventory import BucketRow
 from megatron_fsdp.simulate.traffic import Collective
 from megatron_fsdp.simulate.world import MeshSizes
 
-# The phases of the one training step simulated (the wrap before them is "wrap").
-STEP_PHASES = ("forward", "backward", "optimizer step")
+# The phases of the one training step simulated (the wrap before them is "wrap"); under
+# pipeline parallelism "schedule" holds the micro-batches' forwards and backwards as the
+# schedule interleaves them, and the step's gradient reduction.
+STEP_PHASES = ("forward", "backward", "schedule", "optimizer step")
 
 
 def _gib(nbytes: int) -> str:

@@ -9,7 +9,9 @@ the layers goes to the first stage when registered before the first layer (token
 embeddings, and the root module's own parameters) and to the last stage when registered after
 the last one (final norm, output layer); a module registered between two layers goes with the
 layer before it. A weight tied across the first and last stage (a head tied to the embedding)
-is held by both, as each stage module holds its own copy. Stage ``s`` runs on pipeline rank
+is held by both, as each stage module holds its own copy; so are the buffers of a module outside
+the layers that has no parameters of its own (a rotary embedding's frequencies, which every
+stage's layers read, as torchtitan keeps its ``freqs_cis`` on every stage). Stage ``s`` runs on pipeline rank
 ``s % pp`` (the "loop" order of torch's interleaved schedules), so rank ``r`` holds stages
 ``r, r + pp, r + 2 pp, ...``.
 """
@@ -154,8 +156,13 @@ def split_stages(module: nn.Module, layers: Sequence[tuple[str, nn.Module]], spe
         layer = next((n for n in names if name == n or name.startswith(f"{n}.")), None)
         if layer is not None:
             stage = stage_of_layer[layer]  # outside the layers, ``stage`` stays the last layer's
-        params[stage].update(canonical[id(p)] for p in child._parameters.values() if p is not None)
-        buffers[stage].update(f"{name}.{b}" if name else b for b, t in child._buffers.items() if t is not None)
+        own_params = [canonical[id(p)] for p in child._parameters.values() if p is not None]
+        params[stage].update(own_params)
+        own_buffers = {f"{name}.{b}" if name else b for b, t in child._buffers.items() if t is not None}
+        # Outside the layers, a module of buffers alone (a rotary embedding's frequencies) is
+        # what every stage's layers read: each stage module keeps its own copy.
+        for held in buffers if layer is None and not own_params else [buffers[stage]]:
+            held.update(own_buffers)
     return [
         StageContents(
             spec.stages_of(rank),
