@@ -29,6 +29,7 @@ from megatron_fsdp.engine.step.units import FSDPUnit
 from megatron_fsdp.fsdp2 import fully_shard as fsdp2_fully_shard
 from megatron_fsdp.fsdp2.state import shared_resources, state_of
 from megatron_fsdp.fully_shard import fully_shard
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.simulate.world import MeshSizes
 
 DOORS = ("whole_model", "fsdp2")
@@ -54,6 +55,16 @@ class ShardedRank:
     optimizer: torch.optim.Optimizer
     units: list[FSDPUnit]
     pool: Any
+
+
+def planned_as(door: str, policy: MixedPrecisionPolicy | None) -> tuple[bool, MixedPrecisionPolicy | None]:
+    """What plan_memory is given for a rank sharded through ``door``: whether to plan the model
+    in float32, and the precision policy. The whole-model door as called; the FSDP2 door as this
+    simulator calls it (module docstring): float32 parameters are the main weights the optimizer
+    steps, gradients kept and reduced in float32."""
+    if door == "whole_model":
+        return False, policy
+    return True, MixedPrecisionPolicy(main_params_dtype=None, main_grads_dtype=torch.float32, grad_comm_dtype=torch.float32)
 
 
 def check_door(door: str, mesh: MeshSizes, zero_dp_strategy: str, outer_dp_sharding_strategy: str) -> None:
