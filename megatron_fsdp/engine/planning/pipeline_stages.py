@@ -19,7 +19,8 @@ stage's layers read, as torchtitan keeps its ``freqs_cis`` on every stage). Stag
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -118,12 +119,13 @@ class PipelineSpec:
 @dataclass(frozen=True)
 class StageContents:
     """What one pipeline rank holds: its stages, their layers (module names), the canonical
-    names of its parameters and the names of its buffers."""
+    names of its parameters, and the names of its buffers with the copies it holds of each
+    (one a stage module holding it)."""
 
     stages: tuple[int, ...]
     layers: tuple[str, ...]
     params: frozenset[str]
-    buffers: frozenset[str]
+    buffers: Mapping[str, int]
 
 
 def outermost_layers(layers: Sequence[tuple[str, nn.Module]]) -> list[str]:
@@ -168,7 +170,7 @@ def split_stages(module: nn.Module, layers: Sequence[tuple[str, nn.Module]], spe
             spec.stages_of(rank),
             tuple(n for n in names if stage_of_layer[n] in spec.stages_of(rank)),
             frozenset().union(*(params[s] for s in spec.stages_of(rank))),
-            frozenset().union(*(buffers[s] for s in spec.stages_of(rank))),
+            Counter(name for s in spec.stages_of(rank) for name in buffers[s]),
         )
         for rank in range(spec.size)
     ]
