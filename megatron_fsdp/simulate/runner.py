@@ -4,6 +4,7 @@ group and ``FakeTensorMode``, with its allocations and collectives logged as the
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
@@ -125,53 +126,64 @@ def simulate_rank(
         device_mesh = build_mesh(mesh)
         memory, traffic = AllocationLog(), CollectiveLog()
         observer = StepObserver(memory, traffic)
+        # Built before the modes: meta tensors, nothing to log.
         if spec is not None:
-            stages = stage_modules(build_model, fsdp_unit_modules, spec, mesh.pp_rank(rank))  # meta
+            stages = stage_modules(build_model, fsdp_unit_modules, spec, mesh.pp_rank(rank))
             compute_dtype = next(stages[0].parameters()).dtype
-            config = stages[0].causal_lm.config
             for stage in stages:
                 stage.float()  # FSDP2's parameters are what the optimizer steps (doors.py)
-            with FakeTensorMode(allow_non_fake_inputs=True), observer.observing():
-                observer.start_phase("wrap")
-                pipe = shard_stages(
-                    stages, device_mesh, mesh, spec, mesh.pp_rank(rank),
-                    fsdp_unit_modules=fsdp_unit_modules, compute_dtype=compute_dtype, optimizer=optimizer,
-                    tensor_parallel_plan=tensor_parallel_plan,
-                    reshard_after_forward=bool(reshard_after_forward), micro_batch=(batch_size // spec.micro_batches, local_seq),
-                    hidden_size=config.hidden_size, vocab_size=config.vocab_size, loss_fn=causal_lm_loss)
-                del stages
-                tokens = torch.randint(0, config.vocab_size, (batch_size, local_seq))
-                observer.start_phase("schedule")
-                run_step(pipe, tokens)
-                observer.start_phase("optimizer step")
-                pipe.sharded.optimizer.step()
-                sharded = pipe.sharded
-                del pipe, tokens  # the schedule and its stages' receive buffers
-                report = _report(rank, mesh, door, zero_dp_strategy, outer_dp_sharding_strategy, sharded, memory, traffic,
-                                 started)
-                del sharded
-            return report
-        meta_model = build_model()  # before the modes: meta tensors, nothing to log
-        if mesh.ep > 1:
-            keep_local_experts(meta_model, mesh.ep)
-        compute_dtype = next(meta_model.parameters()).dtype
-        if door != "whole_model":
-            meta_model.float()  # FSDP2's parameters are what the optimizer steps (doors.py)
-        shard_options = dict(fsdp_unit_modules=fsdp_unit_modules, optimizer=optimizer, compute_dtype=compute_dtype,
-                             expert_mesh=build_expert_mesh(mesh) if mesh.ep > 1 else None)
-        if door == "whole_model":
-            shard_options |= dict(zero_dp_strategy=zero_dp_strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
-                                  mixed_precision_policy=mixed_precision_policy)
+            run = functools.partial(
+                _pipeline_step, stages, spec, device_mesh, mesh, rank, observer, fsdp_unit_modules=fsdp_unit_modules,
+                compute_dtype=compute_dtype, optimizer=optimizer, tensor_parallel_plan=tensor_parallel_plan,
+                reshard_after_forward=bool(reshard_after_forward), batch_size=batch_size, local_seq=local_seq)
+        else:
+            meta_model = build_model()
+            if mesh.ep > 1:
+                keep_local_experts(meta_model, mesh.ep)
+            compute_dtype = next(meta_model.parameters()).dtype
+            if door != "whole_model":
+                meta_model.float()  # FSDP2's parameters are what the optimizer steps (doors.py)
+            shard_options = dict(fsdp_unit_modules=fsdp_unit_modules, optimizer=optimizer, compute_dtype=compute_dtype,
+                                 expert_mesh=build_expert_mesh(mesh) if mesh.ep > 1 else None)
+            if door == "whole_model":
+                shard_options |= dict(zero_dp_strategy=zero_dp_strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
+                                      mixed_precision_policy=mixed_precision_policy)
+            run = functools.partial(_model_step, meta_model, device_mesh, mesh, observer, door, tensor_parallel_plan,
+                                    loss_fn, (batch_size, local_seq), shard_options)
         with FakeTensorMode(allow_non_fake_inputs=True), observer.observing():
-            sharded = _wrap(meta_model, device_mesh, mesh, observer, door=door,
-                            tensor_parallel_plan=tensor_parallel_plan, **shard_options)
-            tokens = torch.randint(0, _vocab_size(sharded.module), (batch_size, local_seq))
-            _step(sharded, tokens, loss_fn, observer)
-            del tokens
+            sharded = run()
             report = _report(rank, mesh, door, zero_dp_strategy, outer_dp_sharding_strategy, sharded, memory, traffic,
                              started)
-            del sharded
+            del sharded, run
     return report
+
+
+def _model_step(meta_model: nn.Module, device_mesh, mesh: MeshSizes, observer: StepObserver, door: str,
+                tensor_parallel_plan: dict[str, str] | None, loss_fn, batch_shape: tuple[int, int],
+                shard_options: dict) -> ShardedRank:
+    """The whole model wrapped through ``door`` and one step of it; returns the sharded rank."""
+    sharded = _wrap(meta_model, device_mesh, mesh, observer, door=door, tensor_parallel_plan=tensor_parallel_plan,
+                    **shard_options)
+    tokens = torch.randint(0, _vocab_size(sharded.module), batch_shape)
+    _step(sharded, tokens, loss_fn, observer)
+    return sharded
+
+
+def _pipeline_step(stages: list, spec: PipelineSpec, device_mesh, mesh: MeshSizes, rank: int, observer: StepObserver, *,
+                   batch_size: int, local_seq: int, **shard_options) -> ShardedRank:
+    """The rank's stage modules sharded, and one step of torch's schedule over them and of the
+    optimizer (pipeline.py); returns the sharded rank, the schedule and its receive buffers gone."""
+    config = stages[0].causal_lm.config
+    observer.start_phase("wrap")
+    pipe = shard_stages(stages, device_mesh, mesh, spec, mesh.pp_rank(rank),
+                        micro_batch=(batch_size // spec.micro_batches, local_seq), hidden_size=config.hidden_size,
+                        vocab_size=config.vocab_size, loss_fn=causal_lm_loss, **shard_options)
+    stages.clear()
+    observer.start_phase("schedule")
+    run_step(pipe, torch.randint(0, config.vocab_size, (batch_size, local_seq)))
+    observer.start_phase("optimizer step")
+    pipe.sharded.optimizer.step()
+    return pipe.sharded
 
 
 def _pipeline_spec(mesh: MeshSizes, schedule: str, micro_batches: int | None, virtual_stages: int | None,
