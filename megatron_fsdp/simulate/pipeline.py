@@ -23,6 +23,7 @@ import torch.distributed.pipelining as pipelining
 import torch.distributed.pipelining.stage as pipelining_stage
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec, outermost_layers, split_stages
 from megatron_fsdp.engine.step.units import FSDPUnit, find_unit_modules
@@ -97,7 +98,7 @@ class PipelineRank:
     """The rank's sharded stage modules and torch's schedule over them."""
 
     sharded: ShardedRank
-    schedule: pipelining.schedules._PipelineSchedule
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti
     first: bool
     last: bool
 
