@@ -6,18 +6,23 @@
 # then Megatron-LM's own forward of each on fixed tokens (tests/gpu/megatron_lm_logits.py) in
 # logits_<name>.pt, each run's argument list in args_<name>.txt and its log in <name>.log.
 #
-#   MEGATRON_LM_DIR=... bash scripts/megatron_lm_llama_checkpoints.sh OUT_DIR
+#   MEGATRON_LM_DIR=... bash scripts/megatron_lm_llama_checkpoints.sh OUT_DIR [MODEL FLAGS...]
+#
+# MODEL FLAGS are added to the tiny Llama's (e.g. `--num-experts 4 --moe-router-topk 2` for a
+# Mixtral-style model with megatron-core's SequentialMLP experts).
 #
 # Needs CUDA, megatron-core and MEGATRON_LM_DIR (pretrain_gpt.py, gpt_builders.py, model_provider.py
 # of the tag matching the wheel); megatron_fsdp importable (PYTHONPATH).
 set -uo pipefail
 out=$(realpath -m "${1:?give an output folder}")
+shift
 repo=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$repo:$MEGATRON_LM_DIR:${PYTHONPATH:-}"
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 source "$repo/scripts/megatron_lm_tiny_llama.sh"
+model+=("$@")
 training=(--micro-batch-size 2 --global-batch-size 8 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
           --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --mock-data
           --no-gradient-accumulation-fusion --log-interval 1 --eval-iters 0 --eval-interval 1000 --train-iters 4 --save-interval 4)

@@ -49,6 +49,8 @@ class Setup:
     unit_modules: tuple = (Block,)
     # Record the collectives each micro-batch (and the gradient sync after them) launches.
     count_collectives: bool = False
+    # fully_shard's check_for_nan_in_grad: every rank's reduced shards checked before each step.
+    check_for_nan_in_grad: bool = False
 
     def build_model(self):
         return make_model(seed=0, dtype=self.dtype, **dict(self.model_options))
@@ -154,6 +156,7 @@ def sharded_run(rank: int, world: int, setup: Setup, device: str = "cpu") -> Res
         mixed_precision_policy=setup.policy,
         fsdp_double_buffer=setup.double_buffer,
         cpu_offload=setup.offload,
+        check_for_nan_in_grad=setup.check_for_nan_in_grad,
     )
     result = Result(trainable_buckets=len(model.trainable_buckets()))
     for step in range(setup.steps):

@@ -48,8 +48,6 @@ from megatron_fsdp.integrations.mcore_optimizer_steps import install_piece_steps
 
 #: Where megatron-core imports its bundled megatron-fsdp from.
 UPSTREAM_PACKAGE = "megatron.core.distributed.fsdp.src.megatron_fsdp"
-#: megatron-core's adapter, which binds the bundled names when it is imported.
-ADAPTER_MODULE = MCORE_ADAPTER_MODULE
 #: Upstream's module name -> the megatron_fsdp module that answers it.
 MODULES = {
     UPSTREAM_PACKAGE: "megatron_fsdp.integrations.mcore_package",
@@ -128,10 +126,10 @@ def install() -> None:
         for name, module in sys.modules.items()
         if name.startswith(UPSTREAM_PACKAGE) and module is not None and not module.__name__.startswith("megatron_fsdp")
     )
-    if bundled or ADAPTER_MODULE in sys.modules:
+    if bundled or MCORE_ADAPTER_MODULE in sys.modules:  # the adapter binds the bundled names on import
         raise RuntimeError(
             "megatron_fsdp.integrations.megatron_core.install() was called after megatron-core imported its bundled "
-            f"megatron-fsdp ({', '.join(bundled) or ADAPTER_MODULE}): call install() before the first "
+            f"megatron-fsdp ({', '.join(bundled) or MCORE_ADAPTER_MODULE}): call install() before the first "
             "`import megatron.core...`, e.g. at the top of the training script"
         )
     sys.meta_path.insert(0, _MegatronFSDPAliases())

@@ -14,15 +14,9 @@ count, tensor-, context-, expert- and pipeline-parallel size and offload choice,
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
-import importlib.util
 import itertools
 import json
-import sys
-import types
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -31,86 +25,33 @@ from megatron_fsdp.engine.planning.memory_plan import OptimizerSpec, gib
 from megatron_fsdp.engine.planning.model_plan import PlanRefused
 from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
-from megatron_fsdp.plan_memory import MemoryPlan, plan_memory
+from megatron_fsdp.plan_memory import MemoryPlan, meta_models, plan_memory
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _load_hf_model(name: str, dtype: torch.dtype) -> tuple[nn.Module, list[str]]:
-    """A Hugging Face causal LM from a model id or a config.json, on the meta device, and its
-    decoder-layer class names (``_no_split_modules``)."""
+    """A Hugging Face causal LM on the meta device, and its decoder-layer class names."""
     try:
-        import transformers
-    except ImportError as error:
-        raise SystemExit("--hf needs transformers: pip install transformers") from error
-    path = Path(name).expanduser()
-    if (name.endswith(".json") or name.startswith((".", "/", "~"))) and not path.exists():
-        raise SystemExit(f"--hf {name}: no such file or folder; give a config.json, its folder, or a model id")
+        model = meta_models.hf_model_on_meta(meta_models.hf_config(name), dtype)
+    except ValueError as error:
+        raise SystemExit(f"--hf {error}") from error
+    return model, meta_models.decoder_layer_names(model)
+
+
+def _load_factory_model(spec: str, kwargs: dict, dtype: torch.dtype) -> nn.Module:
     try:
-        config = transformers.AutoConfig.from_pretrained(str(path) if path.exists() else name)
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"--hf {name}: transformers could not load a config from it: {error}") from error
-    with torch.device("meta"), _without_torchao():
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model, list(getattr(model, "_no_split_modules", None) or [])
+        factory = meta_models.model_factory(spec)
+    except ValueError as error:
+        raise SystemExit(f"--model {error}") from error
+    return meta_models.factory_model_on_meta(factory, kwargs, dtype)
 
 
-@contextlib.contextmanager
-def _without_torchao() -> Iterator[None]:
-    """transformers' model code imports torchao wherever it is installed (for its quantizers),
-    whose import logs native libraries it fails to load and torch deprecation warnings. A model
-    built from a config holds no torchao Float8Linear, the one thing the plan reads torchao for
-    (float8_weights.py), so while it is built torchao reads as not installed (a None entry in
-    sys.modules: find_spec answers None and an import raises ImportError)."""
-    if "torchao" in sys.modules:
-        yield
-        return
-    sys.modules["torchao"] = None
+def _unit_classes(model: nn.Module, names: list[str]) -> list[type]:
     try:
-        yield
-    finally:
-        if sys.modules.get("torchao", ...) is None:
-            del sys.modules["torchao"]
-
-
-def load_model_file(path: str) -> types.ModuleType:
-    """The Python file at ``path``, run once a process: registered in ``sys.modules`` (dataclasses in
-    it look their module up) under a name of its own, so it never replaces a module the process
-    imported by the file's stem (a test's ``models``, a user's ``gpt_model``)."""
-    resolved = Path(path).resolve()
-    name = f"_megatron_fsdp_model_file_{hashlib.sha1(str(resolved).encode()).hexdigest()[:16]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    loaded = importlib.util.spec_from_file_location(name, resolved)
-    module = importlib.util.module_from_spec(loaded)
-    sys.modules[name] = module
-    try:
-        loaded.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-def load_factory_model(spec: str, kwargs: dict, dtype: torch.dtype) -> nn.Module:
-    """``FILE.py:CALLABLE`` called with ``kwargs`` on the meta device."""
-    path, _, name = spec.rpartition(":")
-    if not path or not Path(path).is_file():
-        raise SystemExit(f"--model {spec!r}: give FILE.py:CALLABLE, e.g. examples/gpt_model.py:gpt")
-    factory = getattr(load_model_file(path), name, None)
-    if not callable(factory):
-        raise SystemExit(f"--model {spec!r}: {path} has no callable {name!r}")
-    with torch.device("meta"):
-        return factory(**kwargs).to(dtype)
-
-
-def _unit_classes(model: nn.Module, names: Sequence[str]) -> list[type]:
-    """The model's module classes with these names."""
-    classes = {type(m).__name__: type(m) for m in model.modules()}
-    missing = [n for n in names if n not in classes]
-    if missing:
-        raise SystemExit(f"--units: the model has no module class {', '.join(missing)} (it has {', '.join(sorted(classes))})")
-    return [classes[n] for n in names]
+        return meta_models.unit_classes(model, names)
+    except ValueError as error:
+        raise SystemExit(f"--units: {error}") from error
 
 
 def _csv(value: str) -> list[str]:
@@ -168,7 +109,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--hf", help="a Hugging Face model id or config.json path (needs transformers)")
+    source.add_argument("--hf", help=f"a Hugging Face model id, a config.json (or its folder), or a preset of "
+                        f"published shapes ({', '.join(meta_models.PRESETS)}); needs transformers")
     source.add_argument("--model", help="FILE.py:CALLABLE returning the model, e.g. examples/gpt_model.py:gpt")
     parser.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for --model's callable")
     parser.add_argument("--units", default=None, help="unit class names (default for --hf: its decoder layer)")
@@ -419,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.hf:
         model, default_units = _load_hf_model(args.hf, dtype)
     else:
-        model, default_units = load_factory_model(args.model, json.loads(args.model_kwargs), dtype), []
+        model, default_units = _load_factory_model(args.model, json.loads(args.model_kwargs), dtype), []
     units = _unit_classes(model, _csv(args.units) if args.units else default_units)
     params = sum(p.numel() for p in model.parameters())
     rows = _rows(model, units, args)

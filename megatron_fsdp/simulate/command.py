@@ -20,7 +20,8 @@ import torch
 from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.plan_memory import plan_memory
-from megatron_fsdp.simulate.models import LLAMA_TP_PLAN, PRESETS, ModelSource, hugging_face, python_callable
+from megatron_fsdp.plan_memory.meta_models import PRESETS
+from megatron_fsdp.simulate.models import LLAMA_TP_PLAN, ModelSource, hugging_face, python_callable
 from megatron_fsdp.simulate.doors import DOORS, OPTIMIZERS, check_door, planned_as
 from megatron_fsdp.simulate.runner import simulate_rank
 from megatron_fsdp.simulate.world import MeshSizes

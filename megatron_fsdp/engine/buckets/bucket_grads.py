@@ -42,10 +42,12 @@ class BucketGrads:
         self.unreduced_grad: torch.Tensor | None = None
         # Parameters whose gradient the un-reduced buffer holds: a parameter's first gradient is
         # copied in, later ones (micro-batches accumulated locally) added, so a fresh buffer
-        # needs no zeroing pass; only its padding is zeroed, by one indexed fill.
+        # needs no zeroing pass; only its padding is zeroed, as one multi-tensor op over its gaps
+        # (kept as ranges: an index of every padding element grows with the world size).
         self.grads_written = [False] * len(params)
         gaps = bucket.layout.padding_ranges()
-        self.padding_index = torch.cat([torch.arange(lo, hi, device=bucket.device) for lo, hi in gaps]) if gaps else None
+        self.padding_offsets = [lo for lo, _ in gaps]
+        self.padding_shapes = [torch.Size([hi - lo]) for lo, hi in gaps]
         # One flag per parameter, set on the device when a local gradient holds NaN/Inf.
         self.nonfinite_flags = torch.zeros(len(params), dtype=torch.bool, device=bucket.device) if report_nonfinite else None
         self.grad_start, self.grad_end = bucket.geometry.grad_range
@@ -106,8 +108,8 @@ class BucketGrads:
         if self.unreduced_grad is None:
             self.unreduced_grad, holds_earlier = new_unreduced_buffer(self)
             self.grads_written = [holds_earlier] * len(self.bucket.params)
-            if not holds_earlier and self.padding_index is not None:
-                self.unreduced_grad.index_fill_(0, self.padding_index, 0)
+            if not holds_earlier and self.padding_offsets:
+                torch._foreach_zero_(_ops.param_views(self.unreduced_grad, self.padding_offsets, self.padding_shapes))
         return self.unreduced_grad
 
     def end_backward(self) -> None:

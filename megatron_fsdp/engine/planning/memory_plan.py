@@ -379,9 +379,6 @@ def _add_bucket(
     if weights is not None:
         memory.add("device", "compute weights", (weights[1] - weights[0]) * compute)
         memory.padding += geometry.padding_numel(*weights) * compute
-    padding = geometry.padding_numel(0, geometry.layout.padded_numel)
-    if padding:
-        memory.add("device", "bookkeeping", padding * 8)  # the int64 index that zeroes padding
     if options.settings.report_nan_in_param_grad:
         memory.add("device", "bookkeeping", len(geometry.layout.slots))  # one bool flag per parameter
     if not geometry.requires_grad:
