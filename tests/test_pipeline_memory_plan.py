@@ -159,6 +159,27 @@ def test_layers_are_dealt_out_evenly_with_embeddings_first_and_the_head_last() -
         ((0, 2), ("blocks.0", "blocks.2")), ((1, 3), ("blocks.1", "blocks.3"))]
 
 
+class _Frequencies(nn.Module):
+    """A module of buffers alone, outside the layers (a rotary embedding's), read by every layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.empty(16), persistent=False)
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1F1B", 1), ("Interleaved1F1B", 2)])
+def test_every_stage_module_keeps_its_own_copy_of_buffers_outside_the_layers(schedule: str, virtual: int) -> None:
+    """Registered after the head, the frequencies still go to every stage (each stage's layers
+    read them; megatron_fsdp.simulate's stages hold them and torchtitan's keep their freqs_cis),
+    once per stage module a rank holds: 64 bytes a stage."""
+    with torch.device("meta"):
+        model = StageModel([Block() for _ in range(BLOCKS)], embeds=True, ends=True)
+        model.frequencies = _Frequencies()
+    plan = megatron_fsdp.plan_memory(model, WORLD, fsdp_unit_modules=[Block], pipeline_parallel_size=PP,
+                                     pipeline_schedule=schedule, micro_batches=PP, device_type="cpu")
+    assert [plan.for_rank(rank).device["module buffers"] for rank in range(WORLD)] == [virtual * 16 * 4] * WORLD
+
+
 def test_the_gathered_weights_and_the_activation_estimate_follow_the_policy_and_schedule() -> None:
     """False holds every unit gathered between micro-batches, True none; 1F1B's first stage
     keeps pp micro-batches of its layers' activations, the last one; GPipe all of them."""

@@ -31,6 +31,7 @@ from torch import nn
 from megatron_fsdp.plan_memory import plan_memory
 from megatron_fsdp.simulate import MeshSizes, simulate_rank
 from megatron_fsdp.simulate.command import main
+from megatron_fsdp.simulate.doors import planned_as
 from megatron_fsdp.simulate.models import LLAMA_TP_PLAN, hugging_face
 from megatron_fsdp.simulate.traffic import sent_bytes
 
@@ -72,10 +73,10 @@ def _expected_buckets(model: nn.Module, units: tuple[type, ...], mesh: MeshSizes
     for name in local:
         if name not in in_unit:
             root.setdefault(name.rpartition(".")[0], []).append(local[name])
-    groups = [("<root>", numels, mesh.dp_shard) for numels in root.values()]
+    groups = [("<root>", numels, mesh.shard_group) for numels in root.values()]
     for unit in unit_names:
         members = [n for n in local if n.startswith(unit + ".")]
-        groups.append((unit, [local[n] for n in members if n not in experts], mesh.dp_shard))
+        groups.append((unit, [local[n] for n in members if n not in experts], mesh.shard_group))
         if experts:
             groups.append((unit, [local[n] // mesh.ep for n in members if n in experts], mesh.world_size // mesh.ep))
     return [(unit, sum(numels), _padded(numels, g, 2), g) for unit, numels, g in groups]
@@ -106,7 +107,7 @@ def _expected_collectives(buckets, strategy: str, mesh: MeshSizes, hidden: int, 
         if mesh.dp_outer > 1:
             expected["all_reduce", mesh.dp_outer, "bfloat16", nbytes // g] += 1
     if mesh.tp > 1:  # row-parallel outputs in forward (o, down), column-parallel inputs' gradients (q, k, v, gate, up)
-        expected["all_reduce", mesh.tp, "bfloat16", BATCH * SEQ * hidden * 2] += 7 * layers
+        expected["all_reduce", mesh.tp, "bfloat16", BATCH * SEQ // mesh.cp * hidden * 2] += 7 * layers
     return Counter({key: count for key, count in expected.items() if key[1] > 1})
 
 
@@ -122,12 +123,16 @@ CASES = [
     ("llama3-70b", MeshSizes(512, tp=8), "optim_grads_params"),
     ("llama3-405b", MeshSizes(4096), "optim_grads_params"),
     ("llama3-405b", MeshSizes(4096, dp_outer=512), "optim_grads_params"),
+    # Context parallelism: cp ranks join the shard group (dp_shard x cp) and run 1/cp of each sequence
+    # (with TP and PP: the pipeline cases below).
+    ("llama3-8b", MeshSizes(512, dp_outer=8, cp=2), "optim_grads_params"),
 ]
 
 
 def _case_id(case) -> str:
     name, mesh, strategy = case
-    return f"{name}-W{mesh.world_size}-outer{mesh.dp_outer}-tp{mesh.tp}-ep{mesh.ep}-{strategy}"
+    cp = f"-cp{mesh.cp}" if mesh.cp > 1 else ""
+    return f"{name}-W{mesh.world_size}-outer{mesh.dp_outer}{cp}-tp{mesh.tp}-ep{mesh.ep}-{strategy}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
@@ -140,8 +145,8 @@ def test_a_simulated_rank_holds_what_the_plan_says_and_sends_what_the_formula_sa
                            tensor_parallel_plan=tp_plan, batch_size=BATCH, seq_len=SEQ)
     model = source.build()
     plan = plan_memory(model, mesh.world_size, dp_outer_size=mesh.dp_outer, tensor_parallel_size=mesh.tp,
-                       expert_parallel_size=mesh.ep, tensor_parallel_plan=tp_plan, fsdp_unit_modules=list(source.units),
-                       zero_dp_strategy=strategy, device_type="cpu").for_rank(rank)
+                       context_parallel_size=mesh.cp, expert_parallel_size=mesh.ep, tensor_parallel_plan=tp_plan,
+                       fsdp_unit_modules=list(source.units), zero_dp_strategy=strategy, device_type="cpu").for_rank(rank)
     planned = plan.device_model_states + plan.host_model_states
     assert report.model_state_bytes == planned, (
         f"simulated {report.model_states} ({report.model_state_bytes} bytes), planned {plan.device} {plan.host} ({planned})")
@@ -196,6 +201,92 @@ def test_the_fsdp2_door_at_scale_gathers_and_reduces_as_torchtitan_runs_it(mesh:
     assert report.model_states["main weights"] == shard * 4
 
 
+def _expected_stage_buckets(model: nn.Module, mesh: MeshSizes, stage: int, stages: int) -> list[tuple[str, int, int]]:
+    """(unit, numel, padded numel) of each bucket of pipeline stage ``stage`` of ``stages``, as the
+    FSDP2 door makes them: one a layer (TP-local sizes), then one for the stage module's own
+    parameters (the embedding on the first stage, the final norm and head on the last), each
+    padded over the shard group (dp_shard x cp)."""
+    layers = model.config.num_hidden_layers // stages
+    group = mesh.shard_group
+    by_layer = _expected_buckets(model, (type(model.model.layers[0]),), mesh)
+    buckets = [(u, n, p) for u, n, p, _ in by_layer if u != "<root>"][stage * layers:(stage + 1) * layers]
+    own = [p.numel() for n, p in model.named_parameters()
+           if (stage == 0 and "embed_tokens" in n) or (stage == stages - 1 and (".norm." in n or "lm_head" in n))]
+    if own:
+        buckets.append(("<stage>", sum(own), _padded(own, group, 2)))
+    return buckets
+
+
+def _expected_pipeline_collectives(buckets, mesh: MeshSizes, micro_batches: int, gathers: int, stage: int,
+                                   stages: int, hidden: int, tokens: int) -> Counter:
+    """One step of a pipeline stage through the FSDP2 door, per bucket of ``P`` padded elements:
+    ``gathers`` bf16 all-gathers of ``2 P`` bytes (reshard_after_forward False: 1, the stage
+    stays gathered from its first forward to the step's reduction; True under GPipe: one a
+    forward and one for the backwards, after which the stage stays gathered), one float32
+    reduce-scatter of ``4 P`` bytes (the step's one reduction) and under HSDP one float32
+    all-reduce of the shard over the replicas. Each micro-batch of ``tokens`` tokens: Megatron's
+    7 TP all-reduces a layer, and its activation (bf16, ``tokens x hidden``) sent to the next
+    stage and its gradient received back (the first stage), received and sent back (the
+    last), or both (a middle stage)."""
+    expected = Counter()
+    group = mesh.shard_group
+    for _, _, padded in buckets:
+        expected["all_gather", group, "bfloat16", padded * 2] += gathers
+        expected["reduce_scatter", group, "float32", padded * 4] += 1
+        if mesh.dp_outer > 1:
+            expected["all_reduce", mesh.dp_outer, "float32", padded * 4 // group] += 1
+    activation = tokens * hidden * 2
+    layers = sum(unit != "<stage>" for unit, _, _ in buckets)
+    if mesh.tp > 1:
+        expected["all_reduce", mesh.tp, "bfloat16", activation] += 7 * layers * micro_batches
+    peers = (stage > 0) + (stage < stages - 1)  # previous and next stage
+    expected["send", mesh.pp, "bfloat16", activation] += peers * micro_batches
+    expected["recv", mesh.pp, "bfloat16", activation] += peers * micro_batches
+    return expected
+
+
+# (model, mesh, layers, schedule, micro-batches, reshard_after_forward, ranks). torchtitan's 405B
+# recipe, FSDP 8 x TP 8 x PP 8 at 512, one layer a stage (the model's 126 do not divide over 8
+# stages: see the refusal below), its first and last pipeline ranks; and every dim at once on
+# 8B's shapes under GPipe with weights given back after each forward.
+PIPELINE_CASES = [
+    ("llama3-405b", MeshSizes(512, tp=8, pp=8), 8, "1F1B", 8, False, (0, 511)),
+    ("llama3-8b", MeshSizes(64, dp_outer=2, cp=2, tp=2, pp=4), 4, "GPipe", 2, True, (31,)),
+]
+
+
+@pytest.mark.parametrize("case", PIPELINE_CASES, ids=[f"{c[0]}-W{c[1].world_size}-pp{c[1].pp}-{c[3]}" for c in PIPELINE_CASES])
+def test_a_pipeline_rank_holds_its_stage_as_planned_and_sends_what_the_formula_says(case) -> None:
+    name, mesh, layers, schedule, micro_batches, reshard, ranks = case
+    source = hugging_face(name, torch.bfloat16, num_hidden_layers=layers)
+    model = source.build()
+    options = dict(tensor_parallel_plan=LLAMA_TP_PLAN if mesh.tp > 1 else None, fsdp_unit_modules=list(source.units))
+    in_float32, policy = planned_as("fsdp2", None)
+    plan = plan_memory(source.build().float() if in_float32 else source.build(), mesh.world_size,
+                       dp_outer_size=mesh.dp_outer, tensor_parallel_size=mesh.tp, context_parallel_size=mesh.cp,
+                       pipeline_parallel_size=mesh.pp, pipeline_schedule=schedule, micro_batches=micro_batches,
+                       reshard_after_forward=reshard, mixed_precision_policy=policy, device_type="cpu", **options)
+    for rank in ranks:
+        report = simulate_rank(source.build, mesh, rank, batch_size=micro_batches, seq_len=SEQ, door="fsdp2",
+                               pipeline_schedule=schedule, micro_batches=micro_batches, reshard_after_forward=reshard,
+                               **options)
+        planned = plan.for_rank(rank)
+        stage = mesh.pp_rank(rank)
+        assert planned.stages == (stage,)
+        assert report.model_state_bytes == planned.device_model_states, (report.model_states, planned.device)
+        # The FSDP2 door's float32 parameters are the plan's compute weights (its main weights alias them).
+        for kind in ("main grads", "optimizer state", "module buffers"):
+            assert report.model_states.get(kind, 0) == planned.device[kind], kind
+        buckets = _expected_stage_buckets(model, mesh, stage, mesh.pp)
+        assert [(row.numel, row.padded_numel, row.group_size) for row in report.buckets] == [
+            (numel, padded, mesh.shard_group) for _, numel, padded in buckets]
+        gathers = 1 if not reshard else micro_batches + 1
+        expected = _expected_pipeline_collectives(buckets, mesh, micro_batches, gathers, stage, mesh.pp,
+                                                  model.config.hidden_size, SEQ // mesh.cp)
+        assert report.step_collectives() == expected
+        assert report.sent_per_step() == sum(sent_bytes(op, n, size) * count for (op, size, _, n), count in expected.items())
+
+
 def test_the_command_prints_each_sampled_rank_beside_its_plan(capsys) -> None:
     main(["--model", "examples/gpt_model.py:gpt", "--model-kwargs", '{"layers": 2, "vocab_size": 1001}',
           "--units", "TransformerBlock", "--world-size", "512", "--ranks", "first,largest,last", "--seq-len", "32",
@@ -209,14 +300,21 @@ def test_the_command_prints_each_sampled_rank_beside_its_plan(capsys) -> None:
                                            for c in row["collectives"])
 
 
+LLAMA_8B_ONE_LAYER = ["--hf", "llama3-8b", "--layers", "1"]
+
+
 @pytest.mark.parametrize("arguments, message", [
-    (["--world-size", "6", "--tp", "3"], "tensor_parallel_size 3 does not divide dim 0 (4096)"),
-    (["--world-size", "12", "--tp", "8"], "12 is not divisible by 8"),
-    (["--world-size", "8", "--ranks", "8"], "--ranks: 8 is outside a world of 8"),
+    ([*LLAMA_8B_ONE_LAYER, "--world-size", "6", "--tp", "3"], "tensor_parallel_size 3 does not divide dim 0 (4096)"),
+    ([*LLAMA_8B_ONE_LAYER, "--world-size", "12", "--tp", "8"], "12 is not divisible by 8"),
+    ([*LLAMA_8B_ONE_LAYER, "--world-size", "8", "--ranks", "8"], "--ranks: 8 is outside a world of 8"),
+    ([*LLAMA_8B_ONE_LAYER, "--world-size", "16", "--pp", "2"], "pass door='fsdp2' (--door fsdp2)"),
+    # torchtitan's 405B recipe, FSDP 8 x TP 8 x PP 8 at 512, on the model's 126 layers as they are.
+    (["--hf", "llama3-405b", "--world-size", "512", "--tp", "8", "--pp", "8", "--door", "fsdp2"],
+     "8 x 1 = 8 stages do not divide the model's 126 layers evenly: pick sizes whose product divides 126"),
 ])
 def test_the_command_refuses_a_layout_that_cannot_run_naming_the_fix(arguments: list, message: str) -> None:
     with pytest.raises(SystemExit, match=re.escape(message)):
-        main(["--hf", "llama3-8b", "--layers", "1", *arguments])
+        main(arguments)
 
 
 @pytest.mark.parametrize("double_buffer", [False, True])

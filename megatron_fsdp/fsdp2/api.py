@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
@@ -313,7 +314,10 @@ def _with_tensor_parallel_mesh(dp: DataParallelGroup, keyed: list[Registration])
         )
     (tp_mesh,) = tp_meshes
     try:
-        joined = DeviceMesh._concatenate([dp.mesh, tp_mesh])
+        # The mesh's coordinates are computed from its rank tensor, which must stay a real tensor
+        # under a FakeTensorMode (megatron_fsdp.simulate's); nothing else changes.
+        with unset_fake_temporarily():
+            joined = DeviceMesh._concatenate([dp.mesh, tp_mesh])
     except RuntimeError as error:  # from the meshes' layouts alone: every rank alike
         key = next(r.key for r in keyed if isinstance(r.param, DTensor))
         raise ValueError(_not_other_dims(key, tp_mesh.mesh_dim_names, dp.mesh) + f" ({error})") from error

@@ -2,7 +2,7 @@
 megatron_fsdp under torch's fake process group and ``FakeTensorMode``, with the memory the rank
 allocates, the collectives it issues and its buckets' layout (docs/scaling.md).
 
-``simulate_rank(build_model, MeshSizes(world_size, dp_outer=, tp=), rank, ...)`` returns a
+``simulate_rank(build_model, MeshSizes(world_size, dp_outer=, tp=, cp=, pp=, ep=), rank, ...)`` returns a
 :class:`RankReport`; ``python -m megatron_fsdp.simulate`` prints one per rank asked for
 (command.py). No GPU and no real weights: every tensor is fake.
 """

@@ -5,6 +5,7 @@ buckets' layout, and plan_memory's model states beside the simulated ones.
     python -m megatron_fsdp.simulate --hf llama3-8b --world-size 4096 --dp-outer 512
     python -m megatron_fsdp.simulate --hf llama3-70b --world-size 512 --tp 8 --ranks first,largest
     python -m megatron_fsdp.simulate --model examples/gpt_model.py:gpt --units TransformerBlock --world-size 64
+    python -m megatron_fsdp.simulate --hf llama3-405b --layers 8 --world-size 512 --tp 8 --pp 8 --door fsdp2
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.plan_memory import plan_memory
 from megatron_fsdp.plan_memory.meta_models import PRESETS
 from megatron_fsdp.simulate.models import LLAMA_TP_PLAN, ModelSource, hugging_face, python_callable
-from megatron_fsdp.simulate.doors import DOORS, OPTIMIZERS
+from megatron_fsdp.simulate.doors import DOORS, OPTIMIZERS, check_door, planned_as
 from megatron_fsdp.simulate.runner import simulate_rank
 from megatron_fsdp.simulate.world import MeshSizes
 
@@ -40,7 +42,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--units", default="", help="unit class names (--model; --hf uses its decoder layer)")
     parser.add_argument("--layers", type=int, default=None, help="--hf: override the config's layer count")
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--dp-outer", type=int, default=1, help="HSDP replicas (the mesh is dp_outer x dp_shard x tp)")
+    parser.add_argument("--dp-outer", type=int, default=1,
+                        help="HSDP replicas (the mesh is pp x dp_outer x dp_shard x cp x tp)")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel size: each rank runs 1/cp of every sequence; cp ranks join the shard group")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline-parallel size (--door fsdp2, a Hugging Face causal LM): the rank builds its stages only")
+    parser.add_argument("--pipeline-schedule", default="1F1B", help="torch's Schedule<name>: GPipe, 1F1B, Interleaved1F1B, LoopedBFS")
+    parser.add_argument("--micro-batches", type=int, default=None, help="a step's micro-batches (default: the fewest the schedule runs)")
+    parser.add_argument("--virtual-stages", type=int, default=None, help="stages a rank (interleaved schedules; default 2)")
+    parser.add_argument("--reshard-after-forward", choices=("true", "false"), default="false",
+                        help="FSDP2's, for every unit of a stage (default false, as torchtitan passes it under PP)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (--hf Llama-style: Megatron-LM's split)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (a model's 'experts' modules, grouped weights)")
     parser.add_argument("--tensor-parallel-plan", type=json.loads, default=None,
@@ -58,7 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--main-grads-dtype", choices=tuple(_DTYPES), default=None, help="default: the compute dtype")
     parser.add_argument("--grad-comm-dtype", choices=tuple(_DTYPES), default=None, help="default: the main grads dtype")
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw")
-    parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank in the step")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="sequences per rank in the step (default 1; under --pp one a micro-batch)")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--json", action="store_true", help="one JSON object per rank")
     return parser.parse_args(argv)
@@ -87,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
-        mesh = MeshSizes(args.world_size, dp_outer=args.dp_outer, tp=args.tp, ep=args.ep)
+        mesh = MeshSizes(args.world_size, dp_outer=args.dp_outer, tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp)
         source = _source(args)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from error
@@ -98,11 +111,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         grad_comm_dtype=_DTYPES[args.grad_comm_dtype] if args.grad_comm_dtype else None,
     )
     options = dict(fsdp_unit_modules=list(source.units), zero_dp_strategy=args.strategy,
-                   outer_dp_sharding_strategy=args.outer_strategy, mixed_precision_policy=policy)
+                   outer_dp_sharding_strategy=args.outer_strategy)
+    pipeline = dict(pipeline_schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
+                    reshard_after_forward=args.reshard_after_forward == "true")
+    micro_batches = args.micro_batches
+    in_float32, planned_policy = planned_as(args.door, policy)
+    model = source.build()
     try:  # the planner's refusal names the fix, before anything is simulated
-        plan = plan_memory(source.build(), mesh.world_size, dp_outer_size=mesh.dp_outer, tensor_parallel_size=mesh.tp,
-                           expert_parallel_size=mesh.ep, tensor_parallel_plan=tp_plan, optimizer=args.optimizer,
-                           device_type="cpu", **options)
+        check_door(args.door, mesh, args.strategy, args.outer_strategy)
+        if mesh.pp > 1 and micro_batches is None:  # the planner's default, as the simulation's
+            micro_batches = PipelineSpec(mesh.pp, args.pipeline_schedule, 1, args.virtual_stages).fewest_micro_batches()
+        plan = plan_memory(model.float() if in_float32 else model, mesh.world_size, dp_outer_size=mesh.dp_outer,
+                           tensor_parallel_size=mesh.tp, context_parallel_size=mesh.cp, expert_parallel_size=mesh.ep,
+                           pipeline_parallel_size=mesh.pp, micro_batches=micro_batches or 1, tensor_parallel_plan=tp_plan,
+                           optimizer=args.optimizer, device_type="cpu", mixed_precision_policy=planned_policy,
+                           **options, **(pipeline if mesh.pp > 1 else {}))
     except ValueError as error:
         raise SystemExit(f"error: {error}") from error
     if not args.json:
@@ -113,8 +136,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"error: {error}") from error
     for rank in ranks:
         report = simulate_rank(source.build, mesh, rank, optimizer=args.optimizer, tensor_parallel_plan=tp_plan,
-                               batch_size=args.batch_size, seq_len=args.seq_len, door=args.door, **options)
-        if args.door != "whole_model":  # plan_memory plans the whole-model door's buckets
+                               batch_size=args.batch_size, seq_len=args.seq_len, door=args.door,
+                               mixed_precision_policy=policy, micro_batches=micro_batches, **options, **pipeline)
+        if args.door != "whole_model" and mesh.pp == 1:  # plan_memory plans FSDP2's buckets for pipeline stages only
             print(json.dumps(report.to_dict()) if args.json else f"{report}\n")
             continue
         planned = plan.for_rank(rank)

@@ -8,7 +8,10 @@ see, so its numbers would be wrong.
 
 The FSDP2 door is called as torchtitan calls FSDP2: the parameters in float32 (they are what
 the optimizer steps) and ``MixedPrecisionPolicy(param_dtype=<the model's dtype>,
-reduce_dtype=float32)``; HSDP is a 2-D (dp_outer, dp_shard) mesh."""
+reduce_dtype=float32)``; HSDP is a 2-D (dp_outer, dp_shard) mesh. Context-parallel ranks join
+the shard group (dp_shard and cp flattened into ``dp_cp``) through either door. Pipeline
+parallelism shards each stage module through the FSDP2 door (pipeline.py), as plan_memory
+plans it."""
 
 from __future__ import annotations
 
@@ -20,14 +23,18 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from megatron_fsdp.engine.step.units import FSDPUnit
 from megatron_fsdp.fsdp2 import fully_shard as fsdp2_fully_shard
 from megatron_fsdp.fsdp2.state import shared_resources, state_of
 from megatron_fsdp.fully_shard import fully_shard
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.simulate.world import MeshSizes
 
 DOORS = ("whole_model", "fsdp2")
+
+TP_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 # plan_memory's optimizer names this simulator can build (torch's own classes, defaults as torch's).
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -50,9 +57,24 @@ class ShardedRank:
     pool: Any
 
 
+def planned_as(door: str, policy: MixedPrecisionPolicy | None) -> tuple[bool, MixedPrecisionPolicy | None]:
+    """What plan_memory is given for a rank sharded through ``door``: whether to plan the model
+    in float32, and the precision policy. The whole-model door as called; the FSDP2 door as this
+    simulator calls it (module docstring): float32 parameters are the main weights the optimizer
+    steps, gradients kept and reduced in float32."""
+    if door == "whole_model":
+        return False, policy
+    return True, MixedPrecisionPolicy(main_params_dtype=None, main_grads_dtype=torch.float32, grad_comm_dtype=torch.float32)
+
+
 def check_door(door: str, mesh: MeshSizes, zero_dp_strategy: str, outer_dp_sharding_strategy: str) -> None:
     if door not in DOORS:
         raise ValueError(f"door {door!r}: use one of {', '.join(DOORS)}")
+    if mesh.pp > 1 and door != "fsdp2":
+        raise ValueError(
+            f"pp={mesh.pp}: pipeline parallelism runs torch's schedules over stage modules sharded by FSDP2's door, as "
+            "plan_memory plans it: pass door='fsdp2' (--door fsdp2)"
+        )
     if door == "fsdp2" and mesh.ep > 1:
         raise ValueError("the fsdp2 door takes no expert mesh: simulate expert parallelism through the whole_model door")
     if door == "fsdp2" and (zero_dp_strategy != "optim_grads_params" or outer_dp_sharding_strategy != "no_shard"):
@@ -62,6 +84,30 @@ def check_door(door: str, mesh: MeshSizes, zero_dp_strategy: str, outer_dp_shard
         )
 
 
+def apply_tensor_parallel(module: nn.Module, device_mesh: DeviceMesh, mesh: MeshSizes,
+                          tensor_parallel_plan: dict[str, str] | None) -> None:
+    """``tensor_parallel_plan`` ({module pattern: 'colwise' | 'rowwise'}) applied over the tp dim."""
+    if mesh.tp > 1:
+        styles = {pattern: TP_STYLES[style]() for pattern, style in tensor_parallel_plan.items()}
+        parallelize_module(module, device_mesh["tp"], styles)
+
+
+def fsdp2_mesh(device_mesh: DeviceMesh, mesh: MeshSizes) -> DeviceMesh:
+    """What the FSDP2 door shards over: the shard dim, under HSDP with the replicas before it."""
+    return device_mesh["dp_outer", mesh.shard_dim] if mesh.dp_outer > 1 else device_mesh[mesh.shard_dim]
+
+
+def fsdp2_shard(module: nn.Module, fsdp_mesh: DeviceMesh, fsdp_unit_modules: Sequence[type], compute_dtype: torch.dtype,
+                reshard_after_forward: bool | None = None) -> list[FSDPUnit]:
+    """``megatron_fsdp.fsdp2.fully_shard`` on every unit of ``module``, then on ``module``, as
+    torchtitan calls FSDP2 (the module docstring); returns the units made."""
+    policy = TorchMixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    blocks = [m for m in module.modules() if isinstance(m, tuple(fsdp_unit_modules))]
+    for block in [*blocks, module]:
+        fsdp2_fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return [state.unit for m in [*blocks, module] if (state := state_of(m)) is not None]
+
+
 def shard(door: str, module: nn.Module, device_mesh: DeviceMesh, mesh: MeshSizes, optimizer: str,
           fsdp_unit_modules: Sequence[type], compute_dtype: torch.dtype, expert_mesh: DeviceMesh | None = None,
           **shard_options) -> ShardedRank:
@@ -69,7 +115,7 @@ def shard(door: str, module: nn.Module, device_mesh: DeviceMesh, mesh: MeshSizes
     in ``compute_dtype``) sharded through ``door``, with a torch ``optimizer`` over it;
     ``expert_mesh``: the whole-model door's ``expt_device_mesh``."""
     if door == "whole_model":
-        names = dict(device_mesh=device_mesh, dp_shard_dim="dp_shard")
+        names = dict(device_mesh=device_mesh, dp_shard_dim=mesh.shard_dim)
         if mesh.dp_outer > 1:
             names["dp_outer_dim"] = "dp_outer"
         if mesh.tp > 1:
@@ -79,12 +125,6 @@ def shard(door: str, module: nn.Module, device_mesh: DeviceMesh, mesh: MeshSizes
         model, optim = fully_shard(module, OPTIMIZERS[optimizer](module.parameters()), fsdp_unit_modules=fsdp_unit_modules,
                                    **names, **shard_options)
         return ShardedRank(model, model.module, optim, model.units, model.pool)
-    policy = TorchMixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    fsdp_mesh = device_mesh["dp_outer", "dp_shard"] if mesh.dp_outer > 1 else device_mesh["dp_shard"]
-    blocks = [m for m in module.modules() if isinstance(m, tuple(fsdp_unit_modules))]
-    for block in blocks:
-        fsdp2_fully_shard(block, mesh=fsdp_mesh, mp_policy=policy)
-    fsdp2_fully_shard(module, mesh=fsdp_mesh, mp_policy=policy)
+    units = fsdp2_shard(module, fsdp2_mesh(device_mesh, mesh), fsdp_unit_modules, compute_dtype)
     optim = OPTIMIZERS[optimizer](module.parameters())
-    units = [state.unit for m in [*blocks, module] if (state := state_of(m)) is not None]
     return ShardedRank(module, module, optim, units, shared_resources().pool)

@@ -116,8 +116,8 @@ class AllocationLog:
         return self._peaks[phase][0]
 
     def live_at_peak(self, phases: Iterable[str]) -> tuple[int, list[Allocation]]:
-        """The largest peak among ``phases`` and the allocations live at it."""
-        nbytes, position = max(self._peaks[phase] for phase in phases)
+        """The largest peak among ``phases`` (those that ran) and the allocations live at it."""
+        nbytes, position = max(self._peaks[phase] for phase in phases if phase in self._peaks)
         return nbytes, [a for a in self.allocations if a.live_at(position)]
 
     def live(self) -> dict[int, Allocation]:

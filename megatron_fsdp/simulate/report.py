@@ -9,8 +9,10 @@ from megatron_fsdp.simulate.inventory import BucketRow
 from megatron_fsdp.simulate.traffic import Collective
 from megatron_fsdp.simulate.world import MeshSizes
 
-# The phases of the one training step simulated (the wrap before them is "wrap").
-STEP_PHASES = ("forward", "backward", "optimizer step")
+# The phases of the one training step simulated (the wrap before them is "wrap"); under
+# pipeline parallelism "schedule" holds the micro-batches' forwards and backwards as the
+# schedule interleaves them, and the step's gradient reduction.
+STEP_PHASES = ("forward", "backward", "schedule", "optimizer step")
 
 
 def _gib(nbytes: int) -> str:
@@ -61,8 +63,9 @@ class RankReport:
 
     def to_dict(self) -> dict:
         return {
-            "rank": self.rank, "world_size": self.mesh.world_size, "dp_outer": self.mesh.dp_outer,
-            "dp_shard": self.mesh.dp_shard, "tp": self.mesh.tp, "door": self.door, "strategy": self.strategy,
+            "rank": self.rank, "world_size": self.mesh.world_size, "pp": self.mesh.pp, "dp_outer": self.mesh.dp_outer,
+            "dp_shard": self.mesh.dp_shard, "cp": self.mesh.cp, "tp": self.mesh.tp, "door": self.door,
+            "strategy": self.strategy,
             "outer_strategy": self.outer_strategy, "model_states": self.model_states,
             "model_state_bytes": self.model_state_bytes, "step_peak": self.step_peak,
             "peak_breakdown": self.peak_breakdown, "pool_peak": self.pool_peak, "wrap_peak": self.wrap_peak,
@@ -78,7 +81,7 @@ class RankReport:
     def __str__(self) -> str:
         mesh = self.mesh
         lines = [
-            f"rank {self.rank} of {mesh.world_size} (dp_outer {mesh.dp_outer} x dp_shard {mesh.dp_shard} x tp {mesh.tp}), "
+            f"rank {self.rank} of {mesh.world_size} ({' x '.join(f'{name} {size}' for name, size in mesh.shape())}), "
             f"{self.door} door, {self.strategy}" + (f", outer {self.outer_strategy}" if mesh.dp_outer > 1 else "")
             + f"; simulated in {self.seconds:.1f} s",
             f"model states: {_gib(self.model_state_bytes)}",

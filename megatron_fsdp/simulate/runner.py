@@ -4,6 +4,7 @@ group and ``FakeTensorMode``, with its allocations and collectives logged as the
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
@@ -12,21 +13,19 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
-from megatron_fsdp.simulate.doors import OPTIMIZERS, ShardedRank, check_door, shard
+from megatron_fsdp.simulate.doors import OPTIMIZERS, TP_STYLES, ShardedRank, apply_tensor_parallel, check_door, shard
 from megatron_fsdp.simulate.inventory import bucket_rows, categories, model_states
 from megatron_fsdp.simulate.memory import POOL_LABEL, AllocationLog
 from megatron_fsdp.simulate.observer import StepObserver
+from megatron_fsdp.simulate.pipeline import causal_lm_loss, run_step, shard_stages, stage_modules
 from megatron_fsdp.simulate.report import STEP_PHASES, RankReport
 from megatron_fsdp.simulate.traffic import CollectiveLog
 from megatron_fsdp.simulate.world import MeshSizes, build_expert_mesh, build_mesh, fake_world
 
 logger = logging.getLogger(__name__)
-
-_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-
 
 def _check_choices(optimizer: str, tensor_parallel_plan: dict[str, str] | None, mesh: MeshSizes) -> None:
     if optimizer not in OPTIMIZERS:
@@ -34,7 +33,7 @@ def _check_choices(optimizer: str, tensor_parallel_plan: dict[str, str] | None, 
     if mesh.tp > 1 and not tensor_parallel_plan:
         raise ValueError(f"tp={mesh.tp} needs a tensor_parallel_plan ({{module pattern: 'colwise'|'rowwise'}})")
     for pattern, style in (tensor_parallel_plan or {}).items():
-        if style not in _STYLES:
+        if style not in TP_STYLES:
             raise ValueError(f"tensor_parallel_plan[{pattern!r}] = {style!r}: use 'colwise' or 'rowwise'")
 
 
@@ -87,10 +86,14 @@ def simulate_rank(
     mixed_precision_policy: MixedPrecisionPolicy | None = None,
     optimizer: str = "adamw",
     tensor_parallel_plan: dict[str, str] | None = None,
-    batch_size: int = 1,
+    batch_size: int | None = None,
     seq_len: int = 4096,
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = default_loss,
     door: str = "whole_model",
+    pipeline_schedule: str = "1F1B",
+    micro_batches: int | None = None,
+    virtual_stages: int | None = None,
+    reshard_after_forward: bool | None = None,
 ) -> RankReport:
     """Rank ``rank`` of ``mesh.world_size``: builds ``build_model()`` (a model on the meta device)
     as fake tensors on the CPU, splits what ``tensor_parallel_plan`` names over the tp dim
@@ -98,56 +101,128 @@ def simulate_rank(
     through ``door`` (``"whole_model"``: ``fully_shard`` with the given strategy and precision;
     ``"fsdp2"``: megatron_fsdp's FSDP2 door; doors.py) with a torch optimizer (``adamw`` default,
     ``adam``, ``sgd``, ``sgd_momentum``), and runs forward, backward and ``optimizer.step()`` on a
-    batch of ``batch_size`` x ``seq_len`` tokens (``loss_fn(model, tokens)``). ``mesh.ep`` > 1
-    keeps 1/ep of every ``experts`` module's experts (:func:`keep_local_experts`) and gives
-    ``fully_shard`` the expert mesh. Returns what the rank allocated and sent (:class:`RankReport`);
-    a layout the engine refuses raises its error."""
+    batch of ``batch_size`` (default 1) sequences of ``seq_len`` tokens (``loss_fn(model,
+    tokens)``); under context parallelism (``mesh.cp`` > 1) the rank runs ``seq_len / cp`` of
+    each. ``mesh.ep`` > 1 keeps 1/ep of every ``experts`` module's experts
+    (:func:`keep_local_experts`) and gives ``fully_shard`` the expert mesh.
+
+    ``mesh.pp`` > 1 (the FSDP2 door; pipeline.py): the rank builds its stages of a Hugging Face
+    causal LM and runs torch's ``Schedule<pipeline_schedule>`` over ``micro_batches`` (default:
+    the fewest the schedule runs) micro-batches of the ``batch_size`` (default: one a
+    micro-batch) sequences, with ``virtual_stages`` stages a rank and FSDP2's
+    ``reshard_after_forward`` (default False, as torchtitan passes it under PP); the loss is
+    the last stage's cross-entropy. Returns what the rank allocated and sent
+    (:class:`RankReport`); a layout the engine refuses raises its error."""
     _check_choices(optimizer, tensor_parallel_plan, mesh)
     check_door(door, mesh, zero_dp_strategy, outer_dp_sharding_strategy)
+    if seq_len % mesh.cp:
+        raise ValueError(f"seq_len {seq_len}: context parallelism {mesh.cp} gives each rank 1/{mesh.cp} of every "
+                         f"sequence; pick a seq_len divisible by {mesh.cp}")
+    spec = _pipeline_spec(mesh, pipeline_schedule, micro_batches, virtual_stages, batch_size)
+    batch_size = batch_size or (spec.micro_batches if spec else 1)
+    local_seq = seq_len // mesh.cp
     started = time.perf_counter()
     with fake_world(rank, mesh.world_size):
         device_mesh = build_mesh(mesh)
         memory, traffic = AllocationLog(), CollectiveLog()
         observer = StepObserver(memory, traffic)
-        meta_model = build_model()  # before the modes: meta tensors, nothing to log
-        if mesh.ep > 1:
-            keep_local_experts(meta_model, mesh.ep)
-        compute_dtype = next(meta_model.parameters()).dtype
-        if door != "whole_model":
-            meta_model.float()  # FSDP2's parameters are what the optimizer steps (doors.py)
-        shard_options = dict(fsdp_unit_modules=fsdp_unit_modules, optimizer=optimizer, compute_dtype=compute_dtype,
-                             expert_mesh=build_expert_mesh(mesh) if mesh.ep > 1 else None)
-        if door == "whole_model":
-            shard_options |= dict(zero_dp_strategy=zero_dp_strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
-                                  mixed_precision_policy=mixed_precision_policy)
+        # Built before the modes: meta tensors, nothing to log.
+        if spec is not None:
+            stages = stage_modules(build_model, fsdp_unit_modules, spec, mesh.pp_rank(rank))
+            compute_dtype = next(stages[0].parameters()).dtype
+            for stage in stages:
+                stage.float()  # FSDP2's parameters are what the optimizer steps (doors.py)
+            run = functools.partial(
+                _pipeline_step, stages, spec, device_mesh, mesh, rank, observer, fsdp_unit_modules=fsdp_unit_modules,
+                compute_dtype=compute_dtype, optimizer=optimizer, tensor_parallel_plan=tensor_parallel_plan,
+                reshard_after_forward=bool(reshard_after_forward), batch_size=batch_size, local_seq=local_seq)
+        else:
+            meta_model = build_model()
+            if mesh.ep > 1:
+                keep_local_experts(meta_model, mesh.ep)
+            compute_dtype = next(meta_model.parameters()).dtype
+            if door != "whole_model":
+                meta_model.float()  # FSDP2's parameters are what the optimizer steps (doors.py)
+            shard_options = dict(fsdp_unit_modules=fsdp_unit_modules, optimizer=optimizer, compute_dtype=compute_dtype,
+                                 expert_mesh=build_expert_mesh(mesh) if mesh.ep > 1 else None)
+            if door == "whole_model":
+                shard_options |= dict(zero_dp_strategy=zero_dp_strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
+                                      mixed_precision_policy=mixed_precision_policy)
+            run = functools.partial(_model_step, meta_model, device_mesh, mesh, observer, door, tensor_parallel_plan,
+                                    loss_fn, (batch_size, local_seq), shard_options)
         with FakeTensorMode(allow_non_fake_inputs=True), observer.observing():
-            sharded = _wrap(meta_model, device_mesh, mesh, observer, door=door,
-                            tensor_parallel_plan=tensor_parallel_plan, **shard_options)
-            tokens = torch.randint(0, _vocab_size(sharded.module), (batch_size, seq_len))
-            _step(sharded, tokens, loss_fn, observer)
-            del tokens
-            gc.collect()
-            named = categories(sharded.units, sharded.module, sharded.optimizer)
-            peak, at_peak = memory.live_at_peak(STEP_PHASES)
-            report = RankReport(
-                rank=rank, mesh=mesh, door=door, strategy=zero_dp_strategy, outer_strategy=outer_dp_sharding_strategy,
-                model_states=model_states(memory.live(), named), step_peak=peak,
-                peak_breakdown=_breakdown(at_peak, memory, named),
-                pool_peak=sharded.pool.high_water_mark(),
-                wrap_peak=memory.peak("wrap"), collectives=traffic.collectives, buckets=bucket_rows(sharded.units),
-                seconds=time.perf_counter() - started,
-            )
-            del sharded
+            sharded = run()
+            report = _report(rank, mesh, door, zero_dp_strategy, outer_dp_sharding_strategy, sharded, memory, traffic,
+                             started)
+            del sharded, run
     return report
+
+
+def _model_step(meta_model: nn.Module, device_mesh, mesh: MeshSizes, observer: StepObserver, door: str,
+                tensor_parallel_plan: dict[str, str] | None, loss_fn, batch_shape: tuple[int, int],
+                shard_options: dict) -> ShardedRank:
+    """The whole model wrapped through ``door`` and one step of it; returns the sharded rank."""
+    sharded = _wrap(meta_model, device_mesh, mesh, observer, door=door, tensor_parallel_plan=tensor_parallel_plan,
+                    **shard_options)
+    tokens = torch.randint(0, _vocab_size(sharded.module), batch_shape)
+    _step(sharded, tokens, loss_fn, observer)
+    return sharded
+
+
+def _pipeline_step(stages: list, spec: PipelineSpec, device_mesh, mesh: MeshSizes, rank: int, observer: StepObserver, *,
+                   batch_size: int, local_seq: int, **shard_options) -> ShardedRank:
+    """The rank's stage modules sharded, and one step of torch's schedule over them and of the
+    optimizer (pipeline.py); returns the sharded rank, the schedule and its receive buffers gone."""
+    config = stages[0].causal_lm.config
+    observer.start_phase("wrap")
+    pipe = shard_stages(stages, device_mesh, mesh, spec, mesh.pp_rank(rank),
+                        micro_batch=(batch_size // spec.micro_batches, local_seq), hidden_size=config.hidden_size,
+                        vocab_size=config.vocab_size, loss_fn=causal_lm_loss, **shard_options)
+    stages.clear()
+    observer.start_phase("schedule")
+    run_step(pipe, torch.randint(0, config.vocab_size, (batch_size, local_seq)))
+    observer.start_phase("optimizer step")
+    pipe.sharded.optimizer.step()
+    return pipe.sharded
+
+
+def _pipeline_spec(mesh: MeshSizes, schedule: str, micro_batches: int | None, virtual_stages: int | None,
+                   batch_size: int | None) -> PipelineSpec | None:
+    """The pipeline as plan_memory takes it (None without pipeline parallelism); what the
+    schedule cannot run raises with the planner's own words."""
+    if mesh.pp == 1:
+        return None
+    spec = PipelineSpec(mesh.pp, schedule, 1, virtual_stages)
+    spec = PipelineSpec(mesh.pp, schedule, micro_batches or spec.fewest_micro_batches(), virtual_stages)
+    if problem := spec.micro_batch_problem():
+        raise ValueError(problem)
+    if batch_size is not None and batch_size % spec.micro_batches:
+        raise ValueError(f"batch_size {batch_size}: the schedule splits it into {spec.micro_batches} micro-batches; "
+                         f"give a multiple of {spec.micro_batches}")
+    return spec
+
+
+def _report(rank: int, mesh: MeshSizes, door: str, strategy: str, outer_strategy: str, sharded: ShardedRank,
+            memory: AllocationLog, traffic: CollectiveLog, started: float) -> RankReport:
+    """What the rank holds after the step (model states by category), its peak and collectives."""
+    gc.collect()
+    named = categories(sharded.units, sharded.module, sharded.optimizer)
+    peak, at_peak = memory.live_at_peak(STEP_PHASES)
+    return RankReport(
+        rank=rank, mesh=mesh, door=door, strategy=strategy, outer_strategy=outer_strategy,
+        model_states=model_states(memory.live(), named), step_peak=peak,
+        peak_breakdown=_breakdown(at_peak, memory, named),
+        pool_peak=sharded.pool.high_water_mark(),
+        wrap_peak=memory.peak("wrap"), collectives=traffic.collectives, buckets=bucket_rows(sharded.units),
+        seconds=time.perf_counter() - started,
+    )
 
 
 def _wrap(meta_model: nn.Module, device_mesh, mesh: MeshSizes, observer: StepObserver, *, door: str,
           tensor_parallel_plan: dict[str, str] | None, **shard_options) -> ShardedRank:
     observer.start_phase("model")
     module = meta_model.to_empty(device="cpu")
-    if mesh.tp > 1:
-        styles = {pattern: _STYLES[style]() for pattern, style in tensor_parallel_plan.items()}
-        parallelize_module(module, device_mesh["tp"], styles)
+    apply_tensor_parallel(module, device_mesh, mesh, tensor_parallel_plan)
     observer.start_phase("wrap")
     sharded = shard(door, module, device_mesh, mesh, **shard_options)
     gc.collect()

@@ -1,6 +1,6 @@
 """A world of ``W`` ranks as one of them sees it: torch's fake process group and the device mesh
-the whole-model door is given, laid out as plan_memory lays ranks out (tensor-parallel fastest,
-then dp_shard, then dp_outer)."""
+the doors are given, laid out as plan_memory lays ranks out (tensor-parallel fastest, then
+context-parallel, dp_shard, dp_outer, and pipeline-parallel slowest)."""
 
 from __future__ import annotations
 
@@ -17,39 +17,59 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 @dataclass(frozen=True)
 class MeshSizes:
-    """The mesh as sizes: ``world_size`` ranks, ``dp_outer`` replicas (HSDP), ``tp`` tensor-parallel
-    ranks; dp_shard is what is left. ``ep``: expert-parallel ranks (each holds 1/ep of every
-    layer's experts), laid out fastest as plan_memory lays them out; the experts are sharded over
-    the ``world_size / ep`` ranks holding the same ones."""
+    """The mesh as sizes: ``world_size`` ranks, ``pp`` pipeline ranks (slowest; each holds its
+    stages' layers), ``dp_outer`` replicas (HSDP), ``cp`` context-parallel ranks (each runs
+    1/cp of every sequence; they join dp_shard in the shard group, as ``fully_shard`` over a
+    flattened ``dp_cp`` dim), ``tp`` tensor-parallel ranks; dp_shard is what is left. ``ep``:
+    expert-parallel ranks (each holds 1/ep of every layer's experts), laid out fastest as
+    plan_memory lays them out; the experts are sharded over the ``world_size / ep`` ranks
+    holding the same ones."""
 
     world_size: int
     dp_outer: int = 1
     tp: int = 1
     ep: int = 1
+    pp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        sizes = {"world_size": self.world_size, "dp_outer": self.dp_outer, "tp": self.tp, "ep": self.ep}
+        sizes = {"world_size": self.world_size, "dp_outer": self.dp_outer, "tp": self.tp, "ep": self.ep,
+                 "pp": self.pp, "cp": self.cp}
         bad = [f"{name}={size}" for name, size in sizes.items() if not isinstance(size, int) or size < 1]
         if bad:
             raise ValueError(f"mesh sizes must be integers >= 1, got {', '.join(bad)}")
-        if self.world_size % (self.dp_outer * self.tp):
+        product = self.pp * self.dp_outer * self.cp * self.tp
+        if self.world_size % product:
             raise ValueError(
-                f"world size {self.world_size} holds no (dp_outer {self.dp_outer}, dp_shard, tp {self.tp}) mesh: "
-                f"{self.world_size} is not divisible by {self.dp_outer * self.tp}; pick sizes whose product divides it"
+                f"world size {self.world_size} holds no (pp {self.pp}, dp_outer {self.dp_outer}, dp_shard, cp {self.cp}, "
+                f"tp {self.tp}) mesh: {self.world_size} is not divisible by {product}; pick sizes whose product divides it"
             )
-        if self.ep > 1 and (self.tp > 1 or self.dp_outer > 1 or self.dp_shard % self.ep):
+        if self.ep > 1 and (self.tp > 1 or self.dp_outer > 1 or self.pp > 1 or self.cp > 1 or self.dp_shard % self.ep):
             raise ValueError(
-                f"ep {self.ep}: the simulator lays experts out over dp_shard alone (tp 1, dp_outer 1, and ep dividing "
-                f"dp_shard {self.dp_shard})"
+                f"ep {self.ep}: the simulator lays experts out over dp_shard alone (tp, cp, pp and dp_outer 1, and ep "
+                f"dividing dp_shard {self.dp_shard})"
             )
 
     @property
     def dp_shard(self) -> int:
-        return self.world_size // (self.dp_outer * self.tp)
+        return self.world_size // (self.pp * self.dp_outer * self.cp * self.tp)
+
+    @property
+    def shard_group(self) -> int:
+        """The ranks that share each shard: dp_shard x cp."""
+        return self.dp_shard * self.cp
+
+    @property
+    def shard_dim(self) -> str:
+        """The mesh dim the doors shard over: dp_shard, or with cp > 1 (dp_shard, cp) flattened."""
+        return "dp_cp" if self.cp > 1 else "dp_shard"
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // (self.world_size // self.pp)
 
     def shape(self) -> tuple[tuple[str, int], ...]:
-        """The mesh dims, slowest first; dp_outer and tp only when larger than one."""
-        dims = [("dp_outer", self.dp_outer), ("dp_shard", self.dp_shard), ("tp", self.tp)]
+        """The mesh dims, slowest first; all but dp_shard only when larger than one."""
+        dims = [("pp", self.pp), ("dp_outer", self.dp_outer), ("dp_shard", self.dp_shard), ("cp", self.cp), ("tp", self.tp)]
         return tuple((name, size) for name, size in dims if size > 1 or name == "dp_shard")
 
 
@@ -85,9 +105,13 @@ def _forget_sharding_cache() -> None:
 
 
 def build_mesh(sizes: MeshSizes) -> DeviceMesh:
-    """The device mesh over the fake world, its dims named as :meth:`MeshSizes.shape`."""
+    """The device mesh over the fake world, its dims named as :meth:`MeshSizes.shape`, with
+    (dp_shard, cp) flattened into ``dp_cp`` when cp > 1."""
     names, shape = zip(*sizes.shape())
-    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+    mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+    if sizes.cp > 1:
+        mesh["dp_shard", "cp"]._flatten(sizes.shard_dim)
+    return mesh
 
 
 def build_expert_mesh(sizes: MeshSizes) -> DeviceMesh:

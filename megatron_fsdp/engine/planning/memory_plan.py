@@ -503,12 +503,13 @@ def plan_rank(
     options: PlanOptions,
     rank: int,
     other_experts: Sequence[str] = (),
-    buffers: frozenset[str] | None = None,
+    buffers: Mapping[str, int] | None = None,
 ) -> RankMemory:
     """Global ``rank``'s bytes (ranks laid out as model_parallel.place_of says). Buckets alike (the
     same bucket of every layer) are planned once and counted as often as they occur;
     ``other_experts``: modules of experts this rank does not hold, nor their buffers;
-    ``buffers``: the module buffers it holds (None: all but those)."""
+    ``buffers``: the module buffers it holds, with the copies of each (pipeline stage modules
+    each keep their own; None: one of each but those)."""
     memory = RankMemory(rank)
     counts = Counter(b.shape for b in buckets)
     place = options.place(rank)
@@ -519,9 +520,9 @@ def plan_rank(
         _add_bucket(one, geometries[shape], options, kernel_step, shape[-1])
         memory.merge(one, count)
     for name, buffer in module.named_buffers():
-        held = buffers is None or name in buffers
-        if held and not any(name.startswith(f"{prefix}.") for prefix in other_experts):
-            memory.add("device", "module buffers", buffer.numel() * buffer.element_size())
+        copies = 1 if buffers is None else buffers.get(name, 0)
+        if copies and not any(name.startswith(f"{prefix}.") for prefix in other_experts):
+            memory.add("device", "module buffers", copies * buffer.numel() * buffer.element_size())
     plans = [(b, geometries[b.shape]) for b in buckets]
     if options.whole_matrix is not None:
         add_whole_matrix_state(memory, options.whole_matrix, [(b.names, g) for b, g in plans], module, options, place, kernel_step)

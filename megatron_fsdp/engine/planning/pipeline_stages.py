@@ -9,7 +9,9 @@ the layers goes to the first stage when registered before the first layer (token
 embeddings, and the root module's own parameters) and to the last stage when registered after
 the last one (final norm, output layer); a module registered between two layers goes with the
 layer before it. A weight tied across the first and last stage (a head tied to the embedding)
-is held by both, as each stage module holds its own copy. Stage ``s`` runs on pipeline rank
+is held by both, as each stage module holds its own copy; so are the buffers of a module outside
+the layers that has no parameters of its own (a rotary embedding's frequencies, which every
+stage's layers read, as torchtitan keeps its ``freqs_cis`` on every stage). Stage ``s`` runs on pipeline rank
 ``s % pp`` (the "loop" order of torch's interleaved schedules), so rank ``r`` holds stages
 ``r, r + pp, r + 2 pp, ...``.
 """
@@ -17,7 +19,8 @@ is held by both, as each stage module holds its own copy. Stage ``s`` runs on pi
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -116,12 +119,13 @@ class PipelineSpec:
 @dataclass(frozen=True)
 class StageContents:
     """What one pipeline rank holds: its stages, their layers (module names), the canonical
-    names of its parameters and the names of its buffers."""
+    names of its parameters, and the names of its buffers with the copies it holds of each
+    (one a stage module holding it)."""
 
     stages: tuple[int, ...]
     layers: tuple[str, ...]
     params: frozenset[str]
-    buffers: frozenset[str]
+    buffers: Mapping[str, int]
 
 
 def outermost_layers(layers: Sequence[tuple[str, nn.Module]]) -> list[str]:
@@ -154,14 +158,19 @@ def split_stages(module: nn.Module, layers: Sequence[tuple[str, nn.Module]], spe
         layer = next((n for n in names if name == n or name.startswith(f"{n}.")), None)
         if layer is not None:
             stage = stage_of_layer[layer]  # outside the layers, ``stage`` stays the last layer's
-        params[stage].update(canonical[id(p)] for p in child._parameters.values() if p is not None)
-        buffers[stage].update(f"{name}.{b}" if name else b for b, t in child._buffers.items() if t is not None)
+        own_params = [canonical[id(p)] for p in child._parameters.values() if p is not None]
+        params[stage].update(own_params)
+        own_buffers = {f"{name}.{b}" if name else b for b, t in child._buffers.items() if t is not None}
+        # Outside the layers, a module of buffers alone (a rotary embedding's frequencies) is
+        # what every stage's layers read: each stage module keeps its own copy.
+        for held in buffers if layer is None and not own_params else [buffers[stage]]:
+            held.update(own_buffers)
     return [
         StageContents(
             spec.stages_of(rank),
             tuple(n for n in names if stage_of_layer[n] in spec.stages_of(rank)),
             frozenset().union(*(params[s] for s in spec.stages_of(rank))),
-            frozenset().union(*(buffers[s] for s in spec.stages_of(rank))),
+            Counter(name for s in spec.stages_of(rank) for name in buffers[s]),
         )
         for rank in range(spec.size)
     ]
