@@ -612,3 +612,21 @@ def test_interleaved_chunks_train_like_one_process_with_tied_embedding_and_resum
         torch.testing.assert_close(held[name], expected, rtol=1e-5, atol=PARAM_ATOL, msg=lambda m: f"{name}: {m}")
     for result in results:
         assert result["resumed"] == result["history"][SAVED_AT:], f"resumed {result['resumed']} vs {result['history']}"
+
+
+def test_megatron_lm_fsdp_dtensor_checkpoints_under_pipeline_parallelism_are_refused_before_training() -> None:
+    """Megatron-LM keys fsdp_dtensor tensors by stage-local layer names: a PP > 1 save would keep
+    one stage's layers. Refused by the wrapper's constructor, from Megatron-LM's own arguments."""
+    from types import SimpleNamespace
+
+    from megatron_fsdp.integrations.mcore_pipeline import refuse_pipeline_checkpoints
+
+    saving = SimpleNamespace(ckpt_format="fsdp_dtensor", save="/ckpt", load=None)
+    with pytest.raises(ValueError, match="--save with --ckpt-format fsdp_dtensor at --pipeline-model-parallel-size 2: "):
+        refuse_pipeline_checkpoints(2, saving)
+    with pytest.raises(ValueError, match="--save and --load with .* Checkpoint at pipeline-parallel size 1"):
+        refuse_pipeline_checkpoints(4, SimpleNamespace(ckpt_format="fsdp_dtensor", save="/ckpt", load="/ckpt"))
+    refuse_pipeline_checkpoints(1, saving)  # one stage holds every layer under its own name
+    refuse_pipeline_checkpoints(2, SimpleNamespace(ckpt_format="torch_dist", save="/ckpt", load=None))  # global offsets
+    refuse_pipeline_checkpoints(2, SimpleNamespace(ckpt_format="fsdp_dtensor", save=None, load=None))  # nothing saved
+    refuse_pipeline_checkpoints(2, None)  # not under a Megatron-LM script

@@ -33,7 +33,13 @@ from typing import Any
 from torch import nn
 
 from megatron_fsdp.engine.step.schedule import StepState
-from megatron_fsdp.integrations.mcore_pipeline import held_between_micro_batches, pipeline_parallel_size, release_held_weights
+from megatron_fsdp.integrations.mcore_pipeline import (
+    held_between_micro_batches,
+    megatron_lm_args,
+    pipeline_parallel_size,
+    refuse_pipeline_checkpoints,
+    release_held_weights,
+)
 from megatron_fsdp.megatron_fsdp import MegatronFSDP
 
 _PREFIX = "module."
@@ -55,6 +61,7 @@ class MegatronCoreFSDP(MegatronFSDP):
     hold_between_micro_batches: bool | None = None
 
     def __init__(self, module: nn.Module, dist_index: Any = None, ddp_config: Any = None, *args: Any, **kwargs: Any) -> None:
+        refuse_pipeline_checkpoints(pipeline_parallel_size(), megatron_lm_args())
         super().__init__(module, dist_index, ddp_config, *args, **kwargs)
         # Every place the model registers a parameter (tied weights: each place).
         self._registrations = [

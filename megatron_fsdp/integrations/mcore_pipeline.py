@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 from megatron_fsdp.engine.step.units import FSDPUnit
 
@@ -27,6 +28,31 @@ def pipeline_parallel_size() -> int:
     if parallel_state is None or not parallel_state.model_parallel_is_initialized():
         return 1
     return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def megatron_lm_args() -> Any | None:
+    """Megatron-LM's parsed arguments where a Megatron-LM script has set them, else None."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_ARGS", None)
+
+
+def refuse_pipeline_checkpoints(pipeline_size: int, args: Any | None) -> None:
+    """Raises when Megatron-LM would save or load an ``fsdp_dtensor`` checkpoint under pipeline
+    parallelism. It keys a stage's tensors by the stage module's own names, whose layers count
+    from 0 on every stage (torch_dist alone offsets them globally): a save would keep one stage's
+    ``decoder.layers.0`` and lose the others', a load would give every stage the same layers. Each
+    rank raises in the wrapper's constructor, before any collective, not at the first save."""
+    if pipeline_size <= 1 or args is None or getattr(args, "ckpt_format", None) != "fsdp_dtensor":
+        return
+    uses = [flag for flag, value in (("--save", getattr(args, "save", None)), ("--load", getattr(args, "load", None))) if value]
+    if uses:
+        raise ValueError(
+            f"megatron_fsdp: {' and '.join(uses)} with --ckpt-format fsdp_dtensor at --pipeline-model-parallel-size "
+            f"{pipeline_size}: Megatron-LM names each pipeline stage's layers from 0 in that format, so stages would "
+            "overwrite each other's layers in the checkpoint (and a load would give every stage the same ones). "
+            "Checkpoint at pipeline-parallel size 1 (FSDP already shards the layers over the data-parallel ranks), or "
+            "train without --save/--load at this pipeline size"
+        )
 
 
 @contextlib.contextmanager

@@ -398,13 +398,14 @@ def test_pretrain_gpt_with_pipeline_parallelism_trains_like_megatron_core_ddp(na
 
 
 @needs_four_gpus
-def test_pretrain_gpt_with_pipeline_parallelism_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path: Path) -> None:
-    """PP2 x DP2 with ``--save`` at iteration N of 2N, each stage's chunk in Megatron-LM's one
-    ``fsdp_dtensor`` checkpoint, then ``--load``: the resumed iterations equal megatron-core's DDP
-    run straight through (which the test above finds equal to ours). Without --swiglu, as written
-    before ours replaced megatron-core's SwiGLU splitter (its failure: see the resume test above)."""
-    model = [flag for flag in _pipeline_model() if flag != "--swiglu"]
-    common = [*model, "--train-iters", str(ITERS), "--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"]
-    ours = [*common, *TRAINING, "--data-parallel-sharding-strategy", "optim_grads_params"]
-    reference = [*common, *DDP_TRAINING, "--use-distributed-optimizer"]
-    assert_resume_equals_uninterrupted(ours, reference, tmp_path, "PP2 resumed against megatron-core's DDP uninterrupted", 200)
+def test_pretrain_gpt_with_pipeline_parallelism_refuses_fsdp_dtensor_checkpoints_before_training(tmp_path: Path) -> None:
+    """fsdp_dtensor keys a stage's tensors by the stage module's names, whose layers count from 0
+    on every stage: a PP2 save would keep one stage's layers (integrations/mcore_pipeline.py).
+    Every rank refuses --save in the wrapper's constructor, naming the fix, before iteration 1."""
+    flags = [*_pipeline_model(), *TRAINING, "--train-iters", str(ITERS), "--pipeline-model-parallel-size", "2",
+             "--save", str(tmp_path / "checkpoints"), "--save-interval", str(ITERS // 2)]
+    result = run_pretrain_gpt("ours", flags, tmp_path, "pp2-save")
+    log = result.stdout + result.stderr
+    assert result.returncode != 0, log[-4000:]
+    assert "--save with --ckpt-format fsdp_dtensor at --pipeline-model-parallel-size 2" in log, log[-4000:]
+    assert not LINE.search(log), "it trained before refusing"
