@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 from typing import Any
@@ -183,7 +184,7 @@ def _between_megatron_formats(source: DcpSource, origin: str, to: str, options: 
             "distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
         }
         plan.objects[TORCH_DIST_COMMON_ITEM] = [common]
-        plan.objects.update(_linear_extra_states(args.num_layers))
+        plan.objects.update(_linear_extra_states(args.num_layers, getattr(args, "num_experts", None) or 0))
         add_torch_dist_rng(plan, run_state)
         backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
         return plan, Layout("megatron", step=step, extra_files=((TORCH_DIST_MARKER, _json_writer(backend)),))
@@ -199,11 +200,15 @@ def _spec_of(args: Any) -> str:
     return LOCAL_SPEC if getattr(args, "transformer_impl", "transformer_engine") == "local" else TE_SPEC
 
 
-def _linear_extra_states(layers: int) -> dict[str, Any]:
+def _linear_extra_states(layers: int, experts: int) -> dict[str, Any]:
     """The empty ``_extra_state`` ShardedObjects megatron-core's torch_dist keeps for each linear
-    layer of each layer (its loader asks for them)."""
-    modules = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-    return {f"decoder.layers.{module}._extra_state/shard_{layer}_{layers}": [None] for module in modules for layer in range(layers)}
+    layer of each layer (its loader asks for them): an expert's at (layer, expert) of
+    (layers, experts), as its weights are stacked."""
+    modules = ("self_attention.linear_qkv", "self_attention.linear_proj") + (() if experts else ("mlp.linear_fc1", "mlp.linear_fc2"))
+    states: dict[str, Any] = {f"decoder.layers.{module}._extra_state/shard_{layer}_{layers}": [None] for module in modules for layer in range(layers)}
+    for module, layer, expert in itertools.product(("linear_fc1", "linear_fc2"), range(layers), range(experts)):
+        states[f"decoder.layers.mlp.experts.experts.{module}._extra_state/shard_{layer}.{expert}_{layers}.{experts}"] = [None]
+    return states
 
 
 def _flattened(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:

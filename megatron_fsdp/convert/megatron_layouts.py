@@ -116,8 +116,10 @@ def torch_dist_view(tensors: dict[str, TensorInfo], layers: int) -> MegatronView
     return view
 
 
-# Transformer Engine's fused layers own the norms; the local spec keeps them as modules of their
-# own, and megatron-core's torch_dist names them the Transformer Engine way either way.
+# Transformer Engine's fused layers own the norms (but an MoE layer's pre-MLP norm, a module of
+# its own); the local spec keeps them as modules of their own, and its torch_dist names them the
+# Transformer Engine way (the local spec's sharded_state_dict_keys_map), MoE layers' too. A TE
+# run's torch_dist keeps its module names.
 _TE_NORMS = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
@@ -135,6 +137,17 @@ def spec_name(canonical: str, spec: str) -> str:
     else:
         rest = {local: te for te, local in _TE_NORMS.items()}.get(rest, rest)
     return f"decoder.layers.{match.group(1)}.{rest}"
+
+
+def torch_dist_norm_name(canonical: str, spec: str) -> str:
+    """The name torch_dist gives ``canonical`` (a module name of a ``spec`` run): the local spec's
+    norms under Transformer Engine's names, a TE run's names as they are."""
+    return spec_name(canonical, "te") if spec == "local" else canonical
+
+
+def module_norm_name(torch_dist_name: str, spec: str) -> str:
+    """The inverse of :func:`torch_dist_norm_name`: the module name of a ``spec`` run."""
+    return spec_name(torch_dist_name, "local") if spec == "local" else torch_dist_name
 
 
 def stacked_name(canonical: str) -> tuple[str, tuple[int, ...]]:
