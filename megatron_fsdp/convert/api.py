@@ -77,6 +77,10 @@ def _tensor_parallel(args: Any) -> int:
     return getattr(args, "tensor_model_parallel_size", 1) if args is not None else 1
 
 
+def _pipeline_parallel(args: Any) -> int:
+    return getattr(args, "pipeline_model_parallel_size", 1) if args is not None else 1
+
+
 def _json_writer(values: dict[str, Any]):
     def write(path: str) -> None:
         with open(path, "w") as handle:
@@ -130,7 +134,7 @@ def build_plan(source: Source, to: str, options: dict[str, Any]) -> tuple[Plan, 
         return plan, Layout(HUGGINGFACE, extra_files=(("config.json", _json_writer(config)),))
     if to == HUGGINGFACE and origin in (FSDP_DTENSOR, TORCH_DIST):
         dims, args = _megatron_dims(source, config, family)
-        view = torch_dist_view(source.tensors, dims.layers) if origin == TORCH_DIST else fsdp_dtensor_view(source.tensors, _tensor_parallel(args))
+        view = torch_dist_view(source.tensors, dims.layers) if origin == TORCH_DIST else fsdp_dtensor_view(source.tensors, _tensor_parallel(args), _pipeline_parallel(args))
         plan = megatron_to_hf(view, dims, dtype)
         dtype_name = str(next(iter(plan.targets.values())).dtype).removeprefix("torch.")
         return plan, Layout(HUGGINGFACE, extra_files=(("config.json", _json_writer(hf_config(dims, dtype_name))),))
@@ -165,7 +169,7 @@ def _between_megatron_formats(source: DcpSource, origin: str, to: str, options: 
             add_bucket_state(source, view, _spec_of(args))
         run_state = read_torch_dist_state(source, sharding)
     else:
-        view = fsdp_dtensor_view(source.tensors, _tensor_parallel(args))
+        view = fsdp_dtensor_view(source.tensors, _tensor_parallel(args), _pipeline_parallel(args))
         run_state = read_fsdp_dtensor_state(source, view.optimizer_prefix or DEFAULT_OPTIMIZER_PREFIX)
     spec = _spec_of(args)
     weights_dtype = dtype or (torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None)
