@@ -83,11 +83,15 @@ def test_moe_checkpoints_convert_into_each_others_files(direction: str, tmp_path
 
 def test_mixtral_to_fsdp_dtensor_and_back_is_byte_identical(tmp_path) -> None:
     """Megatron-LM's fsdp_dtensor -> Mixtral -> fsdp_dtensor (the local spec, as that run used)
-    gives Megatron-LM's own tensors; -> Mixtral again gives the same files, byte for byte."""
+    gives Megatron-LM's own tensors, and -> torch_dist its DDP's (the args written say the local
+    spec, so the norms get that spec's torch_dist names); -> Mixtral again gives the same files,
+    byte for byte."""
     hf, megatron, again = str(tmp_path / "hf"), str(tmp_path / "megatron"), str(tmp_path / "again")
     _convert(FSDP_DTENSOR, hf, "huggingface")
     _convert(hf, megatron, "fsdp_dtensor", "--spec", "local")
     _assert_equal_tensors(_model_tensors(FSDP_DTENSOR), _model_tensors(megatron))
+    _convert(megatron, str(tmp_path / "torch_dist"), "torch_dist")
+    _assert_equal_tensors(_model_tensors(TORCH_DIST), _model_tensors(str(tmp_path / "torch_dist")))
     _convert(megatron, again, "huggingface")
     first, second = read_safetensors_dir(hf), read_safetensors_dir(again)
     _assert_equal_tensors(first, second)

@@ -89,9 +89,11 @@ def _json_writer(values: dict[str, Any]):
     return write
 
 
-def megatron_args(dims: GptDims, tensor_parallel: int = 1) -> argparse.Namespace:
-    """The args a Megatron-LM checkpoint of this GPT carries (``--use-checkpoint-args`` reads them)."""
+def megatron_args(dims: GptDims, spec: str = TE_SPEC, tensor_parallel: int = 1) -> argparse.Namespace:
+    """The args a Megatron-LM checkpoint of this GPT carries (``--use-checkpoint-args`` reads them);
+    ``transformer_impl`` says which ``spec``'s module names it holds (``_spec_of`` reads it back)."""
     return argparse.Namespace(
+        transformer_impl="local" if spec == LOCAL_SPEC else "transformer_engine",
         num_layers=dims.layers,
         hidden_size=dims.hidden,
         ffn_hidden_size=dims.ffn,
@@ -147,7 +149,7 @@ def build_plan(source: Source, to: str, options: dict[str, Any]) -> tuple[Plan, 
             source.tensors, dims, options.get("megatron_prefix", DEFAULT_MEGATRON_PREFIX), options.get("spec", TE_SPEC),
             options.get("experts", SEQUENTIAL_EXPERTS), options.get("fc1", SPLIT_FC1), dtype,
         )
-        plan.objects.update(args=megatron_args(dims), iteration=0, checkpoint_version=3.0)
+        plan.objects.update(args=megatron_args(dims, options.get("spec", TE_SPEC)), iteration=0, checkpoint_version=3.0)
         return plan, Layout("megatron", step=options.get("step") or 0)
     if {origin, to} == {FSDP_DTENSOR, TORCH_DIST}:
         return _between_megatron_formats(source, origin, to, options, dtype)
