@@ -35,7 +35,7 @@ def _pp_args(source) -> argparse.Namespace:
     return args
 
 
-def _raw_item(path: str, name: str) -> io.BytesIO:
+def raw_item(path: str, name: str) -> io.BytesIO:
     """A stored ShardedObject's bytes as Megatron-LM wrote them (a real run's RNG state)."""
     metadata = dcp.FileSystemReader(path).read_metadata()  # a fixture of ours: trusted
     info = next(info for index, info in metadata.storage_data.items() if index.fqn == name)
@@ -80,7 +80,7 @@ def write_pp_checkpoints(rank: int, world: int, out: str) -> None:
             state[name] = sharded_object([{**common, "args": args}])
         elif "_extra_state" in name and _stage_of_object(name) == rank:
             state[name] = sharded_object(source.read_item(name))
-    state[f"rng_state/shard_{rank}.0_{STAGES}.1"] = _raw_item(RNG, "rng_state/shard_0.0_1.1")
+    state[f"rng_state/shard_{rank}.0_{STAGES}.1"] = raw_item(RNG, "rng_state/shard_0.0_1.1")
     torch_dist = os.path.join(out, "torch_dist")
     dcp.save(state, checkpoint_id=os.path.join(torch_dist, "iter_0000004"))
 

@@ -11,16 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 pytest.importorskip("transformers")
 
+from megatron_lm_pp_save import raw_item  # noqa: E402
 from safetensors_dir import read_safetensors_dir  # noqa: E402
 from transformers import MixtralForCausalLM  # noqa: E402
 
-from megatron_fsdp.convert import ConversionError  # noqa: E402
+from megatron_fsdp.convert import ConversionError, convert  # noqa: E402
 from megatron_fsdp.convert.__main__ import main  # noqa: E402
 from megatron_fsdp.convert.gpt_dims import dims_from_megatron_args  # noqa: E402
 from megatron_fsdp.convert.sources import open_source  # noqa: E402
@@ -112,3 +115,20 @@ def test_moe_routing_mixtral_cannot_express_is_refused_naming_the_argument(setti
     setattr(args, *setting)
     with pytest.raises(ConversionError, match=rf"{setting[0]}=.*cannot express"):
         dims_from_megatron_args(args, 128)
+
+
+def test_moe_optimizer_state_in_flat_ddp_buffers_is_refused_with_the_fix(tmp_path) -> None:
+    """megatron-core DDP's default optimizer state (``dp_reshardable`` flat buckets, as the real
+    MoE run saved it: one bucket of every parameter's fp32 main weight) is placed per parameter
+    only for dense GPTs; for an MoE model it is refused naming both ways out, nothing written."""
+    iteration = os.path.join(TORCH_DIST, "iter_0000004")
+    source = open_source(iteration)
+    state: dict = {name: source.read(name) for name in source.tensors}
+    state.update({name: raw_item(iteration, name) for name in source.objects})
+    state["optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.param"] = torch.zeros(238400)
+    checkpoint = str(tmp_path / "ddp")
+    dcp.save(state, checkpoint_id=checkpoint, no_dist=True)
+    shutil.copy(os.path.join(iteration, "metadata.json"), checkpoint)
+    with pytest.raises(ConversionError, match=r"MoE model whose optimizer state is in megatron-core's flat DDP buffers.*--dist-ckpt-optim-fully-reshardable.*--no-optimizer"):
+        convert(checkpoint, str(tmp_path / "out"), "fsdp_dtensor")
+    assert not os.path.exists(tmp_path / "out")
