@@ -5,6 +5,7 @@ optimizer state per parameter whichever form (flat DDP buckets or model space) h
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import torch
@@ -59,3 +60,11 @@ def torch_dist_optimizer_state(path: str) -> dict[tuple[str, str], torch.Tensor]
         tensor = source.read(read.name, read.region)
         state[key] = tensor.reshape(read.shape) if read.shape is not None else tensor
     return state
+
+
+def sharded_object(value: object) -> io.BytesIO:
+    """A ShardedObject as megatron-core hands it to DCP: ``torch.save`` of a list, as bytes."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return buffer

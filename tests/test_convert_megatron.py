@@ -9,7 +9,6 @@ megatron-core's documented layouts."""
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 pytest.importorskip("transformers")
 
+from megatron_lm_entries import sharded_object  # noqa: E402
 from safetensors_dir import read_safetensors_dir  # noqa: E402
 from transformers import LlamaForCausalLM, MixtralConfig, MixtralForCausalLM  # noqa: E402
 
@@ -300,19 +300,12 @@ def _dp_reshardable(directory: str, order: list[str]) -> dict[str, torch.Tensor]
     state.update({prefix + key: value for key, value in buckets.items()})
     # ShardedObjects, as megatron-core hands them to DCP: torch.save of a list, as bytes.
     common = {"args": _fixture_args(), "iteration": 4, "content_metadata": source.read_object("content_metadata")}
-    state["common_state/shard_0_1"] = _saved([common])
-    state["optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"] = _saved([{"param_groups": [{**group, "step": 4.0} for group in PARAM_GROUPS]}])
-    state["optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1"] = _saved([[{(torch.float32, torch.float32): [offset]}]])
+    state["common_state/shard_0_1"] = sharded_object([common])
+    state["optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"] = sharded_object([{"param_groups": [{**group, "step": 4.0} for group in PARAM_GROUPS]}])
+    state["optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1"] = sharded_object([[{(torch.float32, torch.float32): [offset]}]])
     dcp.save(state, checkpoint_id=directory, no_dist=True)
     shutil.copy(os.path.join(source.path, "metadata.json"), directory)
     return exp_avgs
-
-
-def _saved(value: object) -> io.BytesIO:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    buffer.seek(0)
-    return buffer
 
 
 MODULE_ORDER = ["embedding.word_embeddings.weight"] + [

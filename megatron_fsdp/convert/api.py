@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 from typing import Any
@@ -76,6 +77,10 @@ def _tensor_parallel(args: Any) -> int:
     return getattr(args, "tensor_model_parallel_size", 1) if args is not None else 1
 
 
+def _pipeline_parallel(args: Any) -> int:
+    return getattr(args, "pipeline_model_parallel_size", 1) if args is not None else 1
+
+
 def _json_writer(values: dict[str, Any]):
     def write(path: str) -> None:
         with open(path, "w") as handle:
@@ -84,9 +89,11 @@ def _json_writer(values: dict[str, Any]):
     return write
 
 
-def megatron_args(dims: GptDims, tensor_parallel: int = 1) -> argparse.Namespace:
-    """The args a Megatron-LM checkpoint of this GPT carries (``--use-checkpoint-args`` reads them)."""
+def megatron_args(dims: GptDims, spec: str = TE_SPEC, tensor_parallel: int = 1) -> argparse.Namespace:
+    """The args a Megatron-LM checkpoint of this GPT carries (``--use-checkpoint-args`` reads them);
+    ``transformer_impl`` says which ``spec``'s module names it holds (``_spec_of`` reads it back)."""
     return argparse.Namespace(
+        transformer_impl="local" if spec == LOCAL_SPEC else "transformer_engine",
         num_layers=dims.layers,
         hidden_size=dims.hidden,
         ffn_hidden_size=dims.ffn,
@@ -129,7 +136,7 @@ def build_plan(source: Source, to: str, options: dict[str, Any]) -> tuple[Plan, 
         return plan, Layout(HUGGINGFACE, extra_files=(("config.json", _json_writer(config)),))
     if to == HUGGINGFACE and origin in (FSDP_DTENSOR, TORCH_DIST):
         dims, args = _megatron_dims(source, config, family)
-        view = torch_dist_view(source.tensors, dims.layers) if origin == TORCH_DIST else fsdp_dtensor_view(source.tensors, _tensor_parallel(args))
+        view = torch_dist_view(source.tensors, dims.layers) if origin == TORCH_DIST else fsdp_dtensor_view(source.tensors, _tensor_parallel(args), _pipeline_parallel(args))
         plan = megatron_to_hf(view, dims, dtype)
         dtype_name = str(next(iter(plan.targets.values())).dtype).removeprefix("torch.")
         return plan, Layout(HUGGINGFACE, extra_files=(("config.json", _json_writer(hf_config(dims, dtype_name))),))
@@ -142,7 +149,7 @@ def build_plan(source: Source, to: str, options: dict[str, Any]) -> tuple[Plan, 
             source.tensors, dims, options.get("megatron_prefix", DEFAULT_MEGATRON_PREFIX), options.get("spec", TE_SPEC),
             options.get("experts", SEQUENTIAL_EXPERTS), options.get("fc1", SPLIT_FC1), dtype,
         )
-        plan.objects.update(args=megatron_args(dims), iteration=0, checkpoint_version=3.0)
+        plan.objects.update(args=megatron_args(dims, options.get("spec", TE_SPEC)), iteration=0, checkpoint_version=3.0)
         return plan, Layout("megatron", step=options.get("step") or 0)
     if {origin, to} == {FSDP_DTENSOR, TORCH_DIST}:
         return _between_megatron_formats(source, origin, to, options, dtype)
@@ -164,7 +171,7 @@ def _between_megatron_formats(source: DcpSource, origin: str, to: str, options: 
             add_bucket_state(source, view, _spec_of(args))
         run_state = read_torch_dist_state(source, sharding)
     else:
-        view = fsdp_dtensor_view(source.tensors, _tensor_parallel(args))
+        view = fsdp_dtensor_view(source.tensors, _tensor_parallel(args), _pipeline_parallel(args))
         run_state = read_fsdp_dtensor_state(source, view.optimizer_prefix or DEFAULT_OPTIMIZER_PREFIX)
     spec = _spec_of(args)
     weights_dtype = dtype or (torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None)
@@ -183,7 +190,7 @@ def _between_megatron_formats(source: DcpSource, origin: str, to: str, options: 
             "distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
         }
         plan.objects[TORCH_DIST_COMMON_ITEM] = [common]
-        plan.objects.update(_linear_extra_states(args.num_layers))
+        plan.objects.update(_linear_extra_states(args.num_layers, getattr(args, "num_experts", None) or 0))
         add_torch_dist_rng(plan, run_state)
         backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
         return plan, Layout("megatron", step=step, extra_files=((TORCH_DIST_MARKER, _json_writer(backend)),))
@@ -199,11 +206,15 @@ def _spec_of(args: Any) -> str:
     return LOCAL_SPEC if getattr(args, "transformer_impl", "transformer_engine") == "local" else TE_SPEC
 
 
-def _linear_extra_states(layers: int) -> dict[str, Any]:
+def _linear_extra_states(layers: int, experts: int) -> dict[str, Any]:
     """The empty ``_extra_state`` ShardedObjects megatron-core's torch_dist keeps for each linear
-    layer of each layer (its loader asks for them)."""
-    modules = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-    return {f"decoder.layers.{module}._extra_state/shard_{layer}_{layers}": [None] for module in modules for layer in range(layers)}
+    layer of each layer (its loader asks for them): an expert's at (layer, expert) of
+    (layers, experts), as its weights are stacked."""
+    modules = ("self_attention.linear_qkv", "self_attention.linear_proj") + (() if experts else ("mlp.linear_fc1", "mlp.linear_fc2"))
+    states: dict[str, Any] = {f"decoder.layers.{module}._extra_state/shard_{layer}_{layers}": [None] for module in modules for layer in range(layers)}
+    for module, layer, expert in itertools.product(("linear_fc1", "linear_fc2"), range(layers), range(experts)):
+        states[f"decoder.layers.mlp.experts.experts.{module}._extra_state/shard_{layer}.{expert}_{layers}.{experts}"] = [None]
+    return states
 
 
 def _flattened(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:

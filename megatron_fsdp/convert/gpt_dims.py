@@ -71,6 +71,28 @@ def _family_for(explicit: str | None, experts: int, qkv_bias: bool, sliding_wind
     return "mistral" if sliding_window else "llama"
 
 
+def _moe_refusals(args: Any) -> dict[str, tuple[bool, str]]:
+    """What of megatron-core's MoE a Mixtral block cannot express. Mixtral routes by softmax over
+    every expert, top-k, renormalized over the k; megatron-core's default (``--moe-router-score-
+    function softmax``, no ``--moe-router-pre-softmax``) takes the top-k logits and softmaxes over
+    them: the same weights, since exp(l_i) / sum_k exp(l_j) is both. Pre-softmax keeps the
+    probabilities unrenormalized, so it differs; so do the rest below."""
+    freq = _arg(args, "moe_layer_freq", 1)
+    return {
+        "moe_router_pre_softmax": (bool(_arg(args, "moe_router_pre_softmax", False)), "top-k before the softmax (no --moe-router-pre-softmax)"),
+        "moe_router_score_function": (_arg(args, "moe_router_score_function", "softmax") != "softmax", "softmax routing"),
+        "moe_router_topk_scaling_factor": (_arg(args, "moe_router_topk_scaling_factor", None) not in (None, 1.0), "unscaled routing weights"),
+        "moe_router_enable_expert_bias": (bool(_arg(args, "moe_router_enable_expert_bias", False)), "no expert bias"),
+        "moe_router_num_groups": (bool(_arg(args, "moe_router_num_groups", None)), "ungrouped top-k"),
+        "moe_expert_capacity_factor": (_arg(args, "moe_expert_capacity_factor", None) is not None, "no token dropping"),
+        "moe_shared_expert_intermediate_size": (bool(_arg(args, "moe_shared_expert_intermediate_size", None)), "no shared expert"),
+        "moe_layer_freq": (freq != 1 and not (isinstance(freq, list) and all(flag == 1 for flag in freq)), "every layer MoE"),
+        "moe_mlp_glu_interleave_size": (_arg(args, "moe_mlp_glu_interleave_size", None) is not None, "fc1 as [gate; up], not interleaved"),
+        "moe_latent_size": (_arg(args, "moe_latent_size", None) is not None, "no latent projection"),
+        "moe_apply_probs_on_input": (bool(_arg(args, "moe_apply_probs_on_input", False)), "routing weights applied to the experts' output"),
+    }
+
+
 def dims_from_megatron_args(args: Any, vocab: int, family: str | None = None) -> GptDims:
     """The dimensions of the GPT that Megatron-LM's ``args`` (an ``argparse.Namespace`` read from the
     checkpoint) describe; ``vocab`` is the embedding's row count. Raises for what a Llama-style
@@ -89,6 +111,8 @@ def dims_from_megatron_args(args: Any, vocab: int, family: str | None = None) ->
         "qk_layernorm": (bool(_arg(args, "qk_layernorm", False)), "no QK norm (no --qk-layernorm)"),
         "add_bias_linear": (bool(_arg(args, "add_bias_linear", False)), "no linear biases (--disable-bias-linear)"),
     }
+    if _arg(args, "num_experts", None):
+        refusals.update(_moe_refusals(args))
     wrong = [f"{name}={getattr(args, name, None)!r} (needs {what})" for name, (bad, what) in refusals.items() if bad]
     if wrong:
         raise ConversionError(

@@ -64,6 +64,12 @@ def add_bucket_state(source: DcpSource, view: MegatronView, spec: str) -> None:
             f"ranks, dtypes or expert groups): only one is placed per parameter here. Re-save it with "
             f"--dist-ckpt-optim-fully-reshardable, or convert the weights alone with --no-optimizer"
         )
+    if any(".mlp.router." in name for name in view.model):
+        raise ConversionError(
+            f"{source.path} is an MoE model whose optimizer state is in megatron-core's flat DDP buffers: where its "
+            f"experts sit in them is not worked out here. Re-save it with --dist-ckpt-optim-fully-reshardable, or "
+            f"convert the weights alone with --no-optimizer"
+        )
     numels = source.read_item(PER_BUCKET_NUMEL)
     per_bucket = list(numels[0][0].values())[0]
     bucket, start, bucket_start = 0, 0, 0

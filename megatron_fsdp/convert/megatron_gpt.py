@@ -81,9 +81,11 @@ def _layer_slots(dims: GptDims, layer: int) -> list[Slot]:
         ]
         return slots
     moe = hf + "block_sparse_moe."
+    # An MoE layer's pre-MLP norm is a module of its own under either spec; torch_dist of the
+    # local spec renames it the Transformer Engine way all the same (its sharded_state_dict_keys_map).
     norm = meg + "pre_mlp_layernorm.weight"
     slots += [
-        Slot("copy", (norm, norm), (hf + "post_attention_layernorm.weight",), ((hidden,),)),
+        Slot("copy", (norm, norm, meg + "mlp.linear_fc1.layer_norm_weight"), (hf + "post_attention_layernorm.weight",), ((hidden,),)),
         Slot("copy", (meg + "mlp.router.weight",), (moe + "gate.weight",), ((dims.experts, hidden),)),
     ]
     for expert in range(dims.experts):

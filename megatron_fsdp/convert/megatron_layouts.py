@@ -58,9 +58,22 @@ def _strip_wrappers(name: str) -> tuple[str, str]:
     return prefix, name
 
 
-def fsdp_dtensor_view(tensors: dict[str, TensorInfo], tensor_parallel: int) -> MegatronView:
-    """The view of an fsdp_dtensor checkpoint (``tensor_parallel``: the TP size it was saved at,
-    from its args)."""
+def fsdp_dtensor_view(tensors: dict[str, TensorInfo], tensor_parallel: int, pipeline_parallel: int = 1) -> MegatronView:
+    """The view of an fsdp_dtensor checkpoint (``tensor_parallel``, ``pipeline_parallel``: the TP
+    and PP sizes it was saved at, from its args). Refuses one saved at PP > 1: megatron-core 0.19
+    saves each stage's ``model[0].state_dict_for_save_checkpoint()`` (training/checkpointing.py,
+    ``generate_state_dict``), the module tree's names, in which every stage counts its layers
+    from 0; the stages' layers then share names and boxes, and DCP's save plan keeps one copy of
+    each (``dedup_save_plans``), so the other stages' layers are not in the checkpoint."""
+    if pipeline_parallel > 1:
+        raise ConversionError(
+            f"this fsdp_dtensor checkpoint was saved with pipeline_model_parallel_size={pipeline_parallel}: megatron-core "
+            f"0.19 names its layers by the module tree, which counts each stage's layers from 0, so every stage saved "
+            f"its layers as decoder.layers.0... and DCP kept one stage's copy of each: the other stages' layers are not "
+            f"in it, and no conversion can bring them back. Save the run with --ckpt-format torch_dist (megatron-core's "
+            f"DDP; its keys carry global layer offsets, and this converter reads them at any PP), or at "
+            f"--pipeline-model-parallel-size 1"
+        )
     embedding = [name for name in tensors if name.startswith("model.") and name.endswith(EMBEDDING)]
     if not embedding:
         raise ConversionError(
@@ -116,8 +129,10 @@ def torch_dist_view(tensors: dict[str, TensorInfo], layers: int) -> MegatronView
     return view
 
 
-# Transformer Engine's fused layers own the norms; the local spec keeps them as modules of their
-# own, and megatron-core's torch_dist names them the Transformer Engine way either way.
+# Transformer Engine's fused layers own the norms (but an MoE layer's pre-MLP norm, a module of
+# its own); the local spec keeps them as modules of their own, and its torch_dist names them the
+# Transformer Engine way (the local spec's sharded_state_dict_keys_map), MoE layers' too. A TE
+# run's torch_dist keeps its module names.
 _TE_NORMS = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
@@ -135,6 +150,17 @@ def spec_name(canonical: str, spec: str) -> str:
     else:
         rest = {local: te for te, local in _TE_NORMS.items()}.get(rest, rest)
     return f"decoder.layers.{match.group(1)}.{rest}"
+
+
+def torch_dist_norm_name(canonical: str, spec: str) -> str:
+    """The name torch_dist gives ``canonical`` (a module name of a ``spec`` run): the local spec's
+    norms under Transformer Engine's names, a TE run's names as they are."""
+    return spec_name(canonical, "te") if spec == "local" else canonical
+
+
+def module_norm_name(torch_dist_name: str, spec: str) -> str:
+    """The inverse of :func:`torch_dist_norm_name`: the module name of a ``spec`` run."""
+    return spec_name(torch_dist_name, "local") if spec == "local" else torch_dist_name
 
 
 def stacked_name(canonical: str) -> tuple[str, tuple[int, ...]]:

@@ -14,7 +14,6 @@ from megatron_fsdp.convert.errors import ConversionError
 from megatron_fsdp.convert.gpt_dims import GptDims
 from megatron_fsdp.convert.megatron_gpt import (
     FUSED_FC1,
-    TE_SPEC,
     Slot,
     fuse_qkv,
     gpt_slots,
@@ -29,8 +28,9 @@ from megatron_fsdp.convert.megatron_layouts import (
     STATE_KEYS,
     TORCH_DIST,
     MegatronView,
-    spec_name,
+    module_norm_name,
     stacked_name,
+    torch_dist_norm_name,
 )
 from megatron_fsdp.convert.plan import Plan, Read, Step, Write, expect_shape, refuse_unknown, require, same
 from megatron_fsdp.convert.sources import TensorInfo
@@ -208,7 +208,7 @@ def _add_converted(plan: Plan, view: MegatronView, canonical: str, kind: str | N
     if target.format == FSDP_DTENSOR:
         main_weights = (MAIN_PARAM, canonical) in view.optimizer
         dtype = torch.float32 if kind is not None or main_weights else infos[0].dtype
-        name = spec_name(canonical, target.spec)
+        name = module_norm_name(canonical, target.spec)
         names = [f"{name}_w", f"{name}_v"] if is_fc1 else [name]
         full = [target.model_prefix + n if kind is None else f"{target.optimizer_prefix}{n}.{kind}" for n in names]
         if is_fc1:
@@ -218,7 +218,7 @@ def _add_converted(plan: Plan, view: MegatronView, canonical: str, kind: str | N
             plan.add(reads, [(full[0], TensorInfo(shape, dtype))], build)
         return
     dtype = torch.float32 if kind is not None else (target.weights_dtype or infos[0].dtype)
-    stacked, index = stacked_name(spec_name(canonical, TE_SPEC))
+    stacked, index = stacked_name(torch_dist_norm_name(canonical, target.spec))
     name = stacked if kind is None else f"{OPTIMIZER_STATE}{kind}.{stacked}"
     if not index:
         plan.add(reads, [(name, TensorInfo(shape, dtype))], build)

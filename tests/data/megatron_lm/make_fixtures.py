@@ -6,6 +6,12 @@ less the entries left out and with the kept items' new offsets.
 
     python tests/data/megatron_lm/make_fixtures.py /work/wt/megatron_artifacts
 
+``moe/`` (``--moe ARTIFACTS``): the same, from the runs of the same model with four
+SequentialMLP experts, top-2 (``scripts/megatron_lm_llama_checkpoints.sh OUT --num-experts 4
+--moe-router-topk 2``).
+
+    python tests/data/megatron_lm/make_fixtures.py --moe /work/wt/moe_artifacts/moe
+
 ``run_state/`` (``--run-state RUN``, RUN a directory holding a real ``ddp/`` and ``ours/`` save of
 the same model, data and seed, as tests/gpu/megatron_lm_convert_resume.sh makes): their
 iteration-3 run state alone, byte for byte (the RNG states, the optimizer's param groups and
@@ -50,6 +56,8 @@ def run_state(fqn: str) -> bool:
 def prune(source: str, target: str, keep=keep) -> None:
     metadata = FileSystemReader(source).read_metadata()  # our own artifact: trusted
     metadata.state_dict_metadata = {fqn: entry for fqn, entry in metadata.state_dict_metadata.items() if keep(fqn)}
+    if isinstance(metadata.planner_data, dict):  # fsdp_dtensor's: each item's path in the state dict
+        metadata.planner_data = {fqn: path for fqn, path in metadata.planner_data.items() if keep(fqn)}
     storage = {}
     os.makedirs(target)
     with open(os.path.join(target, "__0_0.distcp"), "wb") as out:
@@ -69,16 +77,16 @@ def prune(source: str, target: str, keep=keep) -> None:
             shutil.copy(os.path.join(source, extra), target)
 
 
-def main(artifacts: str) -> None:
+def main(artifacts: str, into: str = HERE) -> None:
     for name, fixture in CHECKPOINTS.items():
-        target = os.path.join(HERE, fixture)
+        target = os.path.join(into, fixture)
         shutil.rmtree(target, ignore_errors=True)
         os.makedirs(target)
         shutil.copy(os.path.join(artifacts, name, "latest_checkpointed_iteration.txt"), target)
         prune(os.path.join(artifacts, name, "iter_0000004"), os.path.join(target, "iter_0000004"))
     first, second = (torch.load(os.path.join(artifacts, f"logits_{name}.pt")) for name in CHECKPOINTS)
     assert torch.equal(first["logits"], second["logits"]), "both checkpoints' Megatron-LM logits should agree"
-    torch.save(first, os.path.join(HERE, "megatron_logits.pt"))
+    torch.save(first, os.path.join(into, "megatron_logits.pt"))
 
 
 def main_run_state(run: str) -> None:
@@ -89,4 +97,9 @@ def main_run_state(run: str) -> None:
 
 
 if __name__ == "__main__":
-    main_run_state(sys.argv[2]) if sys.argv[1] == "--run-state" else main(sys.argv[1])
+    if sys.argv[1] == "--run-state":
+        main_run_state(sys.argv[2])
+    elif sys.argv[1] == "--moe":
+        main(sys.argv[2], os.path.join(HERE, "moe"))
+    else:
+        main(sys.argv[1])
