@@ -14,20 +14,29 @@
 # iteration carried; Adam restarts alike in both).
 #
 # Needs CUDA, megatron-core on PYTHONPATH with this repo (built), and MEGATRON_LM_DIR (Megatron-LM's
-# pretrain_gpt.py of the matching tag). Usage: MEGATRON_LM_DIR=... tests/gpu/megatron_lm_convert_resume.sh [WORKDIR]
+# pretrain_gpt.py of the matching tag). Usage:
+#   MEGATRON_LM_DIR=... tests/gpu/megatron_lm_convert_resume.sh [WORKDIR [MODEL FLAGS...]]
+# MODEL FLAGS are added to the tiny Llama's (e.g. `--num-experts 4 --moe-router-topk 2`). With
+# experts, DDP saves its optimizer state model-space (--dist-ckpt-optim-fully-reshardable): the
+# converter places megatron-core's flat DDP buckets for dense models only; and the entry-for-entry
+# check, written for the dense model's entries, is left out.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 MLM=${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to the Megatron-LM checkout}
 W=${1:-/tmp/convert_resume}
+shift || true
 rm -rf "$W" && mkdir -p "$W"
 source "$REPO/scripts/megatron_lm_tiny_llama.sh"
+model+=("$@")
 training=(--micro-batch-size 2 --global-batch-size 8 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
           --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --mock-data
           --attention-dropout 0 --hidden-dropout 0 --no-gradient-accumulation-fusion
           --log-interval 1 --eval-iters 0 --eval-interval 1000 --train-iters 6 --save-interval 3)
 ddp=(--use-distributed-optimizer --ckpt-format torch_dist)
 ours=(--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy optim_grads_params)
+dense=1
+if [[ " ${model[*]} " == *" --num-experts "* ]]; then dense=0; ddp+=(--dist-ckpt-optim-fully-reshardable); fi
 run() {  # run NAME PORT ARGS...: one torchrun over one GPU, its log in $W/NAME.log
   local name=$1 port=$2; shift 2
   timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 --master-port "$port" "$@" > "$W/$name.log" 2>&1
@@ -72,13 +81,15 @@ cd "$REPO" || exit 1
 python3 -m megatron_fsdp.convert "$W/ours" "$W/ours_as_torch_dist" --to torch_dist --step 3 > "$W/convert_ours.log" 2>&1 || { echo "FAIL convert ours"; tail "$W/convert_ours.log"; exit 1; }
 python3 -m megatron_fsdp.convert "$W/ddp" "$W/ddp_as_fsdp_dtensor" --to fsdp_dtensor --step 3 > "$W/convert_ddp.log" 2>&1 || { echo "FAIL convert ddp"; tail "$W/convert_ddp.log"; exit 1; }
 cat "$W"/ours_as_torch_dist/latest_checkpointed_iteration.txt "$W"/ddp_as_fsdp_dtensor/latest_checkpointed_iteration.txt; echo " <- converted iterations (want 3 3)"
-# Entry for entry against the other package's own iteration-3 checkpoint.
-if MEGATRON_LM_RUN=$W python3 -m pytest -q -rs -p no:cacheprovider tests/test_convert_megatron.py -k real_checkpoints > "$W/entries.log" 2>&1; then
+# Entry for entry against the other package's own iteration-3 checkpoint (the dense model's).
+if [ $dense = 0 ]; then
+  echo "entries: not compared (a model with experts)"
+elif MEGATRON_LM_RUN=$W python3 -m pytest -q -rs -p no:cacheprovider tests/test_convert_megatron.py -k real_checkpoints > "$W/entries.log" 2>&1; then
   echo "PASS entries (or skipped: see below)"
 else
   echo "FAIL entries"; failed=1
 fi
-tail -4 "$W/entries.log"
+[ -f "$W/entries.log" ] && tail -4 "$W/entries.log"
 
 run_ours ours_from_ddp 29612 --load "$W/ddp_as_fsdp_dtensor" --save "$W/s_ours_from_ddp" &
 # DDP's own save directory as of iteration 3 (its latest is 6; Megatron-LM loads the latest)
