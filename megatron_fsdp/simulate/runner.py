@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.simulate.compute import ComputeLog
 from megatron_fsdp.simulate.doors import OPTIMIZERS, ShardedRank, check_door, shard
 from megatron_fsdp.simulate.inventory import bucket_rows, categories, model_states
 from megatron_fsdp.simulate.memory import POOL_LABEL, AllocationLog
@@ -107,8 +108,8 @@ def simulate_rank(
     started = time.perf_counter()
     with fake_world(rank, mesh.world_size):
         device_mesh = build_mesh(mesh)
-        memory, traffic = AllocationLog(), CollectiveLog()
-        observer = StepObserver(memory, traffic)
+        memory, traffic, compute = AllocationLog(), CollectiveLog(), ComputeLog()
+        observer = StepObserver(memory, traffic, compute)
         meta_model = build_model()  # before the modes: meta tensors, nothing to log
         if mesh.ep > 1:
             keep_local_experts(meta_model, mesh.ep)
@@ -135,6 +136,7 @@ def simulate_rank(
                 peak_breakdown=_breakdown(at_peak, memory, named),
                 pool_peak=sharded.pool.high_water_mark(),
                 wrap_peak=memory.peak("wrap"), collectives=traffic.collectives, buckets=bucket_rows(sharded.units),
+                compute=compute.segments,
                 seconds=time.perf_counter() - started,
             )
             del sharded
