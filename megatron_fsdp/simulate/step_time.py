@@ -14,10 +14,10 @@ The rules, one GPU's two streams:
 - collectives run one at a time in issue order on a communication stream (NCCL's kernels share
   the links, so two at once would each go at half speed), each starting once the compute issued
   before it has ended (CUDA's stream order: a reduce-scatter waits for the backward that made its
-  gradients) or, for a collective some segment reads (a weight all-gather), once the segment
-  before its reader has *started*: the engine's one-unit-ahead prefetch, as every step after the
-  first issues it (unit ``i+1``'s gather under unit ``i``'s compute). What no compute hides is
-  exposed: the first gathers, the last reduce-scatters, HSDP's all-reduces after the last backward;
+  gradients) or, for an all-gather of weights a later segment reads, once the segment before its
+  reader has *started*: the engine's one-unit-ahead prefetch, as every step after the first
+  issues it (unit ``i+1``'s gather under unit ``i``'s compute). What no compute hides is exposed:
+  the first gathers, the last reduce-scatters, HSDP's all-reduces after the last backward;
 - the optimizer step starts after every collective of forward and backward has landed (the
   engine finishes its reductions first) and takes ``optimizer_bytes / hbm_bytes_per_s``: AdamW is
   bound by memory, not FLOPs; the optimizer step's own collectives (ZeRO-1/2's gathers of the
@@ -140,6 +140,8 @@ class _Event:
     seconds: float
     collective: int | None = None
     needs: int | None = None  # a compute segment: the position of the collective it reads
+    prefetchable: bool = False  # a collective: a gather of weights, which the engine issues a unit early
+    optimizer: bool = False
     start: float = 0.0
     end: float = 0.0
 
@@ -156,20 +158,22 @@ def _timeline(collectives: Sequence[Collective], compute: Sequence[ComputeSegmen
         if segment.phase in TIMED_PHASES:
             segments.setdefault(segment.after, []).append(_Event(segment.flops / flops_per_s, needs=segment.needs))
     before_optimizer = max((i for i in timed if i < optimizer_at), default=None)
-    segments.setdefault(optimizer_at, []).insert(0, _Event(optimizer_seconds, needs=before_optimizer))
+    segments.setdefault(optimizer_at, []).insert(0, _Event(optimizer_seconds, needs=before_optimizer, optimizer=True))
     events: list[_Event] = []
     for position in range(len(collectives) + 1):
         events += segments.get(position, [])
         if position < len(collectives) and collectives[position].phase in TIMED_PHASES:
             c = collectives[position]
             seconds = collective_seconds(c.op, c.message_bytes, c.group_size, cluster, c.group_ranks)
-            events.append(_Event(seconds, collective=position))
+            prefetchable = c.op == "all_gather" and c.phase != OPTIMIZER_PHASE
+            events.append(_Event(seconds, collective=position, prefetchable=prefetchable))
     return events
 
 
 def _earliest_sources(events: list[_Event]) -> dict[int, tuple[_Event | None, _Event | None]]:
-    """For each collective's event index: (the compute segment issued last before it, and, if a
-    later segment reads it, the segment issued just before that reader: the prefetch point)."""
+    """For each collective's event index: (the compute segment issued last before it, and, for a
+    gather of weights a later segment reads, the segment issued just before that reader: the
+    prefetch point)."""
     sources = {}
     last_compute: _Event | None = None
     for index, event in enumerate(events):
@@ -177,8 +181,8 @@ def _earliest_sources(events: list[_Event]) -> dict[int, tuple[_Event | None, _E
             last_compute = event
             continue
         previous, prefetch_point = last_compute, None
-        for later in events[index + 1:]:
-            if later.collective is None:
+        for later in events[index + 1:] if event.prefetchable else ():
+            if later.collective is None and not later.optimizer:
                 if later.needs == event.collective:
                     prefetch_point = previous
                     break
