@@ -126,9 +126,10 @@ def draw(found: list[dict], images: Path = IMAGES) -> list[Path]:
             axis.set_title(f"{preset}, 1 x {SEQ_LEN} tokens a GPU")
             axis.set_xlabel("GPUs")
             axis.set_ylabel(label)
-            axis.set_ylim(bottom=0)
+            # Headroom above the curves for the legend.
+            axis.set_ylim(0, 1.35 * max(p[key] for p in found if p["model"] == preset))
             axis.grid(True, alpha=0.3)
-            axis.legend(fontsize=8)
+            axis.legend(fontsize=8, loc="upper left")
         figure.suptitle("megatron_fsdp step-time model: 8-GPU H200 nodes, 8 x 400 Gb/s IB, 510 TFLOP/s a GPU")
         figure.tight_layout()
         images.mkdir(parents=True, exist_ok=True)
