@@ -16,8 +16,8 @@ as JSON (benchmarks/results/2026-12-02_scaling_plot_points.json). Each rank: bat
 tokens, bf16 weights, fp32 main weights, bf16 gradients and communication, AdamW, no activation
 checkpointing (a time model: whether the activations fit is not asked). Layouts: ZeRO-3 over
 every rank, and HSDP with the smallest shard group of 8, 64 or 512 ranks that holds the model
-states in half an H200 (8B: 8, 70B: 64, 405B: 512). 36 simulated ranks of 3 and 4 layers: about
-2 minutes of CPU time (more on a busy machine).
+states in half an H200 (8B: 8, 70B: 64, 405B: 512). 36 simulated ranks of 3 and 4 layers: 161 s of
+CPU time (36 minutes of wall time on a 2-core machine shared with other jobs).
 
 FSDP2's curve: :func:`points` takes ``fsdp2_schedule``, a function of (model preset, world size,
 dp_outer, layers) returning torch FSDP2's step as the simulator's records (collectives, compute

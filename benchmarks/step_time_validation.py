@@ -9,7 +9,8 @@ CPU, its step predicted, and the prediction set beside the row's median step tim
 Calibration: one rate per GPU, model shape, batch and compilation, fitted from that setting's
 world-1 row (no communication there: the rate is the row's model FLOPs over its step less the
 optimizer's memory time). Rows at worlds 2 and 4 are predictions from it; nothing is fitted to
-them. About 3 minutes of CPU time (17 simulated ranks).
+them. 192 s of CPU time (17 simulated ranks; 41 minutes of wall time on a 2-core machine shared with
+other jobs).
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def markdown(table: list[dict]) -> str:
         role = f"fits {r['tflops']:.0f} TFLOP/s" if r["role"] == "calibration" else f"{r['error']:+.1%}"
         lines.append(f"| {name} (`{r['file']}`) | {r['world']} x {r['gpu']} | {r['layers']} layers, "
                      f"{r['micro_batch']} x {r['seq_len']} | {r['measured_s'] * 1e3:.1f} ms | "
-                     f"{r['predicted_s'] * 1e3:.1f} ms | {role} | {r['exposed_communication_s'] * 1e3:.1f} ms |")
+                     f"{r['predicted_s'] * 1e3:.1f} ms | {role} | {max(r['exposed_communication_s'], 0.0) * 1e3:.1f} ms |")
     return "\n".join(lines)
 
 
