@@ -290,7 +290,7 @@ def test_a_pipeline_rank_holds_its_stage_as_planned_and_sends_what_the_formula_s
 def test_the_command_prints_each_sampled_rank_beside_its_plan(capsys) -> None:
     main(["--model", "examples/gpt_model.py:gpt", "--model-kwargs", '{"layers": 2, "vocab_size": 1001}',
           "--units", "TransformerBlock", "--world-size", "512", "--ranks", "first,largest,last", "--seq-len", "32",
-          "--json"])
+          "--json", "--step-time"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     ranks = [row["rank"] for row in rows]
     assert ranks[0] == 0 and ranks[-1] == 511 and len(ranks) in (2, 3)  # the largest may be one of them
@@ -298,6 +298,14 @@ def test_the_command_prints_each_sampled_rank_beside_its_plan(capsys) -> None:
         assert row["model_state_bytes"] == row["planned_model_state_bytes"] > 0
         assert row["sent_per_step"] == sum(sent_bytes(c["op"], c["message_bytes"], c["group_size"]) * c["count"]
                                            for c in row["collectives"])
+        # Every collective spans the 512 ranks (64 nodes): NCCL's ring latency alone is 8.4 us + 448
+        # NVLink steps of 3.4 us + 63 network steps of 9.6 us = 2.1364 ms each; one link runs them
+        # one after another, so the step lasts at least their sum.
+        timed = row["step_time"]
+        collectives = sum(c["count"] for c in row["collectives"])
+        assert timed["communication_s"] >= collectives * 2.1364e-3
+        assert timed["seconds"] >= max(timed["communication_s"], timed["compute_s"] + timed["optimizer_s"])
+        assert timed["tokens_per_s_per_gpu"] == pytest.approx(32 / timed["seconds"])
 
 
 LLAMA_8B_ONE_LAYER = ["--hf", "llama3-8b", "--layers", "1"]

@@ -4,11 +4,13 @@ allocates, the collectives it issues and its buckets' layout (docs/scaling.md).
 
 ``simulate_rank(build_model, MeshSizes(world_size, dp_outer=, tp=, cp=, pp=, ep=), rank, ...)`` returns a
 :class:`RankReport`; ``python -m megatron_fsdp.simulate`` prints one per rank asked for
-(command.py). No GPU and no real weights: every tensor is fake.
+(command.py). No GPU and no real weights: every tensor is fake. ``predict_step_time`` times a
+report's step on a :class:`Cluster` (step_time.py).
 """
 
 from megatron_fsdp.simulate.report import RankReport
 from megatron_fsdp.simulate.runner import simulate_rank
+from megatron_fsdp.simulate.step_time import Cluster, StepTime, optimizer_bytes, predict_step_time
 from megatron_fsdp.simulate.world import MeshSizes
 
-__all__ = ["MeshSizes", "RankReport", "simulate_rank"]
+__all__ = ["Cluster", "MeshSizes", "RankReport", "StepTime", "optimizer_bytes", "predict_step_time", "simulate_rank"]

@@ -6,6 +6,7 @@ buckets' layout, and plan_memory's model states beside the simulated ones.
     python -m megatron_fsdp.simulate --hf llama3-70b --world-size 512 --tp 8 --ranks first,largest
     python -m megatron_fsdp.simulate --model examples/gpt_model.py:gpt --units TransformerBlock --world-size 64
     python -m megatron_fsdp.simulate --hf llama3-405b --layers 8 --world-size 512 --tp 8 --pp 8 --door fsdp2
+    python -m megatron_fsdp.simulate --hf llama3-8b --world-size 512 --ranks first --step-time --nic-gbps 25
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from megatron_fsdp.plan_memory.meta_models import PRESETS
 from megatron_fsdp.simulate.models import LLAMA_TP_PLAN, ModelSource, hugging_face, python_callable
 from megatron_fsdp.simulate.doors import DOORS, OPTIMIZERS, check_door, planned_as
 from megatron_fsdp.simulate.runner import simulate_rank
+from megatron_fsdp.simulate.step_time import Cluster, optimizer_bytes, predict_step_time
 from megatron_fsdp.simulate.world import MeshSizes
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,7 +76,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="sequences per rank in the step (default 1; under --pp one a micro-batch)")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--json", action="store_true", help="one JSON object per rank")
+    timing = parser.add_argument_group(
+        "step time", "--step-time predicts each rank's step on a GPU cluster (docs/scaling.md, \"Step time\"): its "
+        "compute at a measured rate, its collectives at NCCL bus bandwidths and ring latencies, overlapped as the "
+        "schedule issues them; defaults: 8-GPU H200 SXM nodes with one 400 Gb/s NIC a GPU")
+    timing.add_argument("--step-time", action="store_true", help="predict each rank's step time")
+    timing.add_argument("--tflops", type=float, default=Cluster.achieved_tflops,
+                        help="model TFLOP/s a GPU sustains (default: fitted from our 1 x H200 8B row)")
+    timing.add_argument("--hbm-gbps", type=float, default=Cluster.hbm_bytes_per_s / 1e9,
+                        help="device memory GB/s a streaming kernel reaches (the optimizer step's)")
+    timing.add_argument("--gpus-per-node", type=int, default=Cluster.gpus_per_node)
+    timing.add_argument("--intra-node-gbps", type=float, default=Cluster.intra_node_bus_bytes_per_s / 1e9,
+                        help="NCCL bus bandwidth within a node, GB/s (NVLink 4: 450)")
+    timing.add_argument("--nic-gbps", type=float, default=Cluster.nic_bytes_per_s / 1e9,
+                        help="network GB/s of one GPU's NIC across nodes (400 Gb/s InfiniBand: 50)")
     return parser.parse_args(argv)
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    return Cluster(achieved_tflops=args.tflops, hbm_bytes_per_s=args.hbm_gbps * 1e9, gpus_per_node=args.gpus_per_node,
+                   intra_node_bus_bytes_per_s=args.intra_node_gbps * 1e9, nic_bytes_per_s=args.nic_gbps * 1e9)
+
+
+def _step_time(report, args: argparse.Namespace, cluster: Cluster) -> dict:
+    step = predict_step_time(report.collectives, report.compute, optimizer_bytes(report.model_states), cluster)
+    tokens_per_gpu = args.batch_size * args.seq_len / report.mesh.tp
+    return {"seconds": step.seconds, "compute_s": step.compute, "optimizer_s": step.optimizer,
+            "communication_s": step.communication, "exposed_communication_s": step.exposed_communication,
+            "tokens_per_s_per_gpu": tokens_per_gpu / step.seconds}
+
+
+def _step_time_line(timed: dict) -> str:
+    return (f"step time: {timed['seconds'] * 1e3:.1f} ms predicted (compute {timed['compute_s'] * 1e3:.1f} ms, optimizer "
+            f"{timed['optimizer_s'] * 1e3:.1f} ms, collectives {timed['communication_s'] * 1e3:.1f} ms of which "
+            f"{timed['exposed_communication_s'] * 1e3:.1f} ms exposed); {timed['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
 
 
 def _source(args: argparse.Namespace) -> ModelSource:
@@ -102,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         mesh = MeshSizes(args.world_size, dp_outer=args.dp_outer, tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp)
         source = _source(args)
+        cluster = _cluster(args) if args.step_time else None
     except ValueError as error:
         raise SystemExit(f"error: {error}") from error
     tp_plan = args.tensor_parallel_plan or (LLAMA_TP_PLAN if args.tp > 1 else None)
@@ -138,16 +174,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         report = simulate_rank(source.build, mesh, rank, optimizer=args.optimizer, tensor_parallel_plan=tp_plan,
                                batch_size=args.batch_size, seq_len=args.seq_len, door=args.door,
                                mixed_precision_policy=policy, micro_batches=micro_batches, **options, **pipeline)
+        row = report.to_dict()
+        timed = _step_time(report, args, cluster) if cluster is not None else None
+        if timed is not None:
+            row["step_time"] = timed
         if args.door != "whole_model" and mesh.pp == 1:  # plan_memory plans FSDP2's buckets for pipeline stages only
-            print(json.dumps(report.to_dict()) if args.json else f"{report}\n")
+            print(json.dumps(row) if args.json else f"{report}" + (f"\n{_step_time_line(timed)}" if timed else "") + "\n")
             continue
         planned = plan.for_rank(rank)
         planned_states = planned.device_model_states + planned.host_model_states
         if args.json:
-            print(json.dumps(report.to_dict() | {"planned_model_state_bytes": planned_states}))
+            print(json.dumps(row | {"planned_model_state_bytes": planned_states}))
             continue
         difference = report.model_state_bytes - planned_states
         verdict = "equal" if difference == 0 else f"DIFFERS by {difference}"
         print(report)
+        if timed is not None:
+            print(_step_time_line(timed))
         print(f"plan_memory's model states for rank {rank}: {planned_states} bytes, simulated "
               f"{report.model_state_bytes}: {verdict}\n")

@@ -1,6 +1,6 @@
 """The one dispatch mode of a simulation: sits above ``FakeTensorMode``, runs each op and shows
-it with its result to the allocation log and the collective log. One mode for both, since every
-mode on the stack costs each op a round through Python."""
+it with its result to the allocation log, the collective log and the compute log. One mode for
+all, since every mode on the stack costs each op a round through Python."""
 
 from __future__ import annotations
 
@@ -9,28 +9,32 @@ from contextlib import contextmanager
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_fsdp.simulate.compute import ComputeLog
 from megatron_fsdp.simulate.memory import AllocationLog
 from megatron_fsdp.simulate.traffic import CollectiveLog
 
 
 class StepObserver(TorchDispatchMode):
-    """Shows every op to ``memory`` and ``traffic``; ``start_phase`` names what runs next."""
+    """Shows every op to ``memory``, ``traffic`` and ``compute``; ``start_phase`` names what runs next."""
 
-    def __init__(self, memory: AllocationLog, traffic: CollectiveLog) -> None:
+    def __init__(self, memory: AllocationLog, traffic: CollectiveLog, compute: ComputeLog) -> None:
         super().__init__()
         self.memory = memory
         self.traffic = traffic
+        self.compute = compute
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.memory.observe(func, args, kwargs, out)
         self.traffic.observe(func, args, kwargs, out)
+        self.compute.observe(func, args, kwargs, out)
         return out
 
     def start_phase(self, phase: str) -> None:
         self.memory.start_phase(phase)
         self.traffic.phase = phase
+        self.compute.start_phase(phase)
 
     @contextmanager
     def observing(self) -> Iterator[StepObserver]:

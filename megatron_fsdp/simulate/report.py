@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from megatron_fsdp.simulate.compute import ComputeSegment
 from megatron_fsdp.simulate.inventory import BucketRow
 from megatron_fsdp.simulate.traffic import Collective
 from megatron_fsdp.simulate.world import MeshSizes
@@ -30,7 +31,8 @@ class RankReport:
     gradient buffers by role, the rest activations and temporaries); ``pool_peak``: the bucket
     pool's high-water mark; ``wrap_peak``: the most live during ``fully_shard`` (the unsharded
     model included: it is built whole, as fake tensors, before the wrap); ``collectives``: every
-    collective issued, in order; ``buckets``: the layout."""
+    collective issued, in order; ``buckets``: the layout; ``compute``: the compute between the
+    collectives, its model FLOPs and the collective each piece waits for (compute.py)."""
 
     rank: int
     mesh: MeshSizes
@@ -45,6 +47,7 @@ class RankReport:
     collectives: list[Collective] = field(repr=False)
     buckets: list[BucketRow] = field(repr=False)
     seconds: float = 0.0
+    compute: list[ComputeSegment] = field(default_factory=list, repr=False)
 
     @property
     def model_state_bytes(self) -> int:

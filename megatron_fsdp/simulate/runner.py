@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.simulate.compute import ComputeLog
 from megatron_fsdp.simulate.doors import OPTIMIZERS, TP_STYLES, ShardedRank, apply_tensor_parallel, check_door, shard
 from megatron_fsdp.simulate.inventory import bucket_rows, categories, model_states
 from megatron_fsdp.simulate.memory import POOL_LABEL, AllocationLog
@@ -124,8 +125,8 @@ def simulate_rank(
     started = time.perf_counter()
     with fake_world(rank, mesh.world_size):
         device_mesh = build_mesh(mesh)
-        memory, traffic = AllocationLog(), CollectiveLog()
-        observer = StepObserver(memory, traffic)
+        memory, traffic, compute = AllocationLog(), CollectiveLog(), ComputeLog()
+        observer = StepObserver(memory, traffic, compute)
         # Built before the modes: meta tensors, nothing to log.
         if spec is not None:
             stages = stage_modules(build_model, fsdp_unit_modules, spec, mesh.pp_rank(rank))
@@ -153,7 +154,7 @@ def simulate_rank(
         with FakeTensorMode(allow_non_fake_inputs=True), observer.observing():
             sharded = run()
             report = _report(rank, mesh, door, zero_dp_strategy, outer_dp_sharding_strategy, sharded, memory, traffic,
-                             started)
+                             compute, started)
             del sharded, run
     return report
 
@@ -203,7 +204,7 @@ def _pipeline_spec(mesh: MeshSizes, schedule: str, micro_batches: int | None, vi
 
 
 def _report(rank: int, mesh: MeshSizes, door: str, strategy: str, outer_strategy: str, sharded: ShardedRank,
-            memory: AllocationLog, traffic: CollectiveLog, started: float) -> RankReport:
+            memory: AllocationLog, traffic: CollectiveLog, compute: ComputeLog, started: float) -> RankReport:
     """What the rank holds after the step (model states by category), its peak and collectives."""
     gc.collect()
     named = categories(sharded.units, sharded.module, sharded.optimizer)
@@ -214,7 +215,7 @@ def _report(rank: int, mesh: MeshSizes, door: str, strategy: str, outer_strategy
         peak_breakdown=_breakdown(at_peak, memory, named),
         pool_peak=sharded.pool.high_water_mark(),
         wrap_peak=memory.peak("wrap"), collectives=traffic.collectives, buckets=bucket_rows(sharded.units),
-        seconds=time.perf_counter() - started,
+        compute=compute.segments, seconds=time.perf_counter() - started,
     )
 
 

@@ -26,7 +26,9 @@ from megatron_fsdp.simulate.memory import COLLECTIVE_NAMESPACES
 class Collective:
     """One collective as issued: ``op`` (all_gather, reduce_scatter, all_reduce, all_to_all,
     broadcast, ...), the phase of the step, its group's size, the dtype and the message bytes
-    (all-gather: the gathered output; reduce-scatter: the full input; others: the tensor)."""
+    (all-gather: the gathered output; reduce-scatter: the full input; others: the tensor);
+    ``group_ranks``: the group's global ranks (None: not known), which tell the step-time model
+    how many nodes the group spans."""
 
     phase: str
     op: str
@@ -34,6 +36,7 @@ class Collective:
     dtype: torch.dtype
     message_bytes: int
     sent_bytes: int
+    group_ranks: tuple[int, ...] | None = None
 
 
 # The dispatcher's name of each collective -> (our name, which tensor argument is the message).
@@ -73,19 +76,24 @@ def sent_bytes(op: str, message_bytes: int, group_size: int) -> int:
     return message_bytes  # broadcast, send
 
 
-def _group_size(args: tuple, kwargs: dict) -> int:
+def is_collective(func) -> bool:
+    """Whether a dispatched op is one of torch.distributed's collectives."""
+    return func.namespace in COLLECTIVE_NAMESPACES and func._opname in _OPS
+
+
+def _process_group(args: tuple, kwargs: dict) -> dist.ProcessGroup:
     for arg in tree_flatten((args, kwargs))[0]:
         if isinstance(arg, dist.ProcessGroup):
-            return arg.size()
+            return arg
         if isinstance(arg, torch.ScriptObject):  # the dispatcher's boxed ProcessGroup (or Work, ReduceOp)
             try:
-                return dist.ProcessGroup.unbox(arg).size()
+                return dist.ProcessGroup.unbox(arg)
             except RuntimeError:
                 continue
     for arg in tree_flatten((args, kwargs))[0]:
         if isinstance(arg, str):  # a functional collective names its group
             try:
-                return dist.get_world_size(dist.distributed_c10d._resolve_process_group(arg))
+                return dist.distributed_c10d._resolve_process_group(arg)
             except (RuntimeError, ValueError):
                 continue
     raise RuntimeError("a collective without a process group")
@@ -102,14 +110,19 @@ class CollectiveLog:
     def __init__(self) -> None:
         self.phase = "setup"
         self.collectives: list[Collective] = []
+        self._ranks: dict[str, tuple[int, ...]] = {}  # group name -> its global ranks, one tuple a group
 
     def observe(self, func, args: tuple, kwargs: dict, out) -> None:
         """After ``func(*args, **kwargs)`` returned ``out``: records it if it is a collective."""
-        if func.namespace not in COLLECTIVE_NAMESPACES or func._opname not in _OPS:
+        if not is_collective(func):
             return
         op, position = _OPS[func._opname]
-        size = _group_size(args, kwargs)
+        group = _process_group(args, kwargs)
+        size = group.size()
+        ranks = self._ranks.get(group.group_name)
+        if ranks is None:
+            ranks = self._ranks[group.group_name] = tuple(dist.get_process_group_ranks(group))
         tensors = _message(args, out, position)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         dtype = tensors[0].dtype if tensors else torch.uint8
-        self.collectives.append(Collective(self.phase, op, size, dtype, nbytes, sent_bytes(op, nbytes, size)))
+        self.collectives.append(Collective(self.phase, op, size, dtype, nbytes, sent_bytes(op, nbytes, size), ranks))

@@ -1,0 +1,110 @@
+"""The step-time model (megatron_fsdp/simulate/step_time.py, compute.py): its collective times
+and overlap rule against numbers worked by hand, the simulator's FLOP count against
+examples/gpt_model.py's formula (the one benchmarks/step_time.py reports TFLOP/s by), and its
+predictions against our measured steps in benchmarks/results (benchmarks/step_time_validation.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from megatron_fsdp.simulate import MeshSizes, simulate_rank
+from megatron_fsdp.simulate.compute import ComputeSegment
+from megatron_fsdp.simulate.step_time import Cluster, collective_seconds, optimizer_bytes, predict_step_time
+from megatron_fsdp.simulate.traffic import Collective
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import step_time_validation as validation  # noqa: E402
+from gpt_model import GPTConfig, TransformerBlock, gpt, training_flops_per_token  # noqa: E402
+
+US = 1e-6
+
+
+@pytest.mark.parametrize("op, message_bytes, ranks, expected", [
+    # 8 ranks of one node: 8.4 us + 7 NVLink steps of 3.4 us; 1 GB x 7/8 at 450 GB/s.
+    ("all_gather", 10**9, tuple(range(8)), 32.2 * US + 1.9444444444e-3),
+    # 16 ranks over two full nodes: 14 NVLink steps and one network step; 8 NICs of 50 GB/s a node (400 < 450).
+    ("reduce_scatter", 10**9, tuple(range(16)), (8.4 + 14 * 3.4 + 9.6) * US + 2.34375e-3),
+    # HSDP's replicas, one rank a node: 2 x 3 network steps; 2 x 3/4 of 100 MB through one 50 GB/s NIC.
+    ("all_reduce", 10**8, (0, 8, 16, 24), (8.4 + 6 * 9.6) * US + 3e-3),
+    ("all_gather", 10**9, (5,), 0.0),  # a group of one moves nothing
+])
+def test_a_collective_takes_nccls_ring_latency_plus_its_bus_bytes_over_the_bus_bandwidth(op, message_bytes, ranks,
+                                                                                      expected) -> None:
+    seconds = collective_seconds(op, message_bytes, len(ranks), Cluster(), ranks)
+    assert seconds == pytest.approx(expected, rel=1e-9)
+
+
+def _collective(phase: str, op: str) -> Collective:
+    # 2e6 bytes over 2 ranks at 1e9 B/s without latency: 1 ms.
+    return Collective(phase, op, 2, torch.bfloat16, 2 * 10**6, 10**6, (0, 1))
+
+
+def test_gathers_prefetch_under_the_unit_before_and_what_nothing_hides_is_exposed() -> None:
+    """Two units. Forward: gather 0 (c0), unit 0 (2 ms), gather 1 (c1), unit 1; backward: unit 1,
+    reduce-scatter 1 (c2), unit 0, reduce-scatter 0 (c3); then a 1 ms optimizer step. By hand
+    (ms): c0 0-1, exposed; unit 0 1-3; c1 may start when unit 0 starts (the prefetch) but the link
+    is busy until 1: 1-2, hidden; unit 1 3-5, backward unit 1 5-7; c2 waits for the backward that
+    made its gradients: 7-8, under backward unit 0 7-9; c3 9-10, exposed; the optimizer waits for
+    every reduction: 10-11."""
+    collectives = [_collective("forward", "all_gather"), _collective("forward", "all_gather"),
+                   _collective("backward", "reduce_scatter"), _collective("backward", "reduce_scatter")]
+    compute = [ComputeSegment("forward", 1, 2 * 10**6, needs=0), ComputeSegment("forward", 2, 2 * 10**6, needs=1),
+               ComputeSegment("backward", 2, 2 * 10**6, needs=1), ComputeSegment("backward", 3, 2 * 10**6, needs=0)]
+    cluster = Cluster(achieved_tflops=1e-3, hbm_bytes_per_s=1e9, intra_node_bus_bytes_per_s=1e9, base_latency_s=0.0,
+                      intra_node_step_latency_s=0.0)
+    step = predict_step_time(collectives, compute, 10**6, cluster)
+    assert (step.seconds, step.compute, step.optimizer, step.communication) == pytest.approx((11e-3, 8e-3, 1e-3, 4e-3))
+    assert step.exposed_communication == pytest.approx(2e-3)
+    # Unit 1 reading gather 0 instead (no gather ahead of it to wait for): gather 1 still runs, but
+    # hides under unit 0 and nothing waits for it until the optimizer step.
+    compute[1] = ComputeSegment("forward", 2, 2 * 10**6, needs=0)
+    assert predict_step_time(collectives, compute, 10**6, cluster).seconds == pytest.approx(11e-3)
+
+
+def test_adam_streams_its_states_once_each_way_and_the_gradients_once() -> None:
+    states = {"main weights": 4, "optimizer state": 8, "main grads": 2, "compute weights": 1, "bookkeeping": 100}
+    assert optimizer_bytes(states) == 2 * (4 + 8) + 2 + 1
+
+
+def test_the_simulated_step_counts_the_benchmarks_model_flops_and_reads_each_layers_gather() -> None:
+    config = GPTConfig(vocab_size=512, seq_len=64, layers=3, hidden=64, heads=4, ffn=176)
+    batch = 2
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return gpt(**vars(config)).to(torch.bfloat16)
+
+    report = simulate_rank(build, MeshSizes(4), 3, fsdp_unit_modules=[TransformerBlock], batch_size=batch,
+                           seq_len=config.seq_len)
+    flops = sum(s.flops for s in report.compute if s.phase in ("forward", "backward"))
+    assert flops == training_flops_per_token(config, config.seq_len) * batch * config.seq_len
+    # Forward: each block's segment reads the all-gather issued just before it (the blocks' buckets,
+    # in order); backward: each block's reads a backward gather, the newest first.
+    blocks = [s for s in report.compute if s.phase == "forward"][:config.layers]
+    block_bytes = math.ceil(sum(p.numel() for p in TransformerBlock(config).parameters()) / (4 * 64)) * 4 * 64 * 2
+    for segment in blocks:
+        gather = report.collectives[segment.needs]
+        assert (gather.phase, gather.op, gather.message_bytes) == ("forward", "all_gather", block_bytes)
+        assert segment.needs == segment.after - 1
+    backward = [report.collectives[s.needs] for s in report.compute if s.phase == "backward"][1:]
+    assert [(c.phase, c.op) for c in backward] == [("backward", "all_gather")] * config.layers
+
+
+def test_predictions_at_worlds_2_and_4_are_within_15_percent_of_the_measured_steps() -> None:
+    """A 1.3B GPT at 4 x 2,048 tokens a GPU on H200s: the rate fitted from the world-1 row, then
+    the world-2 row and the world-4 HSDP row predicted from it (docs/scaling.md has every row)."""
+    calibration, rows = validation.GROUPS[1]
+    chosen = [row for row in rows if row.implementation == validation._OURS][:1] + [
+        row for row in rows if row.implementation.endswith("hsdp")]
+    table = validation.validation_table([(calibration, chosen)])
+    assert table[0]["predicted_s"] == pytest.approx(table[0]["measured_s"], rel=1e-9)  # the fit reproduces its row
+    assert [(r["world"], r["role"]) for r in table] == [(1, "calibration"), (2, "prediction"), (4, "prediction")]
+    for row in table[1:]:
+        assert abs(row["error"]) <= validation.TARGET_ERROR, row
