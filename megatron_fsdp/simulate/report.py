@@ -6,15 +6,34 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from megatron_fsdp.simulate.inventory import BucketRow
-from megatron_fsdp.simulate.traffic import Collective
+from megatron_fsdp.simulate.traffic import Collective, sent_in, step_collectives
 from megatron_fsdp.simulate.world import MeshSizes
 
 # The phases of the one training step simulated (the wrap before them is "wrap").
 STEP_PHASES = ("forward", "backward", "optimizer step")
 
 
-def _gib(nbytes: int) -> str:
+def gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.3f} GiB"
+
+
+def collective_lines(counts: Counter[tuple], sent: int) -> list[str]:
+    """The step's collectives as a table: ``counts`` from :func:`traffic.step_collectives`."""
+    lines = [f"collectives in the step: {gib(sent)} sent by this rank",
+             f"  {'op':<16}{'group':>6}{'dtype':>10}{'message bytes':>16}{'count':>7}"]
+    for (op, size, dtype, nbytes), count in sorted(counts.items()):
+        lines.append(f"  {op:<16}{size:>6}{dtype:>10}{nbytes:>16}{count:>7}")
+    return lines
+
+
+def bucket_lines(rows: list[BucketRow], title: str) -> list[str]:
+    """The buckets (or FSDP2's parameter groups) as a table, their padding summed."""
+    lines = [f"{title}: {len(rows)}, padding {sum(row.padding for row in rows)} elements in all",
+             f"  {'unit':<28}{'dtype':>10}{'params':>7}{'numel':>14}{'padded':>14}{'shard':>12}{'group':>6}"]
+    for row in rows:
+        lines.append(f"  {row.unit[:28]:<28}{row.dtype:>10}{row.params:>7}{row.numel:>14}{row.padded_numel:>14}"
+                     f"{row.shard_numel:>12}{row.group_size:>6}")
+    return lines
 
 
 @dataclass
@@ -50,14 +69,11 @@ class RankReport:
 
     def step_collectives(self) -> Counter[tuple]:
         """``(op, group size, dtype, message bytes) -> count`` over the training step."""
-        return Counter(
-            (c.op, c.group_size, str(c.dtype).removeprefix("torch."), c.message_bytes)
-            for c in self.collectives if c.phase in STEP_PHASES
-        )
+        return step_collectives(self.collectives, STEP_PHASES)
 
     def sent_per_step(self) -> int:
         """Bytes this rank sends in the step (ring algorithms; traffic.py's note)."""
-        return sum(c.sent_bytes for c in self.collectives if c.phase in STEP_PHASES)
+        return sent_in(self.collectives, STEP_PHASES)
 
     def to_dict(self) -> dict:
         return {
@@ -81,19 +97,11 @@ class RankReport:
             f"rank {self.rank} of {mesh.world_size} (dp_outer {mesh.dp_outer} x dp_shard {mesh.dp_shard} x tp {mesh.tp}), "
             f"{self.door} door, {self.strategy}" + (f", outer {self.outer_strategy}" if mesh.dp_outer > 1 else "")
             + f"; simulated in {self.seconds:.1f} s",
-            f"model states: {_gib(self.model_state_bytes)}",
+            f"model states: {gib(self.model_state_bytes)}",
         ]
-        lines += [f"  {kind:<28}{_gib(nbytes):>14}" for kind, nbytes in sorted(self.model_states.items())]
-        lines.append(f"step peak: {_gib(self.step_peak)} (bucket pool high-water mark {_gib(self.pool_peak)})")
-        lines += [f"  {kind:<28}{_gib(nbytes):>14}" for kind, nbytes in sorted(self.peak_breakdown.items())]
-        lines.append(f"collectives in the step: {_gib(self.sent_per_step())} sent by this rank")
-        lines.append(f"  {'op':<16}{'group':>6}{'dtype':>10}{'message bytes':>16}{'count':>7}")
-        for (op, size, dtype, nbytes), count in sorted(self.step_collectives().items()):
-            lines.append(f"  {op:<16}{size:>6}{dtype:>10}{nbytes:>16}{count:>7}")
-        padding = sum(row.padding for row in self.buckets)
-        lines.append(f"buckets: {len(self.buckets)}, padding {padding} elements in all")
-        lines.append(f"  {'unit':<28}{'dtype':>10}{'params':>7}{'numel':>14}{'padded':>14}{'shard':>12}{'group':>6}")
-        for row in self.buckets:
-            lines.append(f"  {row.unit[:28]:<28}{row.dtype:>10}{row.params:>7}{row.numel:>14}{row.padded_numel:>14}"
-                         f"{row.shard_numel:>12}{row.group_size:>6}")
+        lines += [f"  {kind:<28}{gib(nbytes):>14}" for kind, nbytes in sorted(self.model_states.items())]
+        lines.append(f"step peak: {gib(self.step_peak)} (bucket pool high-water mark {gib(self.pool_peak)})")
+        lines += [f"  {kind:<28}{gib(nbytes):>14}" for kind, nbytes in sorted(self.peak_breakdown.items())]
+        lines += collective_lines(self.step_collectives(), self.sent_per_step())
+        lines += bucket_lines(self.buckets, "buckets")
         return "\n".join(lines)

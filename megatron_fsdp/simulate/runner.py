@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
-def _check_choices(optimizer: str, tensor_parallel_plan: dict[str, str] | None, mesh: MeshSizes) -> None:
+def check_choices(optimizer: str, tensor_parallel_plan: dict[str, str] | None, mesh: MeshSizes) -> None:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r}: the simulator builds {', '.join(OPTIMIZERS)}")
     if mesh.tp > 1 and not tensor_parallel_plan:
@@ -69,7 +69,7 @@ def keep_local_experts(model: nn.Module, ep: int) -> None:
         raise ValueError(f"ep={ep}: the model has no module named 'experts' to deal out")
 
 
-def _vocab_size(module: nn.Module) -> int:
+def vocab_size(module: nn.Module) -> int:
     embedding = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None:
         raise ValueError("the model has no nn.Embedding to draw tokens for: pass loss_fn and build its inputs there")
@@ -102,7 +102,7 @@ def simulate_rank(
     keeps 1/ep of every ``experts`` module's experts (:func:`keep_local_experts`) and gives
     ``fully_shard`` the expert mesh. Returns what the rank allocated and sent (:class:`RankReport`);
     a layout the engine refuses raises its error."""
-    _check_choices(optimizer, tensor_parallel_plan, mesh)
+    check_choices(optimizer, tensor_parallel_plan, mesh)
     check_door(door, mesh, zero_dp_strategy, outer_dp_sharding_strategy)
     started = time.perf_counter()
     with fake_world(rank, mesh.world_size):
@@ -123,8 +123,8 @@ def simulate_rank(
         with FakeTensorMode(allow_non_fake_inputs=True), observer.observing():
             sharded = _wrap(meta_model, device_mesh, mesh, observer, door=door,
                             tensor_parallel_plan=tensor_parallel_plan, **shard_options)
-            tokens = torch.randint(0, _vocab_size(sharded.module), (batch_size, seq_len))
-            _step(sharded, tokens, loss_fn, observer)
+            tokens = torch.randint(0, vocab_size(sharded.module), (batch_size, seq_len))
+            run_step(sharded.model, sharded.optimizer, tokens, loss_fn, observer)
             del tokens
             gc.collect()
             named = categories(sharded.units, sharded.module, sharded.optimizer)
@@ -144,28 +144,42 @@ def simulate_rank(
 def _wrap(meta_model: nn.Module, device_mesh, mesh: MeshSizes, observer: StepObserver, *, door: str,
           tensor_parallel_plan: dict[str, str] | None, **shard_options) -> ShardedRank:
     observer.start_phase("model")
-    module = meta_model.to_empty(device="cpu")
-    if mesh.tp > 1:
-        styles = {pattern: _STYLES[style]() for pattern, style in tensor_parallel_plan.items()}
-        parallelize_module(module, device_mesh["tp"], styles)
+    module = materialize(meta_model, device_mesh, mesh, tensor_parallel_plan)
     observer.start_phase("wrap")
     sharded = shard(door, module, device_mesh, mesh, **shard_options)
     gc.collect()
     return sharded
 
 
-def _step(sharded: ShardedRank, tokens: torch.Tensor, loss_fn, observer: StepObserver) -> None:
+def materialize(meta_model: nn.Module, device_mesh, mesh: MeshSizes, tensor_parallel_plan: dict[str, str] | None) -> nn.Module:
+    """``meta_model`` as fake CPU tensors (under the caller's ``FakeTensorMode``), what
+    ``tensor_parallel_plan`` names split over the mesh's tp dim."""
+    module = meta_model.to_empty(device="cpu")
+    if mesh.tp > 1:
+        split_tensor_parallel(module, device_mesh, tensor_parallel_plan)
+    return module
+
+
+def split_tensor_parallel(module: nn.Module, device_mesh, tensor_parallel_plan: dict[str, str]) -> None:
+    """torch's ``parallelize_module`` over the mesh's tp dim, as ``tensor_parallel_plan`` names."""
+    styles = {pattern: _STYLES[style]() for pattern, style in tensor_parallel_plan.items()}
+    parallelize_module(module, device_mesh["tp"], styles)
+
+
+def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, loss_fn,
+             observer: StepObserver) -> None:
+    """Forward, backward and ``optimizer.step()``, each phase named to ``observer``."""
     def enter(phase: str) -> None:
         observer.start_phase(phase)
         logger.info("simulating the %s", phase)
 
     enter("forward")
-    loss = loss_fn(sharded.model, tokens)
+    loss = loss_fn(model, tokens)
     enter("backward")
     loss.backward()
     del loss
     enter("optimizer step")
-    sharded.optimizer.step()
+    optimizer.step()
 
 
 def _breakdown(at_peak, memory: AllocationLog, named: dict[int, str]) -> dict[str, int]:
