@@ -4,11 +4,13 @@ allocates, the collectives it issues and its buckets' layout (docs/scaling.md).
 
 ``simulate_rank(build_model, MeshSizes(world_size, dp_outer=, tp=), rank, ...)`` returns a
 :class:`RankReport`; ``python -m megatron_fsdp.simulate`` prints one per rank asked for
-(command.py). No GPU and no real weights: every tensor is fake.
+(command.py). No GPU and no real weights: every tensor is fake. ``compare_with_torch_fsdp2``
+simulates the same rank under torch's own FSDP2 as well and returns both side by side.
 """
 
+from megatron_fsdp.simulate.comparison import Comparison, compare_with_torch_fsdp2
 from megatron_fsdp.simulate.report import RankReport
 from megatron_fsdp.simulate.runner import simulate_rank
 from megatron_fsdp.simulate.world import MeshSizes
 
-__all__ = ["MeshSizes", "RankReport", "simulate_rank"]
+__all__ = ["Comparison", "MeshSizes", "RankReport", "compare_with_torch_fsdp2", "simulate_rank"]

@@ -4,15 +4,13 @@ optimizer and step, each simulated in a world of its own (runner.py, torch_fsdp2
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.simulate.report import RankReport, gib
-from megatron_fsdp.simulate.runner import default_loss, simulate_rank
+from megatron_fsdp.simulate.runner import simulate_rank
 from megatron_fsdp.simulate.torch_fsdp2 import TorchFSDP2Report, simulate_torch_fsdp2
 from megatron_fsdp.simulate.world import MeshSizes
 
@@ -75,27 +73,14 @@ class Comparison:
         return "\n".join(lines)
 
 
-def compare_with_torch_fsdp2(
-    build_model: Callable[[], nn.Module],
-    mesh: MeshSizes,
-    rank: int = 0,
-    *,
-    fsdp_unit_modules: Sequence[type],
-    mixed_precision_policy: MixedPrecisionPolicy | None = None,
-    optimizer: str = "adamw",
-    tensor_parallel_plan: dict[str, str] | None = None,
-    batch_size: int = 1,
-    seq_len: int = 4096,
-    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = default_loss,
-    door: str = "whole_model",
-) -> Comparison:
+def compare_with_torch_fsdp2(build_model: Callable[[], nn.Module], mesh: MeshSizes, rank: int = 0, *,
+                             door: str = "whole_model", **options) -> Comparison:
     """Rank ``rank`` simulated twice: ours (``door``, ZeRO-3, HSDP replicas unsharded: what
-    FSDP2 does) and torch's FSDP2, with the same arguments (:func:`simulate_rank`'s; the
-    precision is ours' policy, which torch's FSDP2 takes as :func:`torch_fsdp2.torch_policy`
-    maps it and ours' FSDP2 door ignores, as doors.py says). Expert parallelism is refused."""
-    common = dict(fsdp_unit_modules=fsdp_unit_modules, mixed_precision_policy=mixed_precision_policy,
-                  optimizer=optimizer, tensor_parallel_plan=tensor_parallel_plan, batch_size=batch_size,
-                  seq_len=seq_len, loss_fn=loss_fn)
-    theirs = simulate_torch_fsdp2(build_model, mesh, rank, **common)
-    ours = simulate_rank(build_model, mesh, rank, door=door, **common)
+    FSDP2 does) and torch's FSDP2, with the same keyword ``options``: those
+    :func:`torch_fsdp2.simulate_torch_fsdp2` takes (``fsdp_unit_modules``, required;
+    ``mixed_precision_policy``, ours, which torch's FSDP2 takes as ``torch_policy`` maps it and
+    ours' FSDP2 door ignores, as doors.py says; ``optimizer``, ``tensor_parallel_plan``,
+    ``batch_size``, ``seq_len``, ``loss_fn``). Expert parallelism is refused."""
+    theirs = simulate_torch_fsdp2(build_model, mesh, rank, **options)
+    ours = simulate_rank(build_model, mesh, rank, door=door, **options)
     return Comparison(ours, theirs)

@@ -36,8 +36,37 @@ def bucket_lines(rows: list[BucketRow], title: str) -> list[str]:
     return lines
 
 
+class StepRecord:
+    """What both sides' reports share (this file's and torch_fsdp2.py's): ``model_states`` by
+    kind after the step and the ``collectives`` issued, in traffic.py's record."""
+
+    model_states: dict[str, int]
+    collectives: list[Collective]
+
+    @property
+    def model_state_bytes(self) -> int:
+        return sum(self.model_states.values())
+
+    def step_collectives(self) -> Counter[tuple]:
+        """``(op, group size, dtype, message bytes) -> count`` over the training step."""
+        return step_collectives(self.collectives, STEP_PHASES)
+
+    def sent_per_step(self) -> int:
+        """Bytes this rank sends in the step (ring algorithms; traffic.py's note)."""
+        return sent_in(self.collectives, STEP_PHASES)
+
+    def traffic_dict(self) -> dict:
+        return {
+            "sent_per_step": self.sent_per_step(),
+            "collectives": [
+                {"op": op, "group_size": size, "dtype": dtype, "message_bytes": nbytes, "count": count}
+                for (op, size, dtype, nbytes), count in sorted(self.step_collectives().items())
+            ],
+        }
+
+
 @dataclass
-class RankReport:
+class RankReport(StepRecord):
     """One rank after the wrap and one training step.
 
     ``model_states``: bytes by category (plan_memory's: compute weights, main weights, main
@@ -63,18 +92,6 @@ class RankReport:
     buckets: list[BucketRow] = field(repr=False)
     seconds: float = 0.0
 
-    @property
-    def model_state_bytes(self) -> int:
-        return sum(self.model_states.values())
-
-    def step_collectives(self) -> Counter[tuple]:
-        """``(op, group size, dtype, message bytes) -> count`` over the training step."""
-        return step_collectives(self.collectives, STEP_PHASES)
-
-    def sent_per_step(self) -> int:
-        """Bytes this rank sends in the step (ring algorithms; traffic.py's note)."""
-        return sent_in(self.collectives, STEP_PHASES)
-
     def to_dict(self) -> dict:
         return {
             "rank": self.rank, "world_size": self.mesh.world_size, "dp_outer": self.mesh.dp_outer,
@@ -82,11 +99,7 @@ class RankReport:
             "outer_strategy": self.outer_strategy, "model_states": self.model_states,
             "model_state_bytes": self.model_state_bytes, "step_peak": self.step_peak,
             "peak_breakdown": self.peak_breakdown, "pool_peak": self.pool_peak, "wrap_peak": self.wrap_peak,
-            "sent_per_step": self.sent_per_step(),
-            "collectives": [
-                {"op": op, "group_size": size, "dtype": dtype, "message_bytes": nbytes, "count": count}
-                for (op, size, dtype, nbytes), count in sorted(self.step_collectives().items())
-            ],
+            **self.traffic_dict(),
             "buckets": [row.__dict__ | {"padding": row.padding} for row in self.buckets],
             "seconds": round(self.seconds, 3),
         }

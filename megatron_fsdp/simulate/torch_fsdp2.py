@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,17 +33,13 @@ from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.simulate.doors import OPTIMIZERS
 from megatron_fsdp.simulate.inventory import BucketRow
 from megatron_fsdp.simulate.observer import StepObserver
-from megatron_fsdp.simulate.report import STEP_PHASES, bucket_lines, collective_lines, gib
+from megatron_fsdp.simulate.report import StepRecord, bucket_lines, collective_lines, gib
 from megatron_fsdp.simulate.runner import check_choices, default_loss, run_step, split_tensor_parallel, vocab_size
-from megatron_fsdp.simulate.traffic import Collective, CollectiveLog, sent_in, step_collectives
+from megatron_fsdp.simulate.traffic import Collective, CollectiveLog
 from megatron_fsdp.simulate.world import MeshSizes, build_mesh, fake_world
 
-# FSDPMemTracker's kinds that are model states (the rest are the step's working memory).
-MODEL_STATE_KINDS = ("Sharded Param", "Sharded Grad", "OptState", "Buffer")
-
-
 @dataclass
-class TorchFSDP2Report:
+class TorchFSDP2Report(StepRecord):
     """One rank of torch's FSDP2 after the wrap and one training step.
 
     ``model_states``: FSDPMemTracker's bytes by kind still live after the step (``Sharded
@@ -66,29 +61,13 @@ class TorchFSDP2Report:
     groups: list[BucketRow] = field(repr=False)
     seconds: float = 0.0
 
-    @property
-    def model_state_bytes(self) -> int:
-        return sum(self.model_states.values())
-
-    def step_collectives(self) -> Counter[tuple]:
-        """``(op, group size, dtype, message bytes) -> count`` over the training step."""
-        return step_collectives(self.collectives, STEP_PHASES)
-
-    def sent_per_step(self) -> int:
-        """Bytes this rank sends in the step (ring algorithms; traffic.py's note)."""
-        return sent_in(self.collectives, STEP_PHASES)
-
     def to_dict(self) -> dict:
         return {
             "rank": self.rank, "world_size": self.mesh.world_size, "dp_outer": self.mesh.dp_outer,
             "dp_shard": self.mesh.dp_shard, "tp": self.mesh.tp, "door": "torch_fsdp2",
             "model_states": self.model_states, "model_state_bytes": self.model_state_bytes,
             "shard_bytes": self.shard_bytes, "step_peak": self.step_peak, "peak_breakdown": self.peak_breakdown,
-            "sent_per_step": self.sent_per_step(),
-            "collectives": [
-                {"op": op, "group_size": size, "dtype": dtype, "message_bytes": nbytes, "count": count}
-                for (op, size, dtype, nbytes), count in sorted(self.step_collectives().items())
-            ],
+            **self.traffic_dict(),
             "groups": [row.__dict__ | {"padding": row.padding} for row in self.groups],
             "seconds": round(self.seconds, 3),
         }
@@ -169,15 +148,17 @@ def _local_storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 def shard_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """The model states summed from the tensors (FSDPMemTracker's kinds): each parameter's and
-    gradient's local storage (FSDP2's padded shard) and the optimizer's state tensors."""
+    gradient's local storage (FSDP2's padded shard) and the optimizer's state tensors; kinds
+    holding nothing left out, as the tracker's snapshot leaves them."""
     params = list(module.parameters())
     states = [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
-    return {
+    found = {
         "Sharded Param": _local_storage_bytes(params),
         "Sharded Grad": _local_storage_bytes([p.grad for p in params if p.grad is not None]),
         "OptState": _local_storage_bytes(states),
         "Buffer": _local_storage_bytes(list(module.buffers())),
     }
+    return {kind: nbytes for kind, nbytes in found.items() if nbytes}
 
 
 def _unsharded_numel(param: DTensor, fsdp_dims: int) -> int:
@@ -206,6 +187,21 @@ def parameter_groups(sharded: list[nn.Module], mesh: MeshSizes) -> list[BucketRo
             shard_numel=shard_numel, group_size=mesh.dp_shard,
         ))
     return rows
+
+
+def _lazy_init_before_tracking(root: nn.Module) -> None:
+    """FSDP2's lazy init (at the first forward) pads each shard again unless its storage is the
+    padded one, which it can tell only of a plain tensor: on fake tensors every parameter FSDP2
+    pads (dim 0 not a multiple of the shard group) gets a new storage there, which FSDPMemTracker
+    would file under 'Activation' (and the shards under 'Sharded Param' short by as much). A real
+    run does not do this, so it is done here, before the tracker starts. Private to torch, as the
+    tracker is (it calls the same ``_get_fsdp_state``)."""
+    root._get_fsdp_state()._lazy_init()
+
+
+def _by_kind(snapshot: dict) -> dict[str, int]:
+    """A tracker snapshot's bytes by kind name (its keys are an enum and a "Total"), zeros left out."""
+    return {getattr(kind, "value", kind): n for kind, n in snapshot.items() if kind != "Total" and n}
 
 
 def simulate_torch_fsdp2(
@@ -251,6 +247,7 @@ def simulate_torch_fsdp2(
             module = meta_model.to_empty(device="cpu")  # FSDP2 moves each shard to the new storage
             optim = OPTIMIZERS[optimizer](module.parameters())
             tokens = torch.randint(0, vocab_size(module), (batch_size, seq_len))
+            _lazy_init_before_tracking(module)
             tracker = tracker_class(module, optim)
             with tracker:
                 run_step(module, optim, tokens, loss_fn, observer)
@@ -260,9 +257,8 @@ def simulate_torch_fsdp2(
             peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
             report = TorchFSDP2Report(
                 rank=rank, mesh=mesh,
-                model_states={kind: current.get(kind, 0) for kind in MODEL_STATE_KINDS},
-                shard_bytes=shard_bytes(module, optim), step_peak=peak["Total"],
-                peak_breakdown={str(kind): n for kind, n in peak.items() if kind != "Total"},
+                model_states=_by_kind(current), shard_bytes=shard_bytes(module, optim), step_peak=peak["Total"],
+                peak_breakdown=_by_kind(peak),
                 collectives=traffic.collectives, groups=parameter_groups(sharded, mesh),
                 seconds=time.perf_counter() - started,
             )
