@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from megatron_fsdp.simulate.report import RankReport, gib
+from megatron_fsdp.simulate.report import RankReport
 from megatron_fsdp.simulate.runner import simulate_rank
 from megatron_fsdp.simulate.torch_fsdp2 import TorchFSDP2Report, simulate_torch_fsdp2
 from megatron_fsdp.simulate.world import MeshSizes
@@ -24,6 +24,14 @@ _OURS_AS_FSDP2 = {
 }
 _FSDP2_KINDS = {"weights": "Sharded Param", "gradients": "Sharded Grad", "optimizer state": "OptState",
                 "buffers and bookkeeping": "Buffer"}
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in the largest binary unit that keeps the number at least one."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3f} {unit}"
+    return f"{nbytes} B"
 
 
 def message_bytes(counts: Counter[tuple], op: str) -> int:
@@ -69,7 +77,7 @@ class Comparison:
             if what.startswith("padding"):
                 lines.append(f"  {what:<28}{ours:>14}{theirs:>14}")
             else:
-                lines.append(f"  {what:<28}{gib(ours):>14}{gib(theirs):>14}")
+                lines.append(f"  {what:<28}{_size(ours):>14}{_size(theirs):>14}")
         return "\n".join(lines)
 
 

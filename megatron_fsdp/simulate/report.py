@@ -37,11 +37,17 @@ def bucket_lines(rows: list[BucketRow], title: str) -> list[str]:
 
 
 class StepRecord:
-    """What both sides' reports share (this file's and torch_fsdp2.py's): ``model_states`` by
-    kind after the step and the ``collectives`` issued, in traffic.py's record."""
+    """What both sides' reports share (this file's and torch_fsdp2.py's): the rank and its mesh,
+    ``model_states`` by kind after the step, the step's peak and its kinds, the ``collectives``
+    issued (traffic.py's record) and the simulation's seconds."""
 
+    rank: int
+    mesh: MeshSizes
     model_states: dict[str, int]
+    step_peak: int
+    peak_breakdown: dict[str, int]
     collectives: list[Collective]
+    seconds: float
 
     @property
     def model_state_bytes(self) -> int:
@@ -55,14 +61,31 @@ class StepRecord:
         """Bytes this rank sends in the step (ring algorithms; traffic.py's note)."""
         return sent_in(self.collectives, STEP_PHASES)
 
-    def traffic_dict(self) -> dict:
+    def summary_dict(self, **own) -> dict:
+        """The fields both reports have, ``own`` (the report's own) after the mesh."""
+        mesh = self.mesh
         return {
-            "sent_per_step": self.sent_per_step(),
+            "rank": self.rank, "world_size": mesh.world_size, "dp_outer": mesh.dp_outer, "dp_shard": mesh.dp_shard,
+            "tp": mesh.tp, **own, "model_states": self.model_states, "model_state_bytes": self.model_state_bytes,
+            "step_peak": self.step_peak, "peak_breakdown": self.peak_breakdown, "sent_per_step": self.sent_per_step(),
             "collectives": [
                 {"op": op, "group_size": size, "dtype": dtype, "message_bytes": nbytes, "count": count}
                 for (op, size, dtype, nbytes), count in sorted(self.step_collectives().items())
             ],
+            "seconds": round(self.seconds, 3),
         }
+
+    def summary_lines(self, what: str, peak: str) -> list[str]:
+        """The text both reports start with: the rank, ``what`` simulated it, the model states by
+        kind, the step's peak (``peak`` names its source) by kind and the collectives."""
+        mesh = self.mesh
+        lines = [f"rank {self.rank} of {mesh.world_size} (dp_outer {mesh.dp_outer} x dp_shard {mesh.dp_shard} x "
+                 f"tp {mesh.tp}), {what}; simulated in {self.seconds:.1f} s",
+                 f"model states: {gib(self.model_state_bytes)}"]
+        lines += [f"  {kind:<28}{gib(nbytes):>14}" for kind, nbytes in sorted(self.model_states.items())]
+        lines.append(f"step peak: {gib(self.step_peak)} ({peak})")
+        lines += [f"  {kind:<28}{gib(nbytes):>14}" for kind, nbytes in sorted(self.peak_breakdown.items())]
+        return lines + collective_lines(self.step_collectives(), self.sent_per_step())
 
 
 @dataclass
@@ -93,28 +116,13 @@ class RankReport(StepRecord):
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
-        return {
-            "rank": self.rank, "world_size": self.mesh.world_size, "dp_outer": self.mesh.dp_outer,
-            "dp_shard": self.mesh.dp_shard, "tp": self.mesh.tp, "door": self.door, "strategy": self.strategy,
-            "outer_strategy": self.outer_strategy, "model_states": self.model_states,
-            "model_state_bytes": self.model_state_bytes, "step_peak": self.step_peak,
-            "peak_breakdown": self.peak_breakdown, "pool_peak": self.pool_peak, "wrap_peak": self.wrap_peak,
-            **self.traffic_dict(),
-            "buckets": [row.__dict__ | {"padding": row.padding} for row in self.buckets],
-            "seconds": round(self.seconds, 3),
-        }
+        return self.summary_dict(door=self.door, strategy=self.strategy, outer_strategy=self.outer_strategy,
+                                 pool_peak=self.pool_peak, wrap_peak=self.wrap_peak,
+                                 buckets=[row.__dict__ | {"padding": row.padding} for row in self.buckets])
 
     def __str__(self) -> str:
-        mesh = self.mesh
-        lines = [
-            f"rank {self.rank} of {mesh.world_size} (dp_outer {mesh.dp_outer} x dp_shard {mesh.dp_shard} x tp {mesh.tp}), "
-            f"{self.door} door, {self.strategy}" + (f", outer {self.outer_strategy}" if mesh.dp_outer > 1 else "")
-            + f"; simulated in {self.seconds:.1f} s",
-            f"model states: {gib(self.model_state_bytes)}",
-        ]
-        lines += [f"  {kind:<28}{gib(nbytes):>14}" for kind, nbytes in sorted(self.model_states.items())]
-        lines.append(f"step peak: {gib(self.step_peak)} (bucket pool high-water mark {gib(self.pool_peak)})")
-        lines += [f"  {kind:<28}{gib(nbytes):>14}" for kind, nbytes in sorted(self.peak_breakdown.items())]
-        lines += collective_lines(self.step_collectives(), self.sent_per_step())
+        outer = f", outer {self.outer_strategy}" if self.mesh.dp_outer > 1 else ""
+        lines = self.summary_lines(f"{self.door} door, {self.strategy}{outer}",
+                                   f"bucket pool high-water mark {gib(self.pool_peak)}")
         lines += bucket_lines(self.buckets, "buckets")
         return "\n".join(lines)

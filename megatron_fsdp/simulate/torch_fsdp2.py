@@ -33,7 +33,7 @@ from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.simulate.doors import OPTIMIZERS
 from megatron_fsdp.simulate.inventory import BucketRow
 from megatron_fsdp.simulate.observer import StepObserver
-from megatron_fsdp.simulate.report import StepRecord, bucket_lines, collective_lines, gib
+from megatron_fsdp.simulate.report import StepRecord, bucket_lines
 from megatron_fsdp.simulate.runner import check_choices, default_loss, run_step, split_tensor_parallel, vocab_size
 from megatron_fsdp.simulate.traffic import Collective, CollectiveLog
 from megatron_fsdp.simulate.world import MeshSizes, build_mesh, fake_world
@@ -62,27 +62,11 @@ class TorchFSDP2Report(StepRecord):
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
-        return {
-            "rank": self.rank, "world_size": self.mesh.world_size, "dp_outer": self.mesh.dp_outer,
-            "dp_shard": self.mesh.dp_shard, "tp": self.mesh.tp, "door": "torch_fsdp2",
-            "model_states": self.model_states, "model_state_bytes": self.model_state_bytes,
-            "shard_bytes": self.shard_bytes, "step_peak": self.step_peak, "peak_breakdown": self.peak_breakdown,
-            **self.traffic_dict(),
-            "groups": [row.__dict__ | {"padding": row.padding} for row in self.groups],
-            "seconds": round(self.seconds, 3),
-        }
+        return self.summary_dict(door="torch_fsdp2", shard_bytes=self.shard_bytes,
+                                 groups=[row.__dict__ | {"padding": row.padding} for row in self.groups])
 
     def __str__(self) -> str:
-        mesh = self.mesh
-        lines = [
-            f"rank {self.rank} of {mesh.world_size} (dp_outer {mesh.dp_outer} x dp_shard {mesh.dp_shard} x tp {mesh.tp}), "
-            f"torch's FSDP2; simulated in {self.seconds:.1f} s",
-            f"model states (FSDPMemTracker): {gib(self.model_state_bytes)}",
-        ]
-        lines += [f"  {kind:<28}{gib(nbytes):>14}" for kind, nbytes in sorted(self.model_states.items())]
-        lines.append(f"step peak (FSDPMemTracker): {gib(self.step_peak)}")
-        lines += [f"  {kind:<28}{gib(nbytes):>14}" for kind, nbytes in sorted(self.peak_breakdown.items()) if nbytes]
-        lines += collective_lines(self.step_collectives(), self.sent_per_step())
+        lines = self.summary_lines("torch's FSDP2 (memory by FSDPMemTracker)", "FSDPMemTracker's peak snapshot")
         lines += bucket_lines(self.groups, "parameter groups")
         return "\n".join(lines)
 
