@@ -219,8 +219,8 @@ def simulate_torch_fsdp2(
         params_dtype, policy = torch_policy(mixed_precision_policy, compute_dtype)
         meta_model.to(params_dtype)
         # Split and sharded on the meta device, as torchtitan does: FSDP2 makes a view of every
-        # parameter for each rank of the world, which costs a Python object each as fake tensors
-        # (minutes at 4,096 ranks) and nothing on meta; and it joins its mesh to the
+        # parameter for each rank of its group, a Python object each as fake tensors (minutes
+        # at 4,096 ranks), far less on meta; and it joins its mesh to the
         # tensor-parallel one by locating this rank in a mesh tensor, which must be real.
         if mesh.tp > 1:
             split_tensor_parallel(meta_model, device_mesh, tensor_parallel_plan)
