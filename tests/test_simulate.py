@@ -311,6 +311,20 @@ def test_the_command_prints_each_sampled_rank_beside_its_plan(capsys) -> None:
 LLAMA_8B_ONE_LAYER = ["--hf", "llama3-8b", "--layers", "1"]
 
 
+def test_the_command_compares_with_torch_fsdp2_side_by_side(capsys) -> None:
+    """``--compare fsdp2``: each rank's rows are the two simulations' own numbers."""
+    main(["--model", "examples/gpt_model.py:gpt", "--model-kwargs", '{"layers": 1, "vocab_size": 1001}',
+          "--units", "TransformerBlock", "--world-size", "8", "--ranks", "last", "--seq-len", "32",
+          "--compare", "fsdp2", "--json"])
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows = {r["what"]: (r["ours"], r["torch_fsdp2"]) for r in row["rows"]}
+    ours, theirs = row["ours"], row["torch_fsdp2"]
+    assert rows["sent per step"] == (ours["sent_per_step"], theirs["sent_per_step"])
+    assert rows["model states"] == (ours["model_state_bytes"], theirs["model_state_bytes"])
+    assert theirs["model_states"] == theirs["shard_bytes"]  # FSDPMemTracker against the DTensors' shards
+    assert theirs["door"] == "torch_fsdp2" and theirs["sent_per_step"] > 0
+
+
 @pytest.mark.parametrize("arguments, message", [
     ([*LLAMA_8B_ONE_LAYER, "--world-size", "6", "--tp", "3"], "tensor_parallel_size 3 does not divide dim 0 (4096)"),
     ([*LLAMA_8B_ONE_LAYER, "--world-size", "12", "--tp", "8"], "12 is not divisible by 8"),
@@ -319,6 +333,7 @@ LLAMA_8B_ONE_LAYER = ["--hf", "llama3-8b", "--layers", "1"]
     # torchtitan's 405B recipe, FSDP 8 x TP 8 x PP 8 at 512, on the model's 126 layers as they are.
     (["--hf", "llama3-405b", "--world-size", "512", "--tp", "8", "--pp", "8", "--door", "fsdp2"],
      "8 x 1 = 8 stages do not divide the model's 126 layers evenly: pick sizes whose product divides 126"),
+    ([*LLAMA_8B_ONE_LAYER, "--world-size", "8", "--compare", "fsdp2", "--strategy", "optim"], "--compare fsdp2 compares FSDP2's ZeRO-3"),
 ])
 def test_the_command_refuses_a_layout_that_cannot_run_naming_the_fix(arguments: list, message: str) -> None:
     with pytest.raises(SystemExit, match=re.escape(message)):
@@ -358,3 +373,86 @@ def test_the_fake_bucket_pool_keeps_the_books_the_cpp_pool_keeps(double_buffer: 
         pool = _ops.new_bucket_pool(double_buffer)
         assert isinstance(pool, FakeBucketPool)
         assert run(pool) == real
+
+
+def _fsdp2_groups(model: nn.Module, units: tuple[type, ...]) -> list[tuple[str, list[torch.Size]]]:
+    """FSDP2's parameter groups as fully_shard makes them: each unit's parameters, then the root's
+    (everything outside the units), as (unit, shapes)."""
+    unit_names = [name for name, m in model.named_modules() if isinstance(m, units)]
+    groups = [(unit, [p.shape for n, p in model.named_parameters() if n.startswith(unit + ".")]) for unit in unit_names]
+    root = [p.shape for n, p in model.named_parameters() if not any(n.startswith(u + ".") for u in unit_names)]
+    return [*groups, ("<root>", root)]
+
+
+def _fsdp2_padded(shape: torch.Size, group: int) -> tuple[int, int]:
+    """FSDP2's padding rule: dim 0 up to a multiple of the shard group. (rows per shard, elements a row)."""
+    return math.ceil(shape[0] / group), math.prod(shape[1:])
+
+
+@pytest.mark.parametrize("mesh", [MeshSizes(48), MeshSizes(4096, dp_outer=512)], ids=["W48", "W4096-outer512"])
+def test_torch_fsdp2_beside_ours_holds_its_shards_and_sends_the_zero3_formula(mesh: MeshSizes) -> None:
+    """Torch's own FSDP2 (fully_shard per layer, then the root) and ours on the last rank of the
+    same world: one layer of Llama-3 8B's shapes, bf16 compute, fp32 weights, bf16 gradient
+    communication, AdamW. At W48 FSDP2 pads (1,024-row k/v over 48 ranks: 22 rows a shard, none
+    on the last rank's), at 4,096 = 512 x 8 it does not."""
+    from megatron_fsdp.simulate.comparison import compare_with_torch_fsdp2, message_bytes
+
+    source = hugging_face("llama3-8b", torch.bfloat16, num_hidden_layers=1)
+    rank, g = mesh.world_size - 1, mesh.dp_shard
+    comparison = compare_with_torch_fsdp2(source.build, mesh, rank, fsdp_unit_modules=list(source.units),
+                                          batch_size=BATCH, seq_len=64)
+    theirs = comparison.torch_fsdp2
+    model = source.build().float()
+    groups = _fsdp2_groups(model, source.units)
+
+    # Memory: FSDPMemTracker's model states equal the sum of the DTensors' local storages, and
+    # both equal the padding rule: every rank holds ceil(d0 / g) rows of each float32 parameter
+    # and of its gradient (one reduce-scatter output a group); AdamW's moments are zeros_like
+    # the unpadded local rows, plus a 4-byte step count a parameter.
+    shards = [_fsdp2_padded(shape, g) for _, shapes in groups for shape in shapes]
+    index = g - 1
+    local_rows = [min(max(shape[0] - index * rows, 0), rows)
+                  for (_, shapes) in groups for shape, (rows, _) in zip(shapes, [_fsdp2_padded(s, g) for s in shapes])]
+    expected_memory = {
+        "Sharded Param": sum(rows * per_row * 4 for rows, per_row in shards),
+        "Sharded Grad": sum(rows * per_row * 4 for rows, per_row in shards),
+        "OptState": sum(2 * n * per_row * 4 + 4 for n, (_, per_row) in zip(local_rows, shards)),
+        "Buffer": sum(b.numel() * b.element_size() for b in model.buffers()),
+    }
+    assert theirs.shard_bytes == expected_memory
+    assert theirs.model_states == expected_memory, f"tracker {theirs.model_states}, shards {theirs.shard_bytes}"
+    # The peak is where FSDP2 holds the root's gathered bf16 weights (forward into backward), not
+    # in the optimizer step: a tracker counting DTensor's global-shape shape inference (the whole
+    # parameters) as optimizer state would put it there, 6.5 GB at two layers.
+    root_gathered = sum(rows * g * per_row * 2 for rows, per_row in (_fsdp2_padded(s, g) for s in groups[-1][1]))
+    assert theirs.peak_breakdown.get("Unsharded Param", 0) >= root_gathered, theirs.peak_breakdown
+
+    # Traffic: ZeRO-3 under FSDP2's padding rule, as issued (the same record type as ours).
+    padded = {unit: sum(rows * g * per_row for rows, per_row in (_fsdp2_padded(s, g) for s in shapes))
+              for unit, shapes in groups}
+    expected = Counter()
+    for unit, numel in padded.items():
+        expected["all_gather", g, "bfloat16", numel * 2] += 1 if unit == "<root>" else 2
+        expected["reduce_scatter", g, "bfloat16", numel * 2] += 1
+        if mesh.dp_outer > 1:
+            expected["all_reduce", mesh.dp_outer, "bfloat16", numel * 2 // g] += 1
+    expected = Counter({key: count for key, count in expected.items() if key[1] > 1})
+    assert theirs.step_collectives() == expected
+    assert theirs.sent_per_step() == sum(sent_bytes(op, n, size) * count for (op, size, _, n), count in expected.items())
+    assert [row.padded_numel for row in theirs.groups] == list(padded.values())
+
+    # Ours against FSDP2: the same elements gathered and reduced, as often, in the same dtype;
+    # they differ by the padding alone: ours pads each parameter to 128 bytes and each bucket to
+    # g x 128 bytes, FSDP2 each parameter's dim 0 to a multiple of g.
+    ours_buckets = _expected_buckets(model, source.units, mesh)
+
+    def padding_bytes(gathers_of_layer: int) -> int:
+        """Ours' padding less FSDP2's, in bf16 bytes, each unit's counted as often as it travels."""
+        times = {unit: 1 if unit == "<root>" else gathers_of_layer for unit, _ in groups}
+        ours = sum((padded_numel - numel) * times[unit] for unit, numel, padded_numel, _ in ours_buckets)
+        fsdp2 = sum((padded[unit] - sum(math.prod(s) for s in shapes)) * times[unit] for unit, shapes in groups)
+        return (ours - fsdp2) * 2
+
+    ours_counts, their_counts = comparison.ours.step_collectives(), theirs.step_collectives()
+    assert message_bytes(ours_counts, "all_gather") - message_bytes(their_counts, "all_gather") == padding_bytes(2)
+    assert message_bytes(ours_counts, "reduce_scatter") - message_bytes(their_counts, "reduce_scatter") == padding_bytes(1)

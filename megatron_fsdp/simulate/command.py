@@ -4,6 +4,7 @@ buckets' layout, and plan_memory's model states beside the simulated ones.
 
     python -m megatron_fsdp.simulate --hf llama3-8b --world-size 4096 --dp-outer 512
     python -m megatron_fsdp.simulate --hf llama3-70b --world-size 512 --tp 8 --ranks first,largest
+    python -m megatron_fsdp.simulate --hf llama3-8b --world-size 512 --ranks last --compare fsdp2
     python -m megatron_fsdp.simulate --model examples/gpt_model.py:gpt --units TransformerBlock --world-size 64
     python -m megatron_fsdp.simulate --hf llama3-405b --layers 8 --world-size 512 --tp 8 --pp 8 --door fsdp2
     python -m megatron_fsdp.simulate --hf llama3-8b --world-size 512 --ranks first --step-time --nic-gbps 25
@@ -22,6 +23,7 @@ from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.plan_memory import plan_memory
 from megatron_fsdp.plan_memory.meta_models import PRESETS
+from megatron_fsdp.simulate.comparison import compare_with_torch_fsdp2
 from megatron_fsdp.simulate.models import LLAMA_TP_PLAN, ModelSource, hugging_face, python_callable
 from megatron_fsdp.simulate.doors import DOORS, OPTIMIZERS, check_door, planned_as
 from megatron_fsdp.simulate.runner import simulate_rank
@@ -75,6 +77,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=None,
                         help="sequences per rank in the step (default 1; under --pp one a micro-batch)")
     parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--compare", choices=("fsdp2",), default=None,
+                        help="also simulate torch's own FSDP2 (fully_shard on each unit and the root, the same "
+                             "precision and optimizer; memory by FSDPMemTracker) and print both side by side")
     parser.add_argument("--json", action="store_true", help="one JSON object per rank")
     timing = parser.add_argument_group(
         "step time", "--step-time predicts each rank's step on a GPU cluster (docs/scaling.md, \"Step time\"): its "
@@ -131,6 +136,20 @@ def _ranks(spec: str, world_size: int, largest: int) -> list[int]:
     return ranks
 
 
+def _compare(args: argparse.Namespace, source: ModelSource, mesh: MeshSizes, ranks: list[int],
+             tp_plan: dict[str, str] | None, policy: MixedPrecisionPolicy) -> None:
+    """Each rank as ours and as torch's FSDP2, side by side (comparison.py)."""
+    if args.strategy != "optim_grads_params" or args.outer_strategy != "no_shard" or mesh.ep > 1:
+        raise SystemExit("error: --compare fsdp2 compares FSDP2's ZeRO-3 (HSDP replicas unsharded, no expert "
+                         "parallelism): leave --strategy, --outer-strategy and --ep at their defaults")
+    for rank in ranks:
+        comparison = compare_with_torch_fsdp2(
+            source.build, mesh, rank, fsdp_unit_modules=list(source.units), mixed_precision_policy=policy,
+            optimizer=args.optimizer, tensor_parallel_plan=tp_plan, batch_size=args.batch_size, seq_len=args.seq_len,
+            door=args.door)
+        print(json.dumps(comparison.to_dict()) if args.json else f"{comparison}\n")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -170,6 +189,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         ranks = _ranks(args.ranks, mesh.world_size, plan.largest.rank)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from error
+    if args.compare:
+        _compare(args, source, mesh, ranks, tp_plan, policy)
+        return
     for rank in ranks:
         report = simulate_rank(source.build, mesh, rank, optimizer=args.optimizer, tensor_parallel_plan=tp_plan,
                                batch_size=args.batch_size, seq_len=args.seq_len, door=args.door,

@@ -2,9 +2,9 @@
 (``fully_shard(model, optimizer, fsdp_unit_modules=...)``) or its FSDP2 door
 (``megatron_fsdp.fsdp2.fully_shard`` on every unit, then the root).
 
-Torch's own FSDP2 is not offered beside them: it frees a gathered parameter by resizing its
-storage to nothing, which the allocation log (memory.py: storages made and destroyed) does not
-see, so its numbers would be wrong.
+Torch's own FSDP2 is not a door here: it frees a gathered parameter by resizing its storage to
+nothing, which the allocation log (memory.py: storages made and destroyed) does not see. It is
+simulated beside ours by torch_fsdp2.py, its memory read by torch's FSDPMemTracker.
 
 The FSDP2 door is called as torchtitan calls FSDP2: the parameters in float32 (they are what
 the optimizer steps) and ``MixedPrecisionPolicy(param_dtype=<the model's dtype>,

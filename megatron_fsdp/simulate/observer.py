@@ -15,9 +15,11 @@ from megatron_fsdp.simulate.traffic import CollectiveLog
 
 
 class StepObserver(TorchDispatchMode):
-    """Shows every op to ``memory``, ``traffic`` and ``compute``; ``start_phase`` names what runs next."""
+    """Shows every op to ``memory``, ``traffic`` and ``compute``; ``start_phase`` names what runs
+    next. ``memory`` None: collectives and compute only (torch's FSDP2, whose memory
+    FSDPMemTracker reads: torch_fsdp2.py)."""
 
-    def __init__(self, memory: AllocationLog, traffic: CollectiveLog, compute: ComputeLog) -> None:
+    def __init__(self, memory: AllocationLog | None, traffic: CollectiveLog, compute: ComputeLog) -> None:
         super().__init__()
         self.memory = memory
         self.traffic = traffic
@@ -26,17 +28,23 @@ class StepObserver(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.memory.observe(func, args, kwargs, out)
+        if self.memory is not None:
+            self.memory.observe(func, args, kwargs, out)
         self.traffic.observe(func, args, kwargs, out)
         self.compute.observe(func, args, kwargs, out)
         return out
 
     def start_phase(self, phase: str) -> None:
-        self.memory.start_phase(phase)
+        if self.memory is not None:
+            self.memory.start_phase(phase)
         self.traffic.phase = phase
         self.compute.start_phase(phase)
 
     @contextmanager
     def observing(self) -> Iterator[StepObserver]:
+        if self.memory is None:
+            with self:
+                yield self
+            return
         with self.memory.naming_pool_blocks(), self:
             yield self

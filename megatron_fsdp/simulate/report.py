@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from megatron_fsdp.simulate.compute import ComputeSegment
 from megatron_fsdp.simulate.inventory import BucketRow
-from megatron_fsdp.simulate.traffic import Collective
+from megatron_fsdp.simulate.traffic import Collective, sent_in, step_collectives
 from megatron_fsdp.simulate.world import MeshSizes
 
 # The phases of the one training step simulated (the wrap before them is "wrap"); under
@@ -16,12 +16,83 @@ from megatron_fsdp.simulate.world import MeshSizes
 STEP_PHASES = ("forward", "backward", "schedule", "optimizer step")
 
 
-def _gib(nbytes: int) -> str:
+def gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.3f} GiB"
 
 
+def collective_lines(counts: Counter[tuple], sent: int) -> list[str]:
+    """The step's collectives as a table: ``counts`` from :func:`traffic.step_collectives`."""
+    lines = [f"collectives in the step: {gib(sent)} sent by this rank",
+             f"  {'op':<16}{'group':>6}{'dtype':>10}{'message bytes':>16}{'count':>7}"]
+    for (op, size, dtype, nbytes), count in sorted(counts.items()):
+        lines.append(f"  {op:<16}{size:>6}{dtype:>10}{nbytes:>16}{count:>7}")
+    return lines
+
+
+def bucket_lines(rows: list[BucketRow], title: str) -> list[str]:
+    """The buckets (or FSDP2's parameter groups) as a table, their padding summed."""
+    lines = [f"{title}: {len(rows)}, padding {sum(row.padding for row in rows)} elements in all",
+             f"  {'unit':<28}{'dtype':>10}{'params':>7}{'numel':>14}{'padded':>14}{'shard':>12}{'group':>6}"]
+    for row in rows:
+        lines.append(f"  {row.unit[:28]:<28}{row.dtype:>10}{row.params:>7}{row.numel:>14}{row.padded_numel:>14}"
+                     f"{row.shard_numel:>12}{row.group_size:>6}")
+    return lines
+
+
+class StepRecord:
+    """What both sides' reports share (this file's and torch_fsdp2.py's): the rank and its mesh,
+    ``model_states`` by kind after the step, the step's peak and its kinds, the ``collectives``
+    issued (traffic.py's record) and the simulation's seconds."""
+
+    rank: int
+    mesh: MeshSizes
+    model_states: dict[str, int]
+    step_peak: int
+    peak_breakdown: dict[str, int]
+    collectives: list[Collective]
+    seconds: float
+
+    @property
+    def model_state_bytes(self) -> int:
+        return sum(self.model_states.values())
+
+    def step_collectives(self) -> Counter[tuple]:
+        """``(op, group size, dtype, message bytes) -> count`` over the training step."""
+        return step_collectives(self.collectives, STEP_PHASES)
+
+    def sent_per_step(self) -> int:
+        """Bytes this rank sends in the step (ring algorithms; traffic.py's note)."""
+        return sent_in(self.collectives, STEP_PHASES)
+
+    def summary_dict(self, **own) -> dict:
+        """The fields both reports have, ``own`` (the report's own) after the mesh."""
+        mesh = self.mesh
+        return {
+            "rank": self.rank, "world_size": mesh.world_size, "pp": mesh.pp, "dp_outer": mesh.dp_outer,
+            "dp_shard": mesh.dp_shard, "cp": mesh.cp, "tp": mesh.tp, **own, "model_states": self.model_states, "model_state_bytes": self.model_state_bytes,
+            "step_peak": self.step_peak, "peak_breakdown": self.peak_breakdown, "sent_per_step": self.sent_per_step(),
+            "collectives": [
+                {"op": op, "group_size": size, "dtype": dtype, "message_bytes": nbytes, "count": count}
+                for (op, size, dtype, nbytes), count in sorted(self.step_collectives().items())
+            ],
+            "seconds": round(self.seconds, 3),
+        }
+
+    def summary_lines(self, what: str, peak: str) -> list[str]:
+        """The text both reports start with: the rank, ``what`` simulated it, the model states by
+        kind, the step's peak (``peak`` names its source) by kind and the collectives."""
+        mesh = self.mesh
+        lines = [f"rank {self.rank} of {mesh.world_size} ({' x '.join(f'{name} {size}' for name, size in mesh.shape())}), "
+                 f"{what}; simulated in {self.seconds:.1f} s",
+                 f"model states: {gib(self.model_state_bytes)}"]
+        lines += [f"  {kind:<28}{gib(nbytes):>14}" for kind, nbytes in sorted(self.model_states.items())]
+        lines.append(f"step peak: {gib(self.step_peak)} ({peak})")
+        lines += [f"  {kind:<28}{gib(nbytes):>14}" for kind, nbytes in sorted(self.peak_breakdown.items())]
+        return lines + collective_lines(self.step_collectives(), self.sent_per_step())
+
+
 @dataclass
-class RankReport:
+class RankReport(StepRecord):
     """One rank after the wrap and one training step.
 
     ``model_states``: bytes by category (plan_memory's: compute weights, main weights, main
@@ -49,57 +120,14 @@ class RankReport:
     seconds: float = 0.0
     compute: list[ComputeSegment] = field(default_factory=list, repr=False)
 
-    @property
-    def model_state_bytes(self) -> int:
-        return sum(self.model_states.values())
-
-    def step_collectives(self) -> Counter[tuple]:
-        """``(op, group size, dtype, message bytes) -> count`` over the training step."""
-        return Counter(
-            (c.op, c.group_size, str(c.dtype).removeprefix("torch."), c.message_bytes)
-            for c in self.collectives if c.phase in STEP_PHASES
-        )
-
-    def sent_per_step(self) -> int:
-        """Bytes this rank sends in the step (ring algorithms; traffic.py's note)."""
-        return sum(c.sent_bytes for c in self.collectives if c.phase in STEP_PHASES)
-
     def to_dict(self) -> dict:
-        return {
-            "rank": self.rank, "world_size": self.mesh.world_size, "pp": self.mesh.pp, "dp_outer": self.mesh.dp_outer,
-            "dp_shard": self.mesh.dp_shard, "cp": self.mesh.cp, "tp": self.mesh.tp, "door": self.door,
-            "strategy": self.strategy,
-            "outer_strategy": self.outer_strategy, "model_states": self.model_states,
-            "model_state_bytes": self.model_state_bytes, "step_peak": self.step_peak,
-            "peak_breakdown": self.peak_breakdown, "pool_peak": self.pool_peak, "wrap_peak": self.wrap_peak,
-            "sent_per_step": self.sent_per_step(),
-            "collectives": [
-                {"op": op, "group_size": size, "dtype": dtype, "message_bytes": nbytes, "count": count}
-                for (op, size, dtype, nbytes), count in sorted(self.step_collectives().items())
-            ],
-            "buckets": [row.__dict__ | {"padding": row.padding} for row in self.buckets],
-            "seconds": round(self.seconds, 3),
-        }
+        return self.summary_dict(door=self.door, strategy=self.strategy, outer_strategy=self.outer_strategy,
+                                 pool_peak=self.pool_peak, wrap_peak=self.wrap_peak,
+                                 buckets=[row.__dict__ | {"padding": row.padding} for row in self.buckets])
 
     def __str__(self) -> str:
-        mesh = self.mesh
-        lines = [
-            f"rank {self.rank} of {mesh.world_size} ({' x '.join(f'{name} {size}' for name, size in mesh.shape())}), "
-            f"{self.door} door, {self.strategy}" + (f", outer {self.outer_strategy}" if mesh.dp_outer > 1 else "")
-            + f"; simulated in {self.seconds:.1f} s",
-            f"model states: {_gib(self.model_state_bytes)}",
-        ]
-        lines += [f"  {kind:<28}{_gib(nbytes):>14}" for kind, nbytes in sorted(self.model_states.items())]
-        lines.append(f"step peak: {_gib(self.step_peak)} (bucket pool high-water mark {_gib(self.pool_peak)})")
-        lines += [f"  {kind:<28}{_gib(nbytes):>14}" for kind, nbytes in sorted(self.peak_breakdown.items())]
-        lines.append(f"collectives in the step: {_gib(self.sent_per_step())} sent by this rank")
-        lines.append(f"  {'op':<16}{'group':>6}{'dtype':>10}{'message bytes':>16}{'count':>7}")
-        for (op, size, dtype, nbytes), count in sorted(self.step_collectives().items()):
-            lines.append(f"  {op:<16}{size:>6}{dtype:>10}{nbytes:>16}{count:>7}")
-        padding = sum(row.padding for row in self.buckets)
-        lines.append(f"buckets: {len(self.buckets)}, padding {padding} elements in all")
-        lines.append(f"  {'unit':<28}{'dtype':>10}{'params':>7}{'numel':>14}{'padded':>14}{'shard':>12}{'group':>6}")
-        for row in self.buckets:
-            lines.append(f"  {row.unit[:28]:<28}{row.dtype:>10}{row.params:>7}{row.numel:>14}{row.padded_numel:>14}"
-                         f"{row.shard_numel:>12}{row.group_size:>6}")
+        outer = f", outer {self.outer_strategy}" if self.mesh.dp_outer > 1 else ""
+        lines = self.summary_lines(f"{self.door} door, {self.strategy}{outer}",
+                                   f"bucket pool high-water mark {gib(self.pool_peak)}")
+        lines += bucket_lines(self.buckets, "buckets")
         return "\n".join(lines)

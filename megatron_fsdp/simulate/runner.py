@@ -21,14 +21,15 @@ from megatron_fsdp.simulate.doors import OPTIMIZERS, TP_STYLES, ShardedRank, app
 from megatron_fsdp.simulate.inventory import bucket_rows, categories, model_states
 from megatron_fsdp.simulate.memory import POOL_LABEL, AllocationLog
 from megatron_fsdp.simulate.observer import StepObserver
-from megatron_fsdp.simulate.pipeline import causal_lm_loss, run_step, shard_stages, stage_modules
+from megatron_fsdp.simulate import pipeline
+from megatron_fsdp.simulate.pipeline import causal_lm_loss, shard_stages, stage_modules
 from megatron_fsdp.simulate.report import STEP_PHASES, RankReport
 from megatron_fsdp.simulate.traffic import CollectiveLog
 from megatron_fsdp.simulate.world import MeshSizes, build_expert_mesh, build_mesh, fake_world
 
 logger = logging.getLogger(__name__)
 
-def _check_choices(optimizer: str, tensor_parallel_plan: dict[str, str] | None, mesh: MeshSizes) -> None:
+def check_choices(optimizer: str, tensor_parallel_plan: dict[str, str] | None, mesh: MeshSizes) -> None:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r}: the simulator builds {', '.join(OPTIMIZERS)}")
     if mesh.tp > 1 and not tensor_parallel_plan:
@@ -69,7 +70,7 @@ def keep_local_experts(model: nn.Module, ep: int) -> None:
         raise ValueError(f"ep={ep}: the model has no module named 'experts' to deal out")
 
 
-def _vocab_size(module: nn.Module) -> int:
+def vocab_size(module: nn.Module) -> int:
     embedding = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None:
         raise ValueError("the model has no nn.Embedding to draw tokens for: pass loss_fn and build its inputs there")
@@ -114,7 +115,7 @@ def simulate_rank(
     ``reshard_after_forward`` (default False, as torchtitan passes it under PP); the loss is
     the last stage's cross-entropy. Returns what the rank allocated and sent
     (:class:`RankReport`); a layout the engine refuses raises its error."""
-    _check_choices(optimizer, tensor_parallel_plan, mesh)
+    check_choices(optimizer, tensor_parallel_plan, mesh)
     check_door(door, mesh, zero_dp_strategy, outer_dp_sharding_strategy)
     if seq_len % mesh.cp:
         raise ValueError(f"seq_len {seq_len}: context parallelism {mesh.cp} gives each rank 1/{mesh.cp} of every "
@@ -165,8 +166,8 @@ def _model_step(meta_model: nn.Module, device_mesh, mesh: MeshSizes, observer: S
     """The whole model wrapped through ``door`` and one step of it; returns the sharded rank."""
     sharded = _wrap(meta_model, device_mesh, mesh, observer, door=door, tensor_parallel_plan=tensor_parallel_plan,
                     **shard_options)
-    tokens = torch.randint(0, _vocab_size(sharded.module), batch_shape)
-    _step(sharded, tokens, loss_fn, observer)
+    tokens = torch.randint(0, vocab_size(sharded.module), batch_shape)
+    run_step(sharded.model, sharded.optimizer, tokens, loss_fn, observer)
     return sharded
 
 
@@ -181,7 +182,7 @@ def _pipeline_step(stages: list, spec: PipelineSpec, device_mesh, mesh: MeshSize
                         vocab_size=config.vocab_size, loss_fn=causal_lm_loss, **shard_options)
     stages.clear()
     observer.start_phase("schedule")
-    run_step(pipe, torch.randint(0, config.vocab_size, (batch_size, local_seq)))
+    pipeline.run_step(pipe, torch.randint(0, config.vocab_size, (batch_size, local_seq)))
     observer.start_phase("optimizer step")
     pipe.sharded.optimizer.step()
     return pipe.sharded
@@ -230,18 +231,20 @@ def _wrap(meta_model: nn.Module, device_mesh, mesh: MeshSizes, observer: StepObs
     return sharded
 
 
-def _step(sharded: ShardedRank, tokens: torch.Tensor, loss_fn, observer: StepObserver) -> None:
+def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, loss_fn,
+             observer: StepObserver) -> None:
+    """Forward, backward and ``optimizer.step()``, each phase named to ``observer``."""
     def enter(phase: str) -> None:
         observer.start_phase(phase)
         logger.info("simulating the %s", phase)
 
     enter("forward")
-    loss = loss_fn(sharded.model, tokens)
+    loss = loss_fn(model, tokens)
     enter("backward")
     loss.backward()
     del loss
     enter("optimizer step")
-    sharded.optimizer.step()
+    optimizer.step()
 
 
 def _breakdown(at_peak, memory: AllocationLog, named: dict[int, str]) -> dict[str, int]:

@@ -13,6 +13,7 @@ rank's own chunk, ``n (g-1)/g`` when even; broadcast ``n``; point-to-point sends
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,19 @@ class Collective:
     message_bytes: int
     sent_bytes: int
     group_ranks: tuple[int, ...] | None = None
+
+
+def step_collectives(collectives: list[Collective], phases: tuple[str, ...]) -> Counter[tuple]:
+    """``(op, group size, dtype, message bytes) -> count`` over the collectives issued in ``phases``."""
+    return Counter(
+        (c.op, c.group_size, str(c.dtype).removeprefix("torch."), c.message_bytes)
+        for c in collectives if c.phase in phases
+    )
+
+
+def sent_in(collectives: list[Collective], phases: tuple[str, ...]) -> int:
+    """The bytes sent by the collectives issued in ``phases`` (ring algorithms; the module's note)."""
+    return sum(c.sent_bytes for c in collectives if c.phase in phases)
 
 
 # The dispatcher's name of each collective -> (our name, which tensor argument is the message).
