@@ -103,9 +103,12 @@ def _cluster(args: argparse.Namespace) -> Cluster:
                    intra_node_bus_bytes_per_s=args.intra_node_gbps * 1e9, nic_bytes_per_s=args.nic_gbps * 1e9)
 
 
-def _step_time(report, args: argparse.Namespace, cluster: Cluster) -> dict:
+def _step_time(report, sequences: int, seq_len: int, cluster: Cluster) -> dict:
+    """``report``'s step timed on ``cluster``; ``sequences`` of ``seq_len`` tokens go through a
+    model replica (its tp x cp x pp GPUs) in the step."""
     step = predict_step_time(report.collectives, report.compute, optimizer_bytes(report.model_states), cluster)
-    tokens_per_gpu = args.batch_size * args.seq_len / report.mesh.tp
+    mesh = report.mesh
+    tokens_per_gpu = sequences * seq_len / (mesh.tp * mesh.cp * mesh.pp)
     return {"seconds": step.seconds, "compute_s": step.compute, "optimizer_s": step.optimizer,
             "communication_s": step.communication, "exposed_communication_s": step.exposed_communication,
             "tokens_per_s_per_gpu": tokens_per_gpu / step.seconds}
@@ -139,13 +142,13 @@ def _ranks(spec: str, world_size: int, largest: int) -> list[int]:
 def _compare(args: argparse.Namespace, source: ModelSource, mesh: MeshSizes, ranks: list[int],
              tp_plan: dict[str, str] | None, policy: MixedPrecisionPolicy) -> None:
     """Each rank as ours and as torch's FSDP2, side by side (comparison.py)."""
-    if args.strategy != "optim_grads_params" or args.outer_strategy != "no_shard" or mesh.ep > 1:
-        raise SystemExit("error: --compare fsdp2 compares FSDP2's ZeRO-3 (HSDP replicas unsharded, no expert "
-                         "parallelism): leave --strategy, --outer-strategy and --ep at their defaults")
+    if args.strategy != "optim_grads_params" or args.outer_strategy != "no_shard" or max(mesh.ep, mesh.pp, mesh.cp) > 1:
+        raise SystemExit("error: --compare fsdp2 compares FSDP2's ZeRO-3 (HSDP replicas unsharded, no expert, pipeline "
+                         "or context parallelism): leave --strategy, --outer-strategy, --ep, --pp and --cp at their defaults")
     for rank in ranks:
         comparison = compare_with_torch_fsdp2(
             source.build, mesh, rank, fsdp_unit_modules=list(source.units), mixed_precision_policy=policy,
-            optimizer=args.optimizer, tensor_parallel_plan=tp_plan, batch_size=args.batch_size, seq_len=args.seq_len,
+            optimizer=args.optimizer, tensor_parallel_plan=tp_plan, batch_size=args.batch_size or 1, seq_len=args.seq_len,
             door=args.door)
         print(json.dumps(comparison.to_dict()) if args.json else f"{comparison}\n")
 
@@ -197,7 +200,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                batch_size=args.batch_size, seq_len=args.seq_len, door=args.door,
                                mixed_precision_policy=policy, micro_batches=micro_batches, **options, **pipeline)
         row = report.to_dict()
-        timed = _step_time(report, args, cluster) if cluster is not None else None
+        sequences = args.batch_size or (micro_batches if mesh.pp > 1 else 1)  # simulate_rank's default
+        timed = _step_time(report, sequences, args.seq_len, cluster) if cluster is not None else None
         if timed is not None:
             row["step_time"] = timed
         if args.door != "whole_model" and mesh.pp == 1:  # plan_memory plans FSDP2's buckets for pipeline stages only
