@@ -334,6 +334,8 @@ def test_the_command_compares_with_torch_fsdp2_side_by_side(capsys) -> None:
     (["--hf", "llama3-405b", "--world-size", "512", "--tp", "8", "--pp", "8", "--door", "fsdp2"],
      "8 x 1 = 8 stages do not divide the model's 126 layers evenly: pick sizes whose product divides 126"),
     ([*LLAMA_8B_ONE_LAYER, "--world-size", "8", "--compare", "fsdp2", "--strategy", "optim"], "--compare fsdp2 compares FSDP2's ZeRO-3"),
+    ([*LLAMA_8B_ONE_LAYER, "--world-size", "16", "--pp", "2", "--door", "fsdp2", "--step-time"],
+     "--step-time times data- and tensor-parallel steps only"),
 ])
 def test_the_command_refuses_a_layout_that_cannot_run_naming_the_fix(arguments: list, message: str) -> None:
     with pytest.raises(SystemExit, match=re.escape(message)):

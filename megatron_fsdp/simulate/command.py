@@ -160,6 +160,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         mesh = MeshSizes(args.world_size, dp_outer=args.dp_outer, tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp)
         source = _source(args)
         cluster = _cluster(args) if args.step_time else None
+        if cluster is not None and max(mesh.pp, mesh.cp) > 1:
+            raise ValueError("--step-time times data- and tensor-parallel steps only: the model has no pipeline "
+                             "bubble and the simulator no context-parallel attention exchange, so with --pp or --cp "
+                             "it would under-predict; leave them at 1 to time a step")
     except ValueError as error:
         raise SystemExit(f"error: {error}") from error
     tp_plan = args.tensor_parallel_plan or (LLAMA_TP_PLAN if args.tp > 1 else None)

@@ -197,6 +197,9 @@ def predict_step_time(collectives: Sequence[Collective], compute: Sequence[Compu
     whole list a :class:`RankReport` holds; the wrap's are not timed), ``compute`` the segments
     between them, ``optimizer_bytes`` what the optimizer step reads and writes
     (:func:`optimizer_bytes`)."""
+    if any(c.phase == "schedule" for c in collectives) or any(s.phase == "schedule" for s in compute):
+        raise ValueError("a pipeline-parallel step (its 'schedule' phase) is not timed: the model has no pipeline "
+                         "bubble, so it would under-predict")
     optimizer_seconds = optimizer_bytes / cluster.hbm_bytes_per_s
     events = _timeline(collectives, compute, cluster, optimizer_seconds)
     sources = _earliest_sources(events)
