@@ -35,9 +35,11 @@ from pathlib import Path
 import torch
 
 from megatron_fsdp.simulate import MeshSizes, simulate_rank
+from megatron_fsdp.plan_memory.meta_models import PRESETS
 from megatron_fsdp.simulate.compute import ComputeSegment
-from megatron_fsdp.simulate.models import PRESETS, hugging_face
+from megatron_fsdp.simulate.models import hugging_face
 from megatron_fsdp.simulate.step_time import Cluster, optimizer_bytes, predict_step_time
+from megatron_fsdp.simulate.torch_fsdp2 import simulate_torch_fsdp2
 from megatron_fsdp.simulate.traffic import Collective
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +64,16 @@ def ours(preset: str, world: int, dp_outer: int, layers: int | None = None) -> S
     report = simulate_rank(source.build, MeshSizes(world, dp_outer=dp_outer), 0,
                            fsdp_unit_modules=list(source.units), seq_len=SEQ_LEN)
     return report.collectives, report.compute, optimizer_bytes(report.model_states)
+
+
+def torch_fsdp2(preset: str, world: int, dp_outer: int, layers: int | None = None) -> Schedule:
+    """Rank 0's step under torch's own FSDP2, the same model, mesh, precision and batch as
+    :func:`ours` (simulate/torch_fsdp2.py), in the same records; the optimizer streams FSDP2's
+    fp32 parameters, fp32 gradients and fp32 Adam moments."""
+    source = hugging_face(preset, torch.bfloat16, layers)
+    report = simulate_torch_fsdp2(source.build, MeshSizes(world, dp_outer=dp_outer), 0,
+                                  fsdp_unit_modules=list(source.units), seq_len=SEQ_LEN)
+    return report.collectives, report.compute, optimizer_bytes(report.model_states_as_ours())
 
 
 def depth(preset: str) -> int:
@@ -120,7 +132,11 @@ def draw(found: list[dict], images: Path = IMAGES) -> list[Path]:
                     curves.setdefault(f"{point['implementation']}, {point['layout']}", []).append(point)
             for curve, rows in curves.items():
                 rows.sort(key=lambda p: p["world"])
-                axis.plot([p["world"] for p in rows], [p[key] for p in rows], marker="o", label=curve)
+                # A layout's colour, an implementation's line: ours solid, FSDP2's dashed.
+                theirs = rows[0]["implementation"] != "megatron_fsdp"
+                axis.plot([p["world"] for p in rows], [p[key] for p in rows], label=curve,
+                          color="tab:orange" if rows[0]["layout"].startswith("HSDP") else "tab:blue",
+                          linestyle="--" if theirs else "-", marker="x" if theirs else "o")
             axis.set_xscale("log", base=2)
             axis.set_xticks(WORLDS, [str(w) for w in WORLDS])
             axis.set_title(f"{preset}, 1 x {SEQ_LEN} tokens a GPU")
@@ -130,7 +146,8 @@ def draw(found: list[dict], images: Path = IMAGES) -> list[Path]:
             axis.set_ylim(0, 1.35 * max(p[key] for p in found if p["model"] == preset))
             axis.grid(True, alpha=0.3)
             axis.legend(fontsize=8, loc="upper left")
-        figure.suptitle("megatron_fsdp step-time model: 8-GPU H200 nodes, 8 x 400 Gb/s IB, 510 TFLOP/s a GPU")
+        figure.suptitle("megatron_fsdp and torch FSDP2, step-time model: 8-GPU H200 nodes, 8 x 400 Gb/s IB, "
+                        "510 TFLOP/s a GPU")
         figure.tight_layout()
         images.mkdir(parents=True, exist_ok=True)
         figure.savefig(images / name, dpi=100)
@@ -166,7 +183,7 @@ def main() -> None:
     if args.from_json:
         found = json.loads(Path(args.from_json).read_text())
     else:
-        found = points(saved=Path(args.points))
+        found = points(fsdp2_schedule=torch_fsdp2, saved=Path(args.points))
     for path in draw(found):
         print(f"wrote {path}")
 
