@@ -143,7 +143,7 @@ def draw(found: list[dict], images: Path = IMAGES) -> list[Path]:
             axis.set_xlabel("GPUs")
             axis.set_ylabel(label)
             # Headroom above the curves for the legend.
-            axis.set_ylim(0, 1.35 * max(p[key] for p in found if p["model"] == preset))
+            axis.set_ylim(0, 1.6 * max(p[key] for p in found if p["model"] == preset))
             axis.grid(True, alpha=0.3)
             axis.legend(fontsize=8, loc="upper left")
         figure.suptitle("megatron_fsdp and torch FSDP2, step-time model: 8-GPU H200 nodes, 8 x 400 Gb/s IB, "
