@@ -16,12 +16,14 @@ as JSON (benchmarks/results/2026-12-02_scaling_plot_points.json). Each rank: bat
 tokens, bf16 weights, fp32 main weights, bf16 gradients and communication, AdamW, no activation
 checkpointing (a time model: whether the activations fit is not asked). Layouts: ZeRO-3 over
 every rank, and HSDP with the smallest shard group of 8, 64 or 512 ranks that holds the model
-states in half an H200 (8B: 8, 70B: 64, 405B: 512). 36 simulated ranks of 3 and 4 layers: 161 s of
-CPU time (36 minutes of wall time on a 2-core machine shared with other jobs).
+states in half an H200 (8B: 8, 70B: 64, 405B: 512). 72 simulated ranks of 3 and 4 layers (ours'
+36 and torch FSDP2's 36): 120 s of CPU time, 123 s of wall time in one process.
 
-FSDP2's curve: :func:`points` takes ``fsdp2_schedule``, a function of (model preset, world size,
-dp_outer, layers) returning torch FSDP2's step as the simulator's records (collectives, compute
-segments, optimizer bytes); without one, no FSDP2 curve is drawn.
+FSDP2's curve: :func:`torch_fsdp2` runs torch's own ``fully_shard`` on the same model, mesh,
+precision and batch (megatron_fsdp/simulate/torch_fsdp2.py) at the same depths, timed by the same
+model; its optimizer streams fp32 parameters, fp32 gradients and fp32 Adam moments (28 bytes a
+shard element, ours 26: our main gradients are bf16). :func:`points` takes any such schedule as
+``fsdp2_schedule``; the command passes :func:`torch_fsdp2`.
 """
 
 from __future__ import annotations
@@ -157,14 +159,17 @@ def draw(found: list[dict], images: Path = IMAGES) -> list[Path]:
 
 
 def check_depth(cluster: Cluster = Cluster()) -> list[dict]:
-    """Llama-3 8B simulated at its full 32 layers beside the carried-over times, at two layouts."""
+    """Llama-3 8B simulated at its full 32 layers beside the carried-over times, at two layouts,
+    ours and torch FSDP2's."""
     rows = []
-    for world, dp_outer in ((64, 1), (512, 64)):
-        full = predict_step_time(*ours("llama3-8b", world, dp_outer), cluster)
-        carried = full_depth_step(ours, "llama3-8b", world, dp_outer, cluster)
-        rows.append({"world": world, "dp_outer": dp_outer, "full_depth_s": full.seconds, "carried_s": carried["seconds"],
-                     "difference": carried["seconds"] / full.seconds - 1})
-        print(rows[-1], flush=True)
+    for schedule in (ours, torch_fsdp2):
+        for world, dp_outer in ((64, 1), (512, 64)):
+            full = predict_step_time(*schedule("llama3-8b", world, dp_outer), cluster)
+            carried = full_depth_step(schedule, "llama3-8b", world, dp_outer, cluster)
+            rows.append({"implementation": schedule.__name__, "world": world, "dp_outer": dp_outer,
+                         "full_depth_s": full.seconds, "carried_s": carried["seconds"],
+                         "difference": carried["seconds"] / full.seconds - 1})
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -172,7 +177,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--from-json", help="redraw from these saved points instead of simulating")
     parser.add_argument("--check-depth", action="store_true",
-                        help="only compare full-depth 8B simulations with the times carried from 3 and 4 layers")
+                        help="only compare full-depth 8B simulations (ours and FSDP2's) with the times carried "
+                             "from 3 and 4 layers")
     parser.add_argument("--points", default=str(POINTS),
                         help="where the simulated points are saved as they come (points already there are kept)")
     args = parser.parse_args()
