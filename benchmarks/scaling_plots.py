@@ -16,12 +16,14 @@ as JSON (benchmarks/results/2026-12-02_scaling_plot_points.json). Each rank: bat
 tokens, bf16 weights, fp32 main weights, bf16 gradients and communication, AdamW, no activation
 checkpointing (a time model: whether the activations fit is not asked). Layouts: ZeRO-3 over
 every rank, and HSDP with the smallest shard group of 8, 64 or 512 ranks that holds the model
-states in half an H200 (8B: 8, 70B: 64, 405B: 512). 36 simulated ranks of 3 and 4 layers: 161 s of
-CPU time (36 minutes of wall time on a 2-core machine shared with other jobs).
+states in half an H200 (8B: 8, 70B: 64, 405B: 512). 72 simulated ranks of 3 and 4 layers (ours'
+36 and torch FSDP2's 36): 120 s of CPU time, 123 s of wall time in one process.
 
-FSDP2's curve: :func:`points` takes ``fsdp2_schedule``, a function of (model preset, world size,
-dp_outer, layers) returning torch FSDP2's step as the simulator's records (collectives, compute
-segments, optimizer bytes); without one, no FSDP2 curve is drawn.
+FSDP2's curve: :func:`torch_fsdp2` runs torch's own ``fully_shard`` on the same model, mesh,
+precision and batch (megatron_fsdp/simulate/torch_fsdp2.py) at the same depths, timed by the same
+model; its optimizer streams fp32 parameters, fp32 gradients and fp32 Adam moments (28 bytes a
+shard element, ours 26: our main gradients are bf16). :func:`points` takes any such schedule as
+``fsdp2_schedule``; the command passes :func:`torch_fsdp2`.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ from pathlib import Path
 import torch
 
 from megatron_fsdp.simulate import MeshSizes, simulate_rank
+from megatron_fsdp.plan_memory.meta_models import PRESETS
 from megatron_fsdp.simulate.compute import ComputeSegment
-from megatron_fsdp.simulate.models import PRESETS, hugging_face
+from megatron_fsdp.simulate.models import hugging_face
 from megatron_fsdp.simulate.step_time import Cluster, optimizer_bytes, predict_step_time
+from megatron_fsdp.simulate.torch_fsdp2 import simulate_torch_fsdp2
 from megatron_fsdp.simulate.traffic import Collective
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +66,16 @@ def ours(preset: str, world: int, dp_outer: int, layers: int | None = None) -> S
     report = simulate_rank(source.build, MeshSizes(world, dp_outer=dp_outer), 0,
                            fsdp_unit_modules=list(source.units), seq_len=SEQ_LEN)
     return report.collectives, report.compute, optimizer_bytes(report.model_states)
+
+
+def torch_fsdp2(preset: str, world: int, dp_outer: int, layers: int | None = None) -> Schedule:
+    """Rank 0's step under torch's own FSDP2, the same model, mesh, precision and batch as
+    :func:`ours` (simulate/torch_fsdp2.py), in the same records; the optimizer streams FSDP2's
+    fp32 parameters, fp32 gradients and fp32 Adam moments."""
+    source = hugging_face(preset, torch.bfloat16, layers)
+    report = simulate_torch_fsdp2(source.build, MeshSizes(world, dp_outer=dp_outer), 0,
+                                  fsdp_unit_modules=list(source.units), seq_len=SEQ_LEN)
+    return report.collectives, report.compute, optimizer_bytes(report.model_states_as_ours())
 
 
 def depth(preset: str) -> int:
@@ -120,17 +134,22 @@ def draw(found: list[dict], images: Path = IMAGES) -> list[Path]:
                     curves.setdefault(f"{point['implementation']}, {point['layout']}", []).append(point)
             for curve, rows in curves.items():
                 rows.sort(key=lambda p: p["world"])
-                axis.plot([p["world"] for p in rows], [p[key] for p in rows], marker="o", label=curve)
+                # A layout's colour, an implementation's line: ours solid, FSDP2's dashed.
+                theirs = rows[0]["implementation"] != "megatron_fsdp"
+                axis.plot([p["world"] for p in rows], [p[key] for p in rows], label=curve,
+                          color="tab:orange" if rows[0]["layout"].startswith("HSDP") else "tab:blue",
+                          linestyle="--" if theirs else "-", marker="x" if theirs else "o")
             axis.set_xscale("log", base=2)
             axis.set_xticks(WORLDS, [str(w) for w in WORLDS])
             axis.set_title(f"{preset}, 1 x {SEQ_LEN} tokens a GPU")
             axis.set_xlabel("GPUs")
             axis.set_ylabel(label)
             # Headroom above the curves for the legend.
-            axis.set_ylim(0, 1.35 * max(p[key] for p in found if p["model"] == preset))
+            axis.set_ylim(0, 1.6 * max(p[key] for p in found if p["model"] == preset))
             axis.grid(True, alpha=0.3)
             axis.legend(fontsize=8, loc="upper left")
-        figure.suptitle("megatron_fsdp step-time model: 8-GPU H200 nodes, 8 x 400 Gb/s IB, 510 TFLOP/s a GPU")
+        figure.suptitle("megatron_fsdp and torch FSDP2, step-time model: 8-GPU H200 nodes, 8 x 400 Gb/s IB, "
+                        "510 TFLOP/s a GPU")
         figure.tight_layout()
         images.mkdir(parents=True, exist_ok=True)
         figure.savefig(images / name, dpi=100)
@@ -140,14 +159,17 @@ def draw(found: list[dict], images: Path = IMAGES) -> list[Path]:
 
 
 def check_depth(cluster: Cluster = Cluster()) -> list[dict]:
-    """Llama-3 8B simulated at its full 32 layers beside the carried-over times, at two layouts."""
+    """Llama-3 8B simulated at its full 32 layers beside the carried-over times, at two layouts,
+    ours and torch FSDP2's."""
     rows = []
-    for world, dp_outer in ((64, 1), (512, 64)):
-        full = predict_step_time(*ours("llama3-8b", world, dp_outer), cluster)
-        carried = full_depth_step(ours, "llama3-8b", world, dp_outer, cluster)
-        rows.append({"world": world, "dp_outer": dp_outer, "full_depth_s": full.seconds, "carried_s": carried["seconds"],
-                     "difference": carried["seconds"] / full.seconds - 1})
-        print(rows[-1], flush=True)
+    for schedule in (ours, torch_fsdp2):
+        for world, dp_outer in ((64, 1), (512, 64)):
+            full = predict_step_time(*schedule("llama3-8b", world, dp_outer), cluster)
+            carried = full_depth_step(schedule, "llama3-8b", world, dp_outer, cluster)
+            rows.append({"implementation": schedule.__name__, "world": world, "dp_outer": dp_outer,
+                         "full_depth_s": full.seconds, "carried_s": carried["seconds"],
+                         "difference": carried["seconds"] / full.seconds - 1})
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -155,7 +177,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--from-json", help="redraw from these saved points instead of simulating")
     parser.add_argument("--check-depth", action="store_true",
-                        help="only compare full-depth 8B simulations with the times carried from 3 and 4 layers")
+                        help="only compare full-depth 8B simulations (ours and FSDP2's) with the times carried "
+                             "from 3 and 4 layers")
     parser.add_argument("--points", default=str(POINTS),
                         help="where the simulated points are saved as they come (points already there are kept)")
     args = parser.parse_args()
@@ -166,7 +189,7 @@ def main() -> None:
     if args.from_json:
         found = json.loads(Path(args.from_json).read_text())
     else:
-        found = points(saved=Path(args.points))
+        found = points(fsdp2_schedule=torch_fsdp2, saved=Path(args.points))
     for path in draw(found):
         print(f"wrote {path}")
 

@@ -13,8 +13,10 @@ import sys
 import pytest
 import torch
 
-from megatron_fsdp.simulate import MeshSizes, simulate_rank
+from megatron_fsdp.simulate import MeshSizes, compare_with_torch_fsdp2, simulate_rank
+from megatron_fsdp.simulate.comparison import message_bytes
 from megatron_fsdp.simulate.compute import ComputeSegment
+from megatron_fsdp.simulate.models import hugging_face
 from megatron_fsdp.simulate.step_time import Cluster, collective_seconds, optimizer_bytes, predict_step_time
 from megatron_fsdp.simulate.traffic import Collective
 
@@ -71,6 +73,41 @@ def test_gathers_prefetch_under_the_unit_before_and_what_nothing_hides_is_expose
 def test_adam_streams_its_states_once_each_way_and_the_gradients_once() -> None:
     states = {"main weights": 4, "optimizer state": 8, "main grads": 2, "compute weights": 1, "bookkeeping": 100}
     assert optimizer_bytes(states) == 2 * (4 + 8) + 2 + 1
+
+
+def test_torch_fsdp2s_step_is_timed_from_its_own_records_beside_ours() -> None:
+    """A 1-layer Llama-3 8B at 4,096 ranks through torch's FSDP2 and ours, as
+    benchmarks/scaling_plots.py draws both: the same model FLOPs timed on each side; FSDP2's
+    optimizer streams its fp32 parameters and Adam moments both ways and its fp32 gradients once
+    (28 bytes a padded shard element); each side gathers its padded numel (the layer in forward and
+    again in backward, the root once), so the two differ by the padding comparison.py reports,
+    FSDP2's the more (each parameter's dim 0 to a multiple of 4,096: k_proj's 1,024 rows to 4,096)."""
+    llama = hugging_face("llama3-8b", torch.bfloat16, 1)
+    comparison = compare_with_torch_fsdp2(llama.build, MeshSizes(4096), 0, fsdp_unit_modules=list(llama.units))
+    ours, theirs = comparison.ours, comparison.torch_fsdp2
+    ours_step = predict_step_time(ours.collectives, ours.compute, optimizer_bytes(ours.model_states))
+    step = predict_step_time(theirs.collectives, theirs.compute, optimizer_bytes(theirs.model_states_as_ours()))
+    # The same FLOPs in differently cut segments: only the sums' rounding differs.
+    assert step.compute == pytest.approx(ours_step.compute, rel=1e-12) and step.compute > 0.01
+    shard_numel = sum(group.shard_numel for group in theirs.groups)
+    step_counters = theirs.shard_bytes["OptState"] - 8 * shard_numel  # AdamW's step count, a scalar a parameter
+    assert 0 < step_counters <= 8 * sum(group.params for group in theirs.groups)
+    assert step.optimizer * Cluster().hbm_bytes_per_s == pytest.approx(28 * shard_numel + 2 * step_counters, rel=1e-12)
+
+    def gathered(rows) -> int:  # bf16 gathers: 2 bytes an element
+        return sum(2 * row.padded_numel * (1 if row.unit == "<root>" else 2) for row in rows)
+
+    def layer_padding(rows) -> int:
+        return sum(row.padding for row in rows if row.unit != "<root>")
+
+    assert message_bytes(ours.step_collectives(), "all_gather") == gathered(ours.buckets)
+    assert message_bytes(theirs.step_collectives(), "all_gather") == gathered(theirs.groups)
+    rows = {what: (a, b) for what, a, b in comparison.rows()}
+    (ours_padding, their_padding), (ours_gathered, their_gathered) = rows["padding (elements)"], rows["all-gathered per step"]
+    assert their_padding > ours_padding
+    assert their_gathered - ours_gathered == 2 * (their_padding - ours_padding
+                                                 + layer_padding(theirs.groups) - layer_padding(ours.buckets))
+    assert step.seconds > step.compute + step.optimizer  # the first gathers and the last reductions are exposed
 
 
 def test_the_simulated_step_counts_the_benchmarks_model_flops_and_reads_each_layers_gather() -> None:

@@ -64,6 +64,15 @@ class TorchFSDP2Report(StepRecord):
     seconds: float = 0.0
     compute: list[ComputeSegment] = field(default_factory=list, repr=False)
 
+    def model_states_as_ours(self) -> dict[str, int]:
+        """The model states under :class:`RankReport`'s kind names, for step_time.optimizer_bytes:
+        FSDP2's sharded parameters are the main weights its optimizer steps (it keeps no compute
+        copy: it casts as it gathers) and its sharded gradients, in the parameters' dtype, the main
+        gradients the optimizer reads."""
+        kinds = {"main weights": "Sharded Param", "main grads": "Sharded Grad", "optimizer state": "OptState",
+                 "module buffers": "Buffer"}
+        return {ours: self.shard_bytes.get(theirs, 0) for ours, theirs in kinds.items()}
+
     def to_dict(self) -> dict:
         return self.summary_dict(door="torch_fsdp2", shard_bytes=self.shard_bytes,
                                  groups=[row.__dict__ | {"padding": row.padding} for row in self.groups])
