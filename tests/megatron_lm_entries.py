@@ -1,7 +1,8 @@
 """Every entry of a Megatron-LM checkpoint as plain data, to compare a converted checkpoint with
 the one Megatron-LM itself saved: tensors as tensors, pickled items with megatron-core's classes
 as (class name, arguments, state), torch_dist's common state item by item, and each parameter's
-optimizer state per parameter whichever form (flat DDP buckets or model space) holds it."""
+optimizer state per parameter whichever form (flat DDP buckets or model space) holds it; and a
+converted Hugging Face model's logits against Megatron-LM's own forward."""
 
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ from megatron_fsdp.convert.inert_pickle import Opaque
 from megatron_fsdp.convert.megatron_dp_buckets import BUCKET, add_bucket_state
 from megatron_fsdp.convert.megatron_layouts import torch_dist_view
 from megatron_fsdp.convert.sources import TORCH_DIST_COMMON_ITEM, DcpSource
+
+
+def logits_error(model_class: type, hf_dir: str, reference_file: str) -> float:
+    """The largest |difference| between ``model_class.from_pretrained(hf_dir)``'s logits and
+    Megatron-LM's own forward on the same tokens (``reference_file``: a fixture's megatron_logits.pt)."""
+    reference = torch.load(reference_file)
+    model = model_class.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        logits = model(input_ids=reference["tokens"], position_ids=reference["position_ids"]).logits
+    return (logits - reference["logits"]).abs().max().item()
 
 
 def plain(value: Any) -> Any:

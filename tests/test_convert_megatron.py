@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 pytest.importorskip("transformers")
 
-from megatron_lm_entries import sharded_object  # noqa: E402
+from megatron_lm_entries import logits_error, sharded_object  # noqa: E402
 from safetensors_dir import read_safetensors_dir  # noqa: E402
 from transformers import LlamaForCausalLM, MixtralConfig, MixtralForCausalLM  # noqa: E402
 
@@ -54,11 +54,7 @@ def test_megatron_lm_checkpoint_converts_to_hf_with_megatrons_logits(checkpoint:
     with open(os.path.join(output, "config.json")) as handle:
         config = json.load(handle)
     assert (config["model_type"], config["num_key_value_heads"], config["intermediate_size"], config["tie_word_embeddings"]) == ("llama", 2, 128, False)
-    reference = torch.load(os.path.join(DATA, "megatron_logits.pt"))
-    model = LlamaForCausalLM.from_pretrained(output).eval()
-    with torch.no_grad():
-        logits = model(input_ids=reference["tokens"], position_ids=reference["position_ids"]).logits
-    error = (logits - reference["logits"]).abs().max().item()
+    error = logits_error(LlamaForCausalLM, output, os.path.join(DATA, "megatron_logits.pt"))
     assert error <= LOGITS_ATOL, f"Hugging Face logits differ from Megatron-LM's by {error:.2e}"
 
 

@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 pytest.importorskip("transformers")
 
+from megatron_lm_entries import logits_error  # noqa: E402
 from megatron_lm_pp_save import raw_item  # noqa: E402
 from safetensors_dir import read_safetensors_dir  # noqa: E402
 from transformers import MixtralForCausalLM  # noqa: E402
@@ -60,11 +61,7 @@ def test_megatron_lm_moe_checkpoint_converts_to_mixtral_with_megatrons_logits(ch
     with open(os.path.join(output, "config.json")) as handle:
         config = json.load(handle)
     assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == ("mixtral", 4, 2, 128)
-    reference = torch.load(os.path.join(MOE, "megatron_logits.pt"))
-    model = MixtralForCausalLM.from_pretrained(output).eval()
-    with torch.no_grad():
-        logits = model(input_ids=reference["tokens"], position_ids=reference["position_ids"]).logits
-    error = (logits - reference["logits"]).abs().max().item()
+    error = logits_error(MixtralForCausalLM, output, os.path.join(MOE, "megatron_logits.pt"))
     assert error <= LOGITS_ATOL, f"Mixtral's logits differ from Megatron-LM's by {error:.2e}"
 
 

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.simulate.compute import ComputeLog, ComputeSegment
-from megatron_fsdp.simulate.doors import OPTIMIZERS, apply_tensor_parallel
+from megatron_fsdp.simulate.doors import OPTIMIZERS, apply_tensor_parallel, fsdp2_mesh
 from megatron_fsdp.simulate.inventory import BucketRow
 from megatron_fsdp.simulate.observer import StepObserver
 from megatron_fsdp.simulate.report import StepRecord, bucket_lines
@@ -125,7 +125,7 @@ def _propagation_in_a_fake_mode_of_its_own() -> Iterator[None]:
 def _shard_module(module: nn.Module, units: Sequence[type], device_mesh, mesh: MeshSizes,
                   policy: TorchMixedPrecisionPolicy) -> list[nn.Module]:
     """``fully_shard`` on every unit, then the root; returns them in that order."""
-    fsdp_mesh = device_mesh["dp_outer", "dp_shard"] if mesh.dp_outer > 1 else device_mesh["dp_shard"]
+    fsdp_mesh = fsdp2_mesh(device_mesh, mesh)
     sharded = [m for m in module.modules() if isinstance(m, tuple(units))]
     for unit in sharded:
         fully_shard(unit, mesh=fsdp_mesh, mp_policy=policy)
