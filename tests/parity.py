@@ -516,18 +516,31 @@ def _distances(run: Result, exact: Result) -> dict[str, float]:
     return distances
 
 
+LOSS_ROUNDINGS = 2
+
+
 def compare_low_precision(got: Result, reference: Result, exact: Result, label: str, slack: float = 2.0) -> None:
     """Low-precision runs cannot match each other to a fixed tolerance: the rounding of every
     activation depends on batch shapes. So, for each of losses, gradients and parameters, the
     sharded run's largest distance to the exact (fp32-compute) run must be within ``slack``
     times the single-process low-precision reference's. Both are the same kind of rounding
     process, so their worst distances differ by a small factor (about 1x measured); a sharding
-    bug (a wrong shard, a missing scale, a gradient counted twice) moves values by O(1)."""
+    bug (a wrong shard, a missing scale, a gradient counted twice) moves values by O(1).
+
+    The losses are one scalar a step, not a maximum over thousands of elements, so the ratio of
+    two runs' worst loss distances does not settle near 1: with one CPU thread instead of
+    torch's default, the summation order changes and it measured 2.6 (6.4e-3 against 2.5e-3).
+    Their bound is therefore at least ``LOSS_ROUNDINGS`` unit roundoffs of the reference's
+    gradient dtype (2^-8 for bf16), relative: the size of a rounding at the loss's own
+    magnitude. A sharding bug shows in the gradients and parameters, whose bound has no floor."""
     ours, theirs = _distances(got, exact), _distances(reference, exact)
     assert ours.keys() == theirs.keys(), f"{label}: names differ"
+    unit_roundoff = torch.finfo(next(iter(reference.grads.values())).dtype).eps / 2
     for kind in ("loss", "grad", "param"):
         worst_ours = max(v for k, v in ours.items() if k.startswith(kind))
         worst_theirs = max(v for k, v in theirs.items() if k.startswith(kind))
-        assert worst_ours <= slack * worst_theirs, (
-            f"{label}: worst {kind} distance to fp32 {worst_ours:.2e} > {slack} x the bf16 reference's {worst_theirs:.2e}"
+        bound = max(slack * worst_theirs, LOSS_ROUNDINGS * unit_roundoff if kind == "loss" else 0.0)
+        assert worst_ours <= bound, (
+            f"{label}: worst {kind} distance to fp32 {worst_ours:.2e} > {bound:.2e} "
+            f"({slack} x the low-precision reference's {worst_theirs:.2e})"
         )
