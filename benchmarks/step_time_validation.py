@@ -1,16 +1,19 @@
 """The step-time model (megatron_fsdp/simulate/step_time.py) against our measured steps: each
 measured row of megatron_fsdp in benchmarks/results that the simulator can reproduce (the same GPT
 shape, world, mesh, strategy and precision as benchmarks/step_time.py ran) is simulated on this
-CPU, its step predicted, and the prediction set beside the row's median step time.
+CPU, its step predicted, and the prediction set beside the row's median step time. Torch FSDP2's
+rows likewise: torch's own ``fully_shard`` simulated (megatron_fsdp/simulate/torch_fsdp2.py) as
+benchmarks/step_time.py calls it (per block, then the root; an fp32 model gathered in bf16 and
+reduced in fp32; its default resharding; HSDP over the same 2 x world/2 mesh).
 
-    python benchmarks/step_time_validation.py            # the table of docs/scaling.md, "Step time"
-    python benchmarks/step_time_validation.py --json out.json
+    python benchmarks/step_time_validation.py            # the tables of docs/scaling.md, "Step time"
+    python benchmarks/step_time_validation.py --rows torch-fsdp2 --json out.json
 
-Calibration: one rate per GPU, model shape, batch and compilation, fitted from that setting's
-world-1 row (no communication there: the rate is the row's model FLOPs over its step less the
-optimizer's memory time). Rows at worlds 2 and 4 are predictions from it; nothing is fitted to
-them. 192 s of CPU time (17 simulated ranks; 41 minutes of wall time on a 2-core machine shared with
-other jobs).
+Calibration: one rate per implementation, GPU, model shape, batch and compilation, fitted from
+that setting's world-1 row of the same implementation (no communication there: the rate is the
+row's model FLOPs over its step less the optimizer's memory time). Rows at worlds 2 and 4 are
+predictions from it; nothing is fitted to them. Ours: 192 s of CPU time (17 simulated ranks; 41
+minutes of wall time on a 2-core machine shared with other jobs); FSDP2's 6 simulated ranks: 23 s.
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ from gpt_model import GPTConfig, TransformerBlock, gpt  # noqa: E402
 
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy  # noqa: E402
 from megatron_fsdp.simulate import MeshSizes, RankReport, simulate_rank  # noqa: E402
+from megatron_fsdp.simulate.compute import ComputeSegment  # noqa: E402
 from megatron_fsdp.simulate.step_time import Cluster, optimizer_bytes, predict_step_time  # noqa: E402
+from megatron_fsdp.simulate.torch_fsdp2 import TorchFSDP2Report, simulate_torch_fsdp2  # noqa: E402
+from megatron_fsdp.simulate.traffic import Collective  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TRAINING_PHASES = ("forward", "backward")
@@ -45,7 +51,8 @@ TARGET_ERROR = 0.15
 @dataclass(frozen=True)
 class Row:
     """One measured row: its file and implementation name, and how benchmarks/step_time.py
-    built it (the hybrid rows' mesh is (2, world / 2))."""
+    built it (the hybrid rows' mesh is (2, world / 2)). A ``torch FSDP2`` row is torch's ZeRO-3
+    (and HSDP's replicas, ``dp_outer``) reducing in fp32: it takes no other strategy."""
 
     file: str
     implementation: str
@@ -53,6 +60,16 @@ class Row:
     grad_comm: torch.dtype = torch.float32
     dp_outer: int = 1
     outer_strategy: str = "no_shard"
+
+    def __post_init__(self) -> None:
+        if self.torch_fsdp2 and (self.strategy, self.grad_comm, self.outer_strategy) != (
+                "optim_grads_params", torch.float32, "no_shard"):
+            raise ValueError(f"{self.implementation!r} in {self.file}: torch FSDP2's rows are ZeRO-3 reducing in fp32 "
+                             f"with whole replicas; leave strategy, grad_comm and outer_strategy at their defaults")
+
+    @property
+    def torch_fsdp2(self) -> bool:
+        return self.implementation.startswith("torch FSDP2")
 
 
 _OURS = "megatron_fsdp optim_grads_params fp32-comm"
@@ -80,6 +97,26 @@ GROUPS: list[tuple[Row, list[Row]]] = [
      [Row("2026-11-27_h100x4_8B_l32_mbs1_seq4096_compile_float8.json", _COMPILED)]),
 ]
 
+# Torch FSDP2's rows, each setting calibrated from FSDP2's own world-1 row. Not here: FSDP2's
+# 8B row at 4 x H100 (compiled; 2026-11-27_h100x4_8B_l32_mbs1_seq4096_compile_float8.json) has
+# no world-1 row to fit its rate (the 10-layer H100 file has FSDP2's float8 row only), and the
+# float8 rows are out as ours are.
+_FSDP2 = "torch FSDP2"
+FSDP2_GROUPS: list[tuple[Row, list[Row]]] = [
+    # Host-bound (docs/scaling.md): FSDP2's step at 1 x 1,024 is its host's pace, which varies
+    # between runs; the same day's world-1 row is the second calibration.
+    (Row("2026-11-29_h200x1_scaling_1.3B_mbs1_seq1024.json", _FSDP2),
+     [Row("2026-11-23_h200x2_1.3B_mbs1_seq1024.json", _FSDP2)]),
+    (Row("2026-11-23_h200x1_1.3B_mbs1_seq1024_release_main_grads.json", _FSDP2),
+     [Row("2026-11-23_h200x2_1.3B_mbs1_seq1024.json", _FSDP2)]),
+    (Row("2026-11-29_h200x1_scaling_1.3B_mbs4_seq2048.json", _FSDP2),
+     [Row("2026-11-23_h200x2_1.3B_mbs4_seq2048.json", _FSDP2),
+      Row("2026-11-28_h200x4_1.3B_mbs4_seq2048_hsdp_hfsdp.json", _FSDP2),
+      Row("2026-11-28_h200x4_1.3B_mbs4_seq2048_hsdp_hfsdp.json", _FSDP2 + " hsdp", dp_outer=2)]),
+]
+# --rows: which groups a run validates.
+ROW_SETS = {"all": GROUPS + FSDP2_GROUPS, "ours": GROUPS, "torch-fsdp2": FSDP2_GROUPS}
+
 
 @dataclass(frozen=True)
 class Measured:
@@ -105,31 +142,52 @@ def measured(row: Row, results: Path = RESULTS) -> Measured:
     return Measured(gpu, setting["gpus"], config, setting["micro_batch"], setting["seq_len"], entry["median_step_s"])
 
 
-_SIMULATED: dict[tuple, RankReport] = {}
+@dataclass(frozen=True)
+class Schedule:
+    """What the step-time model reads of a simulated rank: its collectives, its compute segments,
+    and the bytes its optimizer step streams."""
+
+    collectives: list[Collective]
+    compute: list[ComputeSegment]
+    optimizer_bytes: int
 
 
-def simulated(row: Row, shape: Measured) -> RankReport:
-    """Rank 0 of the row's world, simulated once per distinct setting."""
-    key = (row.strategy, row.grad_comm, row.dp_outer, row.outer_strategy, shape.world, shape.config,
+_SIMULATED: dict[tuple, Schedule] = {}
+
+
+def _report(row: Row, shape: Measured) -> RankReport | TorchFSDP2Report:
+    """Rank 0 of the row's world: ours, or torch's FSDP2 with the same model and precision (the
+    fp32 main weights are FSDP2's parameters, gathered in the model's bf16, reduced in fp32)."""
+    config = dataclasses.asdict(shape.config)
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return gpt(**config).to(torch.bfloat16)
+
+    policy = MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+                                  grad_comm_dtype=row.grad_comm)
+    common = dict(fsdp_unit_modules=[TransformerBlock], mixed_precision_policy=policy, batch_size=shape.micro_batch,
+                  seq_len=shape.seq_len)
+    mesh = MeshSizes(shape.world, dp_outer=row.dp_outer)
+    if row.torch_fsdp2:
+        return simulate_torch_fsdp2(build, mesh, 0, **common)
+    return simulate_rank(build, mesh, 0, zero_dp_strategy=row.strategy, outer_dp_sharding_strategy=row.outer_strategy,
+                         **common)
+
+
+def simulated(row: Row, shape: Measured) -> Schedule:
+    """The row's rank 0 as the step-time model reads it, simulated once per distinct setting."""
+    key = (row.torch_fsdp2, row.strategy, row.grad_comm, row.dp_outer, row.outer_strategy, shape.world, shape.config,
            shape.micro_batch, shape.seq_len)
     if key not in _SIMULATED:
-        config = dataclasses.asdict(shape.config)
-
-        def build() -> torch.nn.Module:
-            with torch.device("meta"):
-                return gpt(**config).to(torch.bfloat16)
-
-        policy = MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
-                                      grad_comm_dtype=row.grad_comm)
-        _SIMULATED[key] = simulate_rank(
-            build, MeshSizes(shape.world, dp_outer=row.dp_outer), 0, fsdp_unit_modules=[TransformerBlock],
-            zero_dp_strategy=row.strategy, outer_dp_sharding_strategy=row.outer_strategy,
-            mixed_precision_policy=policy, batch_size=shape.micro_batch, seq_len=shape.seq_len)
+        report = _report(row, shape)
+        states = report.model_states_as_ours() if row.torch_fsdp2 else report.model_states
+        _SIMULATED[key] = Schedule(report.collectives, report.compute, optimizer_bytes(states))
     return _SIMULATED[key]
 
 
-def training_flops(report: RankReport) -> int:
-    return sum(segment.flops for segment in report.compute if segment.phase in TRAINING_PHASES)
+def training_flops(schedule: Schedule) -> int:
+    return sum(segment.flops for segment in schedule.compute if segment.phase in TRAINING_PHASES)
 
 
 def fitted_tflops(row: Row, results: Path = RESULTS) -> float:
@@ -137,17 +195,17 @@ def fitted_tflops(row: Row, results: Path = RESULTS) -> float:
     shape = measured(row, results)
     if shape.world != 1:
         raise ValueError(f"{row.file}: calibration needs a world-1 row, this one ran on {shape.world} GPUs")
-    report = simulated(row, shape)
-    optimizer_s = optimizer_bytes(report.model_states) / HBM_BYTES_PER_S[shape.gpu]
-    return training_flops(report) / (shape.median_step_s - optimizer_s) / 1e12
+    schedule = simulated(row, shape)
+    optimizer_s = schedule.optimizer_bytes / HBM_BYTES_PER_S[shape.gpu]
+    return training_flops(schedule) / (shape.median_step_s - optimizer_s) / 1e12
 
 
 def predicted(row: Row, tflops: float, results: Path = RESULTS) -> dict:
     """The row beside its prediction at ``tflops``: one line of the validation table."""
     shape = measured(row, results)
-    report = simulated(row, shape)
+    schedule = simulated(row, shape)
     cluster = Cluster(achieved_tflops=tflops, hbm_bytes_per_s=HBM_BYTES_PER_S[shape.gpu])
-    step = predict_step_time(report.collectives, report.compute, optimizer_bytes(report.model_states), cluster)
+    step = predict_step_time(schedule.collectives, schedule.compute, schedule.optimizer_bytes, cluster)
     return {
         "file": row.file, "implementation": row.implementation, "gpu": shape.gpu, "world": shape.world,
         "layers": shape.config.layers, "micro_batch": shape.micro_batch, "seq_len": shape.seq_len,
@@ -158,7 +216,7 @@ def predicted(row: Row, tflops: float, results: Path = RESULTS) -> dict:
     }
 
 
-def validation_table(groups: Iterable[tuple[Row, list[Row]]] = GROUPS, results: Path = RESULTS) -> list[dict]:
+def validation_table(groups: Iterable[tuple[Row, list[Row]]] = ROW_SETS["all"], results: Path = RESULTS) -> list[dict]:
     table = []
     for calibration, rows in groups:
         tflops = fitted_tflops(calibration, results)
@@ -182,14 +240,18 @@ def markdown(table: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also write the table here as JSON")
+    parser.add_argument("--rows", choices=list(ROW_SETS), default="all",
+                        help="ours, torch FSDP2's or all (default) measured rows")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    table = validation_table()
-    print(markdown(table))
-    predictions = [r for r in table if r["role"] == "prediction"]
-    worst = max(predictions, key=lambda r: abs(r["error"]))
-    print(f"\n{len(predictions)} predicted rows; largest error {worst['error']:+.1%} "
-          f"({worst['implementation']}, {worst['file']}); target {TARGET_ERROR:.0%}")
+    table = validation_table(ROW_SETS[args.rows])
+    for family in ("megatron_fsdp", _FSDP2):  # one table each, as docs/scaling.md has them
+        rows = [r for r in table if r["implementation"].startswith(family)]
+        predictions = [r for r in rows if r["role"] == "prediction"]
+        if predictions:
+            worst = max(predictions, key=lambda r: abs(r["error"]))
+            print(f"{markdown(rows)}\n\n{family}: {len(predictions)} predicted rows; largest error "
+                  f"{worst['error']:+.1%} ({worst['implementation']}, {worst['file']}); target {TARGET_ERROR:.0%}\n")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
 
