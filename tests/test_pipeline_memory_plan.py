@@ -159,6 +159,36 @@ def test_layers_are_dealt_out_evenly_with_embeddings_first_and_the_head_last() -
         ((0, 2), ("blocks.0", "blocks.2")), ((1, 3), ("blocks.1", "blocks.3"))]
 
 
+@pytest.mark.parametrize("layers, stages", [(126, 8), (32, 4), (80, 16), (61, 4), (3, 2)])
+def test_the_torchtitan_split_deals_layers_as_torchtitan_does(layers: int, stages: int) -> None:
+    """Against torchtitan's own default split (its stages' module names, counted)."""
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
+
+    theirs = [sum(name.startswith("layers.") for name in stage) for stage in _generate_llm_fqn_per_model_part(stages, layers)]
+    assert list(PipelineSpec(stages, "GPipe", layer_split="torchtitan").layers_per_stage(layers)) == theirs
+
+
+def test_an_uneven_split_gives_each_stage_its_layers_and_sizes_activations_by_the_largest() -> None:
+    """Counts given for each stage: the layers go out in those runs, the ends as with an even
+    split, and each rank's activations count its stage's layers (an interleaved rank's stage
+    micro-batches each at its larger stage's)."""
+    with torch.device("meta"):
+        model = make_model(layers=6)
+    layers = find_unit_modules(model, (Block,), units_required=False)
+    split = split_stages(model, layers, PipelineSpec(2, "1F1B", 2, layer_split=(2, 4)))
+    assert [(held.layers, held.stage_layers) for held in split] == [
+        (("blocks.0", "blocks.1"), (2,)), (("blocks.2", "blocks.3", "blocks.4", "blocks.5"), (4,))]
+    assert "embed.weight" in split[0].params and "norm.weight" in split[1].params
+    with torch.device("meta"):
+        model = StageModel([Block() for _ in range(6)], embeds=True, ends=True)
+    plan = megatron_fsdp.plan_memory(model, 4, fsdp_unit_modules=[Block], pipeline_parallel_size=2,
+                                     pipeline_schedule="Interleaved1F1B", micro_batches=2,
+                                     pipeline_layer_split="1,2,2,1", activation_bytes_per_layer=1000)
+    first, last = plan.for_rank(0), plan.for_rank(2)
+    assert (first.stages, last.stages) == ((0, 2), (1, 3))
+    assert first.stage_micro_batch_activations == last.stage_micro_batch_activations == 2 * 1000
+
+
 class _Frequencies(nn.Module):
     """A module of buffers alone, outside the layers (a rotary embedding's), read by every layer."""
 
@@ -199,7 +229,12 @@ def test_the_gathered_weights_and_the_activation_estimate_follow_the_policy_and_
 
 @pytest.mark.parametrize("change, message", [
     (dict(pipeline_schedule="ZeroBubble"), "unknown pipeline schedule 'ZeroBubble': use one of GPipe, 1F1B"),
-    (dict(pipeline_parallel_size=3, world_size=6), "3 x 1 = 3 stages do not divide the model's 4 layers"),
+    (dict(pipeline_parallel_size=3, world_size=6), "3 x 1 = 3 stages do not divide the model's 4 layers evenly: pick "
+     "sizes whose product divides 4, or deal them out unevenly"),
+    (dict(pipeline_parallel_size=2, pipeline_layer_split=(1, 2)), r"layer split \[1, 2\] deals out 3 layers; the "
+     "model has 4"),
+    (dict(pipeline_parallel_size=2, pipeline_layer_split="4"), "give one count of at least 1 for each of the 2 stages"),
+    (dict(pipeline_parallel_size=2, pipeline_layer_split="uneven"), "layer split 'uneven': give even or torchtitan"),
     (dict(pipeline_parallel_size=2, micro_batches=1), "Schedule1F1B needs at least as many micro-batches as stages"),
     (dict(pipeline_schedule="GPipe", virtual_stages=2), "ScheduleGPipe runs one stage a rank"),
     (dict(pipeline_parallel_size=2, pipeline_schedule="Interleaved1F1B", micro_batches=5),

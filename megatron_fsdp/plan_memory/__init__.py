@@ -93,6 +93,7 @@ def plan_memory(
     pipeline_parallel_size: int = 1,
     pipeline_schedule: str = "1F1B",
     virtual_stages: int | None = None,
+    pipeline_layer_split: str | Sequence[int] = "even",
     reshard_after_forward: bool | None = None,
     activation_bytes_per_layer: int | None = None,
     device_type: str = "cuda",
@@ -136,9 +137,12 @@ def plan_memory(
     Pipeline parallelism, as torch.distributed.pipelining runs it over stage modules each sharded
     by ``megatron_fsdp.fsdp2.fully_shard`` (pipeline ranks slowest: the world is pp x the mesh
     above): ``pipeline_parallel_size`` > 1 splits the layers (the outermost modules of
-    ``fsdp_unit_modules``) evenly over ``pipeline_parallel_size x virtual_stages`` stages, what
-    comes before the first layer going to the first stage and what comes after the last to the
-    last (engine/planning/pipeline_stages.py); ``pipeline_schedule``: ``"GPipe"``, ``"1F1B"``
+    ``fsdp_unit_modules``) over ``pipeline_parallel_size x virtual_stages`` stages, consecutive
+    runs of them, what comes before the first layer going to the first stage and what comes
+    after the last to the last (engine/planning/pipeline_stages.py); ``pipeline_layer_split``:
+    ``"even"`` (default, as Megatron-LM), ``"torchtitan"`` (torchtitan's default: the embedding and
+    the head count as a layer each, so 126 layers over 8 stages go 15, 16, ..., 16, 15), or a
+    layer count for each stage; ``pipeline_schedule``: ``"GPipe"``, ``"1F1B"``
     (default), ``"Interleaved1F1B"`` or ``"LoopedBFS"`` (torch's ``Schedule<name>``) over
     ``micro_batches`` micro-batches; ``virtual_stages``: stages a rank (None: 1, or 2 for the
     interleaved schedules). Each planned rank holds its stages' model states (exact); every
@@ -150,7 +154,8 @@ def plan_memory(
     schedule keeps in flight and the step's peak (``RankMemory.activations``, ``step_peak``)."""
     pipeline = None
     if pipeline_parallel_size != 1 or virtual_stages not in (None, 1) or pipeline_schedule != "1F1B":
-        pipeline = PipelineSpec(pipeline_parallel_size, pipeline_schedule, micro_batches, virtual_stages)
+        pipeline = PipelineSpec(pipeline_parallel_size, pipeline_schedule, micro_batches, virtual_stages,
+                                pipeline_layer_split)
     check_meta_model(module)
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     outer = check_outer_strategy(outer_dp_sharding_strategy, strategy, "dp_outer" if dp_outer_size > 1 else None)

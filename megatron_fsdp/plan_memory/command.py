@@ -23,7 +23,7 @@ from torch import nn
 
 from megatron_fsdp.engine.planning.memory_plan import OptimizerSpec, gib
 from megatron_fsdp.engine.planning.model_plan import PlanRefused
-from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec
+from megatron_fsdp.engine.planning.pipeline_stages import LAYER_SPLITS, PipelineSpec
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.plan_memory import MemoryPlan, meta_models, plan_memory
 
@@ -139,8 +139,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--expert-tensor-parallel-size", type=_positive_ints, default=None,
                         help="ETP sizes (default: the TP size, as Megatron-LM)")
     parser.add_argument("--pipeline-parallel-size", "--pipeline-model-parallel-size", type=_positive_ints, default=[1],
-                        help="PP sizes: the layers (--units) split evenly over PP x --virtual-stages stages, what comes "
-                             "before the first on the first stage, after the last on the last")
+                        help="PP sizes: the layers (--units) split over PP x --virtual-stages stages (--pipeline-layer-"
+                             "split), what comes before the first on the first stage, after the last on the last")
+    parser.add_argument("--pipeline-layer-split", default="even",
+                        help="layers a stage: even (default, as Megatron-LM), torchtitan (its default: the embedding "
+                             "and the head count as a layer each, e.g. 126 layers over 8 stages 15,16,...,16,15), or "
+                             "a count for each stage, comma-separated")
     parser.add_argument("--pipeline-schedule", default="1F1B",
                         help="torch.distributed.pipelining's schedule: GPipe, 1F1B, Interleaved1F1B or LoopedBFS "
                              "(--micro-batches a step)")
@@ -257,7 +261,8 @@ def _rows(model: nn.Module, units: list[type], args: argparse.Namespace) -> list
                     fsdp_double_buffer=args.double_buffer, cpu_offload=offload, micro_batches=micro_batches,
                     deferred_reduction=args.deferred_reduction, pipeline_parallel_size=pp,
                     pipeline_schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
-                    reshard_after_forward=reshard, activation_bytes_per_layer=activations,
+                    pipeline_layer_split=args.pipeline_layer_split, reshard_after_forward=reshard,
+                    activation_bytes_per_layer=activations,
                 )
             except PlanRefused as refused:
                 mesh = _where(world, outer_size, tp, cp, pp, ep, etp)
@@ -351,8 +356,10 @@ def _pipeline_note(staged: list[dict], args: argparse.Namespace) -> str:
         batches = (f"{', '.join(f'{_micro_batch_count(count)} at pp {pp}' for pp, count in counts.items())} (the "
                    f"fewest {first['schedule']} runs; --micro-batches sets them)")
     strategy = ", optim_grads_params only (FSDP2's door shards the stages)" if args.strategies is None else ""
-    return (f"; pipeline: {first['schedule']}, {batches}, {first['virtual_stages']} stage(s) a rank, layers split "
-            f"evenly, the largest rank's stages shown{strategy}")
+    split = args.pipeline_layer_split
+    layers = f"{split} layer split" if split in LAYER_SPLITS else f"layers a stage {split}"
+    return (f"; pipeline: {first['schedule']}, {batches}, {first['virtual_stages']} stage(s) a rank, {layers}, "
+            f"the largest rank's stages shown{strategy}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -55,6 +55,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pipeline-schedule", default="1F1B", help="torch's Schedule<name>: GPipe, 1F1B, Interleaved1F1B, LoopedBFS")
     parser.add_argument("--micro-batches", type=int, default=None, help="a step's micro-batches (default: the fewest the schedule runs)")
     parser.add_argument("--virtual-stages", type=int, default=None, help="stages a rank (interleaved schedules; default 2)")
+    parser.add_argument("--pipeline-layer-split", default="even",
+                        help="layers a stage: even (default), torchtitan (its default: 126 layers over 8 stages "
+                             "15,16,...,16,15), or a count for each stage, comma-separated")
     parser.add_argument("--reshard-after-forward", choices=("true", "false"), default="false",
                         help="FSDP2's, for every unit of a stage (default false, as torchtitan passes it under PP)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (--hf Llama-style: Megatron-LM's split)")
@@ -175,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     options = dict(fsdp_unit_modules=list(source.units), zero_dp_strategy=args.strategy,
                    outer_dp_sharding_strategy=args.outer_strategy)
     pipeline = dict(pipeline_schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
+                    pipeline_layer_split=args.pipeline_layer_split,
                     reshard_after_forward=args.reshard_after_forward == "true")
     micro_batches = args.micro_batches
     in_float32, planned_policy = planned_as(args.door, policy)

@@ -1,7 +1,7 @@
 """Pipeline parallelism in a simulated rank, as plan_memory plans it and torchtitan runs it: the
 rank builds only its stages' modules (a Hugging Face causal LM cut as engine/planning/
 pipeline_stages.py splits it: the embedding on the first stage, the final norm and the head on
-the last, the layers dealt out evenly), shards each through the FSDP2 door (its layers, then
+the last, the layers dealt out as the pipeline's layer split says), shards each through the FSDP2 door (its layers, then
 the stage module, ``reshard_after_forward`` False by default, as torchtitan passes it under
 PP), and runs torch's own schedule (``torch.distributed.pipelining.Schedule<name>`` over
 ``PipelineStage``) for every micro-batch of the step: the forwards and backwards in the
@@ -70,12 +70,12 @@ def stage_modules(build_model: Callable[[], nn.Module], units: Sequence[type], s
     layers = find_unit_modules(probe, tuple(units), units_required=False, log_absent=False)
     held = split_stages(probe, layers, spec)[pp_rank]  # refuses layers the stages do not divide
     names = outermost_layers(layers)
-    per_stage = len(names) // spec.stages
+    stage_of_layer = spec.stage_of_layers(len(names))
     stages = []
     for stage in held.stages:
         model = build_model()
         decoder = model.model
-        decoder.layers = nn.ModuleList(model.get_submodule(n) for n in names[stage * per_stage:(stage + 1) * per_stage])
+        decoder.layers = nn.ModuleList(model.get_submodule(n) for n, s in zip(names, stage_of_layer) if s == stage)
         first, last = stage == 0, stage == spec.stages - 1
         if not first:
             decoder.embed_tokens = None

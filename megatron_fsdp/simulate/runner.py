@@ -95,6 +95,7 @@ def simulate_rank(
     pipeline_schedule: str = "1F1B",
     micro_batches: int | None = None,
     virtual_stages: int | None = None,
+    pipeline_layer_split: str | Sequence[int] = "even",
     reshard_after_forward: bool | None = None,
 ) -> RankReport:
     """Rank ``rank`` of ``mesh.world_size``: builds ``build_model()`` (a model on the meta device)
@@ -111,7 +112,9 @@ def simulate_rank(
     ``mesh.pp`` > 1 (the FSDP2 door; pipeline.py): the rank builds its stages of a Hugging Face
     causal LM and runs torch's ``Schedule<pipeline_schedule>`` over ``micro_batches`` (default:
     the fewest the schedule runs) micro-batches of the ``batch_size`` (default: one a
-    micro-batch) sequences, with ``virtual_stages`` stages a rank and FSDP2's
+    micro-batch) sequences, with ``virtual_stages`` stages a rank, the layers dealt out to them
+    as ``pipeline_layer_split`` says (plan_memory's: ``"even"``, ``"torchtitan"`` or a count a
+    stage), and FSDP2's
     ``reshard_after_forward`` (default False, as torchtitan passes it under PP); the loss is
     the last stage's cross-entropy. Returns what the rank allocated and sent
     (:class:`RankReport`); a layout the engine refuses raises its error."""
@@ -120,7 +123,7 @@ def simulate_rank(
     if seq_len % mesh.cp:
         raise ValueError(f"seq_len {seq_len}: context parallelism {mesh.cp} gives each rank 1/{mesh.cp} of every "
                          f"sequence; pick a seq_len divisible by {mesh.cp}")
-    spec = _pipeline_spec(mesh, pipeline_schedule, micro_batches, virtual_stages, batch_size)
+    spec = _pipeline_spec(mesh, pipeline_schedule, micro_batches, virtual_stages, pipeline_layer_split, batch_size)
     batch_size = batch_size or (spec.micro_batches if spec else 1)
     local_seq = seq_len // mesh.cp
     started = time.perf_counter()
@@ -189,13 +192,13 @@ def _pipeline_step(stages: list, spec: PipelineSpec, device_mesh, mesh: MeshSize
 
 
 def _pipeline_spec(mesh: MeshSizes, schedule: str, micro_batches: int | None, virtual_stages: int | None,
-                   batch_size: int | None) -> PipelineSpec | None:
+                   layer_split: str | Sequence[int], batch_size: int | None) -> PipelineSpec | None:
     """The pipeline as plan_memory takes it (None without pipeline parallelism); what the
     schedule cannot run raises with the planner's own words."""
     if mesh.pp == 1:
         return None
-    spec = PipelineSpec(mesh.pp, schedule, 1, virtual_stages)
-    spec = PipelineSpec(mesh.pp, schedule, micro_batches or spec.fewest_micro_batches(), virtual_stages)
+    spec = PipelineSpec(mesh.pp, schedule, 1, virtual_stages, layer_split)
+    spec = PipelineSpec(mesh.pp, schedule, micro_batches or spec.fewest_micro_batches(), virtual_stages, layer_split)
     if problem := spec.micro_batch_problem():
         raise ValueError(problem)
     if batch_size is not None and batch_size % spec.micro_batches:

@@ -107,7 +107,8 @@ def _plan_model(
         ranks, alike = [], []
         for pp_rank, held in enumerate(split_stages(module, layers, pipeline)):
             offset = pp_rank * slice_options.world_size
-            stage_ranks, stage_alike = _plan_slice(module, unit_classes, slice_options, held, len(held.layers), pp_rank)
+            stage_ranks, stage_alike = _plan_slice(module, unit_classes, slice_options, held, max(held.stage_layers),
+                                                   pp_rank)
             for memory in stage_ranks:
                 memory.rank += offset
             ranks += stage_ranks
@@ -142,10 +143,12 @@ def check_pipeline_door(module: nn.Module, options: PlanOptions) -> None:
 
 def _plan_slice(
     module: nn.Module, unit_classes: tuple[type, ...], options: PlanOptions, held: StageContents | None,
-    layers: int, pp_rank: int = 0,
+    stage_layers: int, pp_rank: int = 0,
 ) -> tuple[list[RankMemory], list[int]]:
     """The planned ranks of one pipeline rank's slice of the world (the whole world without
-    pipeline parallelism), holding ``held`` (None: the whole model), and its ``alike`` list."""
+    pipeline parallelism), holding ``held`` (None: the whole model), and its ``alike`` list;
+    ``stage_layers``: the layers one micro-batch runs through in a stage module (the whole
+    model's; under pipeline parallelism the largest of the rank's stages')."""
     outer_shards_optimizer = options.outer_strategy is ShardingStrategy.OPTIM and options.outer_size > 1
     float8 = float8_gathered_weights(module, float8_gathers_blocked_by(options.settings.cpu_offload, outer_shards_optimizer))
     split_dims, experts = _split_dims(module, options), expert_names(module, options.parallel)
@@ -168,20 +171,21 @@ def _plan_slice(
                 module, unit_classes, options.settings.strategy, float8, local, root, whole)
         local, buckets = by_expert_rank[expert_rank]
         memory = plan_rank(buckets, module, options, rank, local.other_experts, held.buffers if held else None)
-        _add_activations(memory, options, layers, pp_rank)
+        _add_activations(memory, options, stage_layers, pp_rank)
         if held is not None:
             memory.stages = held.stages
         ranks.append(memory)
     return ranks, alike
 
 
-def _add_activations(memory: RankMemory, options: PlanOptions, layers: int, pp_rank: int) -> None:
-    """The activation estimate: ``layers`` layers' worth a micro-batch, over the stage
-    micro-batches the schedule keeps in flight (one micro-batch without pipeline parallelism)."""
+def _add_activations(memory: RankMemory, options: PlanOptions, stage_layers: int, pp_rank: int) -> None:
+    """The activation estimate: ``stage_layers`` layers' worth a stage micro-batch, over the
+    stage micro-batches the schedule keeps in flight (one micro-batch without pipeline
+    parallelism). Where a rank's stages differ in layers, each counts as its largest: an upper
+    bound."""
     per_layer = options.activation_bytes_per_layer
     if per_layer is None:
         return
     pipeline = options.pipeline
-    stages = pipeline.virtual_stages if pipeline else 1
-    memory.stage_micro_batch_activations = per_layer * (layers // stages)
+    memory.stage_micro_batch_activations = per_layer * stage_layers
     memory.activations = memory.stage_micro_batch_activations * (pipeline.in_flight(pp_rank) if pipeline else 1)

@@ -4,7 +4,10 @@ keep in flight on it.
 
 The split, as torch.distributed.pipelining's manual split and torchtitan cut a model into stage
 modules: the layers (the outermost modules of the unit classes, in registration order) are
-dealt out evenly, ``layers / (pp x virtual stages)`` consecutive ones a stage. What lies outside
+dealt out in consecutive runs, ``layers / (pp x virtual stages)`` a stage (``"even"``, Megatron-LM's
+default), as torchtitan deals them by default (``"torchtitan"``: the embedding and the head count
+as a layer each, so the first and last stage take one layer fewer; ``torchtitan_layer_counts``),
+or as many as the caller gives for each stage. What lies outside
 the layers goes to the first stage when registered before the first layer (token and position
 embeddings, and the root module's own parameters) and to the last stage when registered after
 the last one (final norm, output layer); a module registered between two layers goes with the
@@ -29,6 +32,8 @@ from torch import nn
 # a lower-case name; the value says whether a rank runs several stages (a list of stages).
 SCHEDULES = {"gpipe": ("GPipe", False), "1f1b": ("1F1B", False), "interleaved1f1b": ("Interleaved1F1B", True),
              "loopedbfs": ("LoopedBFS", True)}
+# How the layers are dealt out to the stages, by name (PipelineSpec.layers_per_stage).
+LAYER_SPLITS = ("even", "torchtitan")
 
 
 def _schedule_key(name: str) -> str:
@@ -40,15 +45,18 @@ def _schedule_key(name: str) -> str:
 class PipelineSpec:
     """Pipeline parallelism as torch.distributed.pipelining runs it: ``size`` pipeline ranks,
     ``schedule`` (``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS``: torch's class names,
-    with or without ``Schedule``, any case), ``micro_batches`` a step and ``virtual_stages``
-    stage modules a rank (None: 1 for GPipe and 1F1B, 2 for the interleaved schedules).
-    Whether the schedule runs that many micro-batches is :meth:`micro_batch_problem`'s to say
-    (the plan checks the mesh and the model first)."""
+    with or without ``Schedule``, any case), ``micro_batches`` a step, ``virtual_stages``
+    stage modules a rank (None: 1 for GPipe and 1F1B, 2 for the interleaved schedules) and
+    ``layer_split``: how many layers each stage takes (``"even"``, ``"torchtitan"``, or a count
+    for every stage, as a sequence or comma-separated; :meth:`layers_per_stage`). Whether the schedule runs that many
+    micro-batches is :meth:`micro_batch_problem`'s to say (the plan checks the mesh and the
+    model first)."""
 
     size: int
     schedule: str = "1F1B"
     micro_batches: int = 1
     virtual_stages: int | None = None
+    layer_split: str | Sequence[int] = "even"
 
     def __post_init__(self) -> None:
         key = _schedule_key(self.schedule)
@@ -70,6 +78,14 @@ class PipelineSpec:
             )
         object.__setattr__(self, "schedule", name)
         object.__setattr__(self, "virtual_stages", virtual)
+        if self.layer_split not in LAYER_SPLITS:
+            counts = _layer_counts(self.layer_split)
+            if len(counts) != self.stages or any(count < 1 for count in counts):
+                raise ValueError(
+                    f"layer split {list(counts)}: give one count of at least 1 for each of the {self.stages} stages "
+                    f"(pipeline_parallel_size x virtual_stages = {self.size} x {virtual})"
+                )
+            object.__setattr__(self, "layer_split", counts)
 
     def micro_batch_problem(self, micro_batches: int | None = None) -> str | None:
         """Why the schedule cannot run ``micro_batches`` (default: this spec's) a step, with the
@@ -97,6 +113,28 @@ class PipelineSpec:
     def stages_of(self, pp_rank: int) -> tuple[int, ...]:
         return tuple(range(pp_rank, self.stages, self.size))
 
+    def layers_per_stage(self, layers: int) -> tuple[int, ...]:
+        """How many of the model's ``layers`` each stage takes, in stage order; raises, naming
+        the fix, when this split cannot deal them out."""
+        if self.layer_split == "torchtitan":
+            return torchtitan_layer_counts(layers, self.stages)
+        if self.layer_split == "even":
+            if layers % self.stages:
+                raise ValueError(
+                    f"pipeline_parallel_size x virtual_stages = {self.size} x {self.virtual_stages} = {self.stages} "
+                    f"stages do not divide the model's {layers} layers evenly: pick sizes whose product divides "
+                    f"{layers}, or deal them out unevenly (layer split 'torchtitan', or a count for each stage)"
+                )
+            return (layers // self.stages,) * self.stages
+        if sum(self.layer_split) != layers:
+            raise ValueError(f"layer split {list(self.layer_split)} deals out {sum(self.layer_split)} layers; the model "
+                             f"has {layers}: give counts that add up to {layers}")
+        return self.layer_split
+
+    def stage_of_layers(self, layers: int) -> list[int]:
+        """The stage of each of ``layers`` layers, in order."""
+        return [stage for stage, count in enumerate(self.layers_per_stage(layers)) for _ in range(count)]
+
     def in_flight(self, pp_rank: int) -> int:
         """The most stage micro-batches (one stage module's forward of one micro-batch) whose
         activations pipeline rank ``pp_rank`` holds at once under this schedule, as torch orders
@@ -116,14 +154,44 @@ class PipelineSpec:
         return warmup + 1 if warmup < total else warmup
 
 
+def _layer_counts(split: str | Sequence[int]) -> tuple[int, ...]:
+    """A split given as counts: a sequence, or a command line's comma-separated string."""
+    try:
+        return tuple(int(item) for item in (split.split(",") if isinstance(split, str) else split))
+    except ValueError:
+        raise ValueError(f"layer split {split!r}: give {' or '.join(LAYER_SPLITS)}, or a layer count for each stage "
+                         "(comma-separated on a command line, e.g. 15,16,16,15)") from None
+
+
+def torchtitan_layer_counts(layers: int, stages: int, first_stage_less_layers: int = 1,
+                            last_stage_less_layers: int = 1) -> tuple[int, ...]:
+    """torchtitan's default split of ``layers`` over ``stages``: the embedding counts as
+    ``first_stage_less_layers`` layers and the final norm with the head as
+    ``last_stage_less_layers`` (its ``parallelism.pipeline_parallel_first/last_stage_less_layers``,
+    1 each); the weighted total is dealt out evenly, the remainder one more to each of the first
+    stages. Llama-3 405B's 126 layers over 8 stages: 15, 16, 16, 16, 16, 16, 16, 15."""
+    if stages == 1:
+        return (layers,)
+    weighted = layers + first_stage_less_layers + last_stage_less_layers
+    base, extra = divmod(weighted, stages)
+    counts = [base + (stage < extra) for stage in range(stages)]
+    counts[0] -= first_stage_less_layers
+    counts[-1] -= last_stage_less_layers
+    if any(count < 1 for count in counts):
+        raise ValueError(f"torchtitan's split of {layers} layers over {stages} stages leaves a stage without layers "
+                         f"({counts}): use fewer stages, or give a count for each stage")
+    return tuple(counts)
+
+
 @dataclass(frozen=True)
 class StageContents:
-    """What one pipeline rank holds: its stages, their layers (module names), the canonical
-    names of its parameters, and the names of its buffers with the copies it holds of each
-    (one a stage module holding it)."""
+    """What one pipeline rank holds: its stages, their layers (module names) and how many each
+    stage has, the canonical names of its parameters, and the names of its buffers with the
+    copies it holds of each (one a stage module holding it)."""
 
     stages: tuple[int, ...]
     layers: tuple[str, ...]
+    stage_layers: tuple[int, ...]
     params: frozenset[str]
     buffers: Mapping[str, int]
 
@@ -143,13 +211,8 @@ def split_stages(module: nn.Module, layers: Sequence[tuple[str, nn.Module]], spe
             "pipeline parallelism deals the model's layers out to its stages, and fsdp_unit_modules names none of "
             "its modules: name its block class (e.g. fsdp_unit_modules=[TransformerBlock])"
         )
-    if len(names) % spec.stages:
-        raise ValueError(
-            f"pipeline_parallel_size x virtual_stages = {spec.size} x {spec.virtual_stages} = {spec.stages} stages do "
-            f"not divide the model's {len(names)} layers evenly: pick sizes whose product divides {len(names)}"
-        )
-    per_stage = len(names) // spec.stages
-    stage_of_layer = {name: index // per_stage for index, name in enumerate(names)}
+    counts = spec.layers_per_stage(len(names))
+    stage_of_layer = dict(zip(names, spec.stage_of_layers(len(names))))
     canonical = {id(p): n for n, p in module.named_parameters()}
     params: list[set[str]] = [set() for _ in range(spec.stages)]
     buffers: list[set[str]] = [set() for _ in range(spec.stages)]
@@ -169,6 +232,7 @@ def split_stages(module: nn.Module, layers: Sequence[tuple[str, nn.Module]], spe
         StageContents(
             spec.stages_of(rank),
             tuple(n for n in names if stage_of_layer[n] in spec.stages_of(rank)),
+            tuple(counts[s] for s in spec.stages_of(rank)),
             frozenset().union(*(params[s] for s in spec.stages_of(rank))),
             Counter(name for s in spec.stages_of(rank) for name in buffers[s]),
         )
