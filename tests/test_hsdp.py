@@ -33,6 +33,11 @@ ACCUMULATING = {
     "no_shard-s1-no-sync": Setup(strategy=1, accum=3, hsdp=(2, 2), no_sync_until_last=True, count_collectives=True),
 }
 SETUPS.update(ACCUMULATING)
+# Megatron-LM's loop: auto-sync off (megatron-core builds MegatronFSDP with its default), every
+# micro-batch but the last inside no_sync(), then finish_grad_sync().
+SETUPS["no_shard-s3-megatron-loop"] = Setup(
+    strategy=3, accum=3, hsdp=(2, 2), sync_each_microbatch=False, no_sync_until_last=True, count_collectives=True
+)
 # Clipping: HSDP replicas must not count twice; HFSDP pieces live on the 2-D mesh.
 for _outer, _way in (("no_shard", "torch"), ("no_shard", "fused"), ("optim", "torch"), ("optim", "fused")):
     SETUPS[f"{_outer}-s3-clip-{_way}"] = Setup(strategy=3, accum=2, hsdp=(2, 2), outer_strategy=_outer, clip=_way, steps=4)
@@ -55,6 +60,19 @@ def test_accumulation_defers_the_outer_average_to_the_sync(name: str) -> None:
     """Counted at torch.distributed's functions: micro-batches that hold back reduce only over dp_shard
     (strategy 3) or not at all (strategy 1); the dp_outer average runs once, at the sync."""
     check_collectives(_results()[name], SETUPS[name], name)
+
+
+def test_megatron_lms_last_micro_batch_averages_each_bucket_over_the_replicas_under_its_backward() -> None:
+    """Counted at torch.distributed's functions: the micro-batches under no_sync() reduce-scatter
+    only; the last one launches each bucket's all-reduce over dp_outer as soon as its
+    reduce-scatter is finished, within its backward, but for the last two buckets' (at most
+    max_reductions_in_flight reduce-scatters stay in flight), which finish_grad_sync finishes;
+    one all-reduce per bucket a step, as before."""
+    result = _results()["no_shard-s3-megatron-loop"]
+    buckets = result.trainable_buckets
+    for step, windows in enumerate(result.collectives):
+        averages = [window["all_reduce"] for window in windows]
+        assert averages == [0, 0, buckets - 2, 2], f"step {step}: all-reduces per micro-batch and sync {averages}"
 
 
 def _hfsdp_optimizer_sizes(rank: int, world: int) -> dict:
