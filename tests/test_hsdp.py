@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import init_device_mesh
 
 import megatron_fsdp
+from megatron_fsdp.engine.buckets.bucket_state import GradsState, OuterAverage
 from _dist import run_distributed
 from models import Block, make_batch, make_model
 from parity import Setup, check_collectives, compare, reference_run, sharded_runs
@@ -73,6 +74,23 @@ def test_megatron_lms_last_micro_batch_averages_each_bucket_over_the_replicas_un
     for step, windows in enumerate(result.collectives):
         averages = [window["all_reduce"] for window in windows]
         assert averages == [0, 0, buckets - 2, 2], f"step {step}: all-reduces per micro-batch and sync {averages}"
+
+
+def test_a_bucket_refuses_to_change_its_gradients_while_their_replica_average_is_in_flight() -> None:
+    """The all-reduce launched under backward writes the main gradient: a reduction adding into it,
+    or its release, before the wait would race with the collective; each raises, naming the bucket."""
+    state = GradsState("bucket-7", 1)
+    state.reduction_finished(has_outer=True)
+    assert state.outer is OuterAverage.DUE
+    state.outer_launched()
+    with pytest.raises(RuntimeError, match="bucket-7: a reduction finished while its dp_outer average was in flight"):
+        state.reduction_finished(has_outer=True)
+    with pytest.raises(RuntimeError, match="bucket-7: the gradients were released while"):
+        state.outer_dropped()
+    state.outer_synced()
+    assert state.outer is OuterAverage.AVERAGED
+    with pytest.raises(RuntimeError, match="bucket-7: a dp_outer average was waited for while averaged"):
+        state.outer_synced()
 
 
 def _hfsdp_optimizer_sizes(rank: int, world: int) -> dict:
