@@ -6,7 +6,8 @@ a plain torch AdamW built after sharding, the same data and seed, gloo world 2 (
 Tolerances (fp32, relative to each tensor's largest entry). Against FSDP2: 1e-6. Both run the
 same forward and backward on the same full weights and reduce-scatter the same sums; measured:
 bit-identical without accumulation (also with bf16 compute and fp32 reduction), about 1e-7 with
-no-sync accumulation and clipping (the accumulation order differs). Against one process: 1e-5, as tests/test_parity.py: it sums all rows
+no-sync accumulation and clipping (the accumulation order differs); under HSDP with the replicas'
+all-reduce held back until the last micro-batch (set_requires_all_reduce), 0: bit-identical. Against one process: 1e-5, as tests/test_parity.py: it sums all rows
 at once instead of per rank, and 4 AdamW steps amplify that to 1.5e-6 (FSDP2 measures the same
 1.5e-6). A wrong shard, a missing average or a gradient counted twice is O(1).
 """
