@@ -101,13 +101,17 @@ def _row_key(row: dict) -> tuple:
 
 
 def _table(rows: list[dict]) -> str:
+    """The rows as a markdown table, ours and FSDP2 side by side; with an HSDP or TP mesh among
+    them, a column of the all-reduces' share of the bytes sent (over the replicas, or TP's
+    activations)."""
     pairs: dict[tuple, dict] = {}
     for row in rows:
         pairs.setdefault(_row_key(row), {})[row["side"]] = row
+    all_reduces = any(key[2] > 1 or key[3] > 1 for key in pairs)
     lines = ["| model, W | model states ours / FSDP2 (GiB) | step peak ours / FSDP2 (GiB) | "
-             "sent per step ours / FSDP2 (GiB) | padding ours / FSDP2 (elements) | CPU s ours / FSDP2 | "
-             "peak RSS ours / FSDP2 (MB) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "sent per step ours / FSDP2 (GiB) | " + ("of it all-reduces ours / FSDP2 (GiB) | " if all_reduces else "")
+             + "padding ours / FSDP2 (elements) | CPU s ours / FSDP2 | peak RSS ours / FSDP2 (MB) |",
+             "| --- " * (8 if all_reduces else 7) + "|"]
     for (model, world, *_), sides in pairs.items():
         ours, theirs = sides.get("ours"), sides.get("fsdp2")
         if ours is None or theirs is None:
@@ -118,8 +122,10 @@ def _table(rows: list[dict]) -> str:
 
         layout = ours.get("layout", "ZeRO-3")
         named = f"{model}, {world:,}" + ("" if layout == "ZeRO-3" else f" ({layout})")
+        reduced = "".join(f"{side.get('sent_by_op', {}).get('all_reduce', 0) / GIB:,.2f}{sep}"
+                          for side, sep in ((ours, " / "), (theirs, " | "))) if all_reduces else ""
         lines.append(f"| {named} | {both('model_state_bytes', GIB)} | {both('step_peak', GIB, 1)} | "
-                     f"{both('sent_per_step', GIB, 2)} | {both('padding_elements', digits=0)} | "
+                     f"{both('sent_per_step', GIB, 2)} | {reduced}{both('padding_elements', digits=0)} | "
                      f"{both('cpu_seconds', digits=1)} | {both('peak_rss_mb', digits=0)} |")
     return "\n".join(lines)
 
