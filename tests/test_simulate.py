@@ -349,6 +349,19 @@ def test_the_side_by_side_benchmark_lays_out_its_meshes_and_splits_the_bytes_by_
     assert sent_by_op(counts) == {"all_gather": 1400, "all_reduce": 600}
 
 
+@pytest.mark.parametrize("mesh, message", [
+    (MeshSizes(64, ep=8), "without expert parallelism"),
+    (MeshSizes(64, pp=2), "without pipeline parallelism"),
+])
+def test_torch_fsdp2_refuses_the_meshes_it_does_not_simulate(mesh: MeshSizes, message: str) -> None:
+    """Under pp every rank would run the whole model unpipelined: refused, not silently wrong."""
+    from megatron_fsdp.simulate.torch_fsdp2 import simulate_torch_fsdp2
+
+    llama = hugging_face("llama3-8b", torch.bfloat16, 1)
+    with pytest.raises(ValueError, match=message):
+        simulate_torch_fsdp2(llama.build, mesh, 0, fsdp_unit_modules=list(llama.units))
+
+
 @pytest.mark.parametrize("arguments, message", [
     ([*LLAMA_8B_ONE_LAYER, "--world-size", "6", "--tp", "3"], "tensor_parallel_size 3 does not divide dim 0 (4096)"),
     ([*LLAMA_8B_ONE_LAYER, "--world-size", "12", "--tp", "8"], "12 is not divisible by 8"),
