@@ -349,6 +349,32 @@ def test_the_side_by_side_benchmark_lays_out_its_meshes_and_splits_the_bytes_by_
     assert sent_by_op(counts) == {"all_gather": 1400, "all_reduce": 600}
 
 
+def test_the_allocation_log_sizes_an_op_on_dtensors_by_its_local_output() -> None:
+    """Tensor parallelism's column-parallel linear is an mm on DTensors, which the dispatch mode
+    sees whole: its memory is the local output (64 x 4 here, kept after ``to_local``, as a layer
+    keeps it for backward), not the global-shape wrapper (64 x 32) that dies with ``to_local``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from megatron_fsdp.simulate.compute import ComputeLog
+    from megatron_fsdp.simulate.memory import AllocationLog
+    from megatron_fsdp.simulate.observer import StepObserver
+    from megatron_fsdp.simulate.traffic import CollectiveLog
+    from megatron_fsdp.simulate.world import build_mesh, fake_world
+
+    with fake_world(0, 8):
+        tp = build_mesh(MeshSizes(8, tp=8))["tp"]
+        log = AllocationLog()
+        with FakeTensorMode(allow_non_fake_inputs=True), StepObserver(log, CollectiveLog(), ComputeLog()).observing():
+            inputs = DTensor.from_local(torch.empty(64, 32), tp, [Replicate()])
+            weight = DTensor.from_local(torch.empty(4, 32), tp, [Shard(0)])  # 32 rows, 4 a rank
+            local = torch.mm(inputs, weight.t()).to_local()
+            (made,) = [a for a in log.allocations if a.label == "mm.default"]
+            assert (made.nbytes, made.died) == (64 * 4 * 4, None)  # fp32, live while the local output is
+            del local
+            assert made.died is not None
+
+
 @pytest.mark.parametrize("mesh, message", [
     (MeshSizes(64, ep=8), "without expert parallelism"),
     (MeshSizes(64, pp=2), "without pipeline parallelism"),
