@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import sys
 from collections import Counter
 
 import pytest
@@ -328,6 +330,67 @@ def test_the_command_compares_with_torch_fsdp2_side_by_side(capsys) -> None:
     assert rows["model states"] == (ours["model_state_bytes"], theirs["model_state_bytes"])
     assert theirs["model_states"] == theirs["shard_bytes"]  # FSDPMemTracker against the DTensors' shards
     assert theirs["door"] == "torch_fsdp2" and theirs["sent_per_step"] > 0
+
+
+def test_the_side_by_side_benchmark_lays_out_its_meshes_and_splits_the_bytes_by_op() -> None:
+    """benchmarks/fsdp2_side_by_side.py's rows (docs/scaling.md): ZeRO-3, HSDP replicas of 8-rank
+    shard groups and TP 8 x DP meshes from its options, and each op's bytes sent by the ring rule."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    from fsdp2_side_by_side import layout_name, mesh_for, sent_by_op
+
+    assert (mesh_for(4096), layout_name(mesh_for(4096))) == (MeshSizes(4096), "ZeRO-3")
+    hsdp = mesh_for(512, shard_group=8)
+    assert (hsdp.dp_outer, hsdp.dp_shard, hsdp.tp, layout_name(hsdp)) == (64, 8, 1, "HSDP 64 x 8")
+    tp = mesh_for(512, tp=8)
+    assert (tp.dp_outer, tp.dp_shard, tp.tp, layout_name(tp)) == (1, 64, 8, "TP 8 x DP 64")
+    both = mesh_for(4096, shard_group=8, tp=8)
+    assert (both.dp_outer, both.dp_shard, layout_name(both)) == (64, 8, "HSDP 64 x 8, TP 8")
+    with pytest.raises(ValueError, match="at least two replicas"):
+        mesh_for(8, shard_group=8)  # one replica: that is ZeRO-3, not HSDP
+    with pytest.raises(ValueError, match="must be a multiple of 64"):
+        mesh_for(96, shard_group=8, tp=8)
+    # Two all-gathers of 800 bytes over 8 ranks send 700 each; an all-reduce of 400 over 4, 600.
+    counts = Counter({("all_gather", 8, "bfloat16", 800): 2, ("all_reduce", 4, "float32", 400): 1})
+    assert sent_by_op(counts) == {"all_gather": 1400, "all_reduce": 600}
+
+
+def test_the_allocation_log_sizes_an_op_on_dtensors_by_its_local_output() -> None:
+    """Tensor parallelism's column-parallel linear is an mm on DTensors, which the dispatch mode
+    sees whole: its memory is the local output (64 x 4 here, kept after ``to_local``, as a layer
+    keeps it for backward), not the global-shape wrapper (64 x 32) that dies with ``to_local``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from megatron_fsdp.simulate.compute import ComputeLog
+    from megatron_fsdp.simulate.memory import AllocationLog
+    from megatron_fsdp.simulate.observer import StepObserver
+    from megatron_fsdp.simulate.traffic import CollectiveLog
+    from megatron_fsdp.simulate.world import build_mesh, fake_world
+
+    with fake_world(0, 8):
+        tp = build_mesh(MeshSizes(8, tp=8))["tp"]
+        log = AllocationLog()
+        with FakeTensorMode(allow_non_fake_inputs=True), StepObserver(log, CollectiveLog(), ComputeLog()).observing():
+            inputs = DTensor.from_local(torch.empty(64, 32), tp, [Replicate()])
+            weight = DTensor.from_local(torch.empty(4, 32), tp, [Shard(0)])  # 32 rows, 4 a rank
+            local = torch.mm(inputs, weight.t()).to_local()
+            (made,) = [a for a in log.allocations if a.label == "mm.default"]
+            assert (made.nbytes, made.died) == (64 * 4 * 4, None)  # fp32, live while the local output is
+            del local
+            assert made.died is not None
+
+
+@pytest.mark.parametrize("mesh, message", [
+    (MeshSizes(64, ep=8), "without expert parallelism"),
+    (MeshSizes(64, pp=2), "without pipeline parallelism"),
+])
+def test_torch_fsdp2_refuses_the_meshes_it_does_not_simulate(mesh: MeshSizes, message: str) -> None:
+    """Under pp every rank would run the whole model unpipelined: refused, not silently wrong."""
+    from megatron_fsdp.simulate.torch_fsdp2 import simulate_torch_fsdp2
+
+    llama = hugging_face("llama3-8b", torch.bfloat16, 1)
+    with pytest.raises(ValueError, match=message):
+        simulate_torch_fsdp2(llama.build, mesh, 0, fsdp_unit_modules=list(llama.units))
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -19,6 +19,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from megatron_fsdp._fake_bucket_pool import BLOCK_ALLOCATION_WATCHERS
+from megatron_fsdp.engine.params.dtensor_params import local_tensor
 
 # The dispatcher's namespaces of torch.distributed's collectives.
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
@@ -65,7 +66,11 @@ class AllocationLog:
             BLOCK_ALLOCATION_WATCHERS.remove(self._name_pool_block)
 
     def observe(self, func, args: tuple, kwargs: dict, out) -> None:
-        """After ``func(*args, **kwargs)`` returned ``out``: notes the storages it created."""
+        """After ``func(*args, **kwargs)`` returned ``out``: notes the storages it created. An op
+        on DTensors is seen whole (the dispatch mode runs before DTensor), and its local op, which
+        makes the memory, is not seen at all: its output's storage is the local tensor's (a DTensor's
+        own is a wrapper of the global size, gone as soon as tensor parallelism's ``to_local``
+        drops it, while the local output may be kept for backward)."""
         if func is torch.ops.aten.lift_fresh.default:
             # torch.tensor(data): the data was made outside dispatch; its fake is a new storage.
             self._note(out.untyped_storage(), "tensor")
@@ -75,10 +80,11 @@ class AllocationLog:
         inputs: set[int] = set()
         if func.namespace in COLLECTIVE_NAMESPACES:
             # Collectives return their (un-annotated) output argument: an input's storage is no new one.
-            inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            inputs = {local_tensor(t).untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in inputs:
-                self._note(tensor.untyped_storage(), func.__name__)
+            if isinstance(tensor, torch.Tensor) and local_tensor(tensor).untyped_storage()._cdata not in inputs:
+                self._note(local_tensor(tensor).untyped_storage(), func.__name__)
 
     def _note(self, storage: torch.UntypedStorage, label: str) -> None:
         key = storage._cdata

@@ -11,7 +11,8 @@ FSDP2 is called as torchtitan calls it: ``fully_shard`` on every unit, then the 
 parameters held in the main-weight dtype (what the optimizer steps),
 ``MixedPrecisionPolicy(param_dtype=<the model's dtype>, reduce_dtype=<ours' gradient
 communication dtype>)``; HSDP is a 2-D (dp_outer, dp_shard) mesh, tensor parallelism torch's
-``parallelize_module`` over the tp dim before it. Expert parallelism is not covered.
+``parallelize_module`` over the tp dim before it. Expert and pipeline parallelism are not
+covered (refused).
 """
 
 from __future__ import annotations
@@ -216,10 +217,14 @@ def simulate_torch_fsdp2(
     """Rank ``rank`` of ``mesh.world_size`` under torch's FSDP2 (the module's note): the same
     model, mesh, optimizer and step as :func:`simulate_rank`'s, FSDP2's ZeRO-3 (reshard after
     forward; HSDP replicas hold whole shards). ``mixed_precision_policy`` is ours, mapped by
-    :func:`torch_policy`. Raises ValueError for expert parallelism, which is not covered."""
+    :func:`torch_policy`. Raises ValueError for expert and pipeline parallelism, which are not
+    covered (under pp every rank would run the whole model, unpipelined)."""
     check_choices(optimizer, tensor_parallel_plan, mesh)
     if mesh.ep > 1:
         raise ValueError("torch's FSDP2 is simulated without expert parallelism: use ep=1")
+    if mesh.pp > 1:
+        raise ValueError("torch's FSDP2 is simulated without pipeline parallelism (the rank would run the whole "
+                         "model, unpipelined): use pp=1, or simulate_rank(..., door='fsdp2') for a pipeline")
     tracker_class = _memory_tracker()
     started = time.perf_counter()
     with fake_world(rank, mesh.world_size), _propagation_in_a_fake_mode_of_its_own():
