@@ -10,7 +10,8 @@ from megatron_fsdp.simulate.inventory import BucketRow
 from megatron_fsdp.simulate.traffic import Collective, sent_in, step_collectives
 from megatron_fsdp.simulate.world import MeshSizes
 
-# The phases of the one training step simulated (the wrap before them is "wrap"); under
+# The phases of a training step simulated (the wrap before them is "wrap"; a second step runs
+# the same phases after "zero_grad"); under
 # pipeline parallelism "schedule" holds the micro-batches' forwards and backwards as the
 # schedule interleaves them, and the step's gradient reduction.
 STEP_PHASES = ("forward", "backward", "schedule", "optimizer step")

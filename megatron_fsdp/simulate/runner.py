@@ -1,6 +1,8 @@
 """One rank of a simulated world: the real wrap (``megatron_fsdp.fully_shard``, the whole-model
-door) and one real training step (forward, backward, optimizer step) under torch's fake process
-group and ``FakeTensorMode``, with its allocations and collectives logged as they happen."""
+door) and two real training steps (forward, backward, optimizer step; the second after
+``optimizer.zero_grad()``, the optimizer state held from its start, as every later step) under
+torch's fake process group and ``FakeTensorMode``, with its allocations and collectives logged as
+they happen."""
 
 from __future__ import annotations
 
@@ -123,8 +125,14 @@ def simulate_rank(
     as ``pipeline_layer_split`` says (plan_memory's: ``"even"``, ``"torchtitan"`` or a count a
     stage), and FSDP2's
     ``reshard_after_forward`` (default False, as torchtitan passes it under PP); the loss is
-    the last stage's cross-entropy. Returns what the rank allocated and sent
-    (:class:`RankReport`); a layout the engine refuses raises its error."""
+    the last stage's cross-entropy.
+
+    ``steps`` 2 (default): the step runs twice, ``optimizer.zero_grad()`` between, and the
+    report's ``step_peak`` is the second's (the steady state's), ``first_step_peak`` the
+    first's; the collectives and compute reported are the first step's, the second's checked
+    to be the same (:func:`second_step`). ``steps`` 1: the first step only, its peak short of
+    the optimizer state. Returns what the rank allocated and sent (:class:`RankReport`); a
+    layout the engine refuses raises its error."""
     check_choices(optimizer, tensor_parallel_plan, mesh)
     check_steps(steps)
     check_door(door, mesh, zero_dp_strategy, outer_dp_sharding_strategy)
