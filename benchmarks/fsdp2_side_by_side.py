@@ -48,7 +48,8 @@ def simulate_one(model: str, world_size: int, side: str, seq_len: int) -> dict:
     return {
         "model": model, "world_size": world_size, "rank": rank, "side": side,
         "model_state_bytes": report.model_state_bytes, "model_states": report.model_states,
-        "step_peak": report.step_peak, "sent_per_step": report.sent_per_step(),
+        "step_peak": report.step_peak, "first_step_peak": report.first_step_peak, "steps": report.steps,
+        "sent_per_step": report.sent_per_step(),
         "gathered_per_step": sum(n * c for (op, _, _, n), c in counts.items() if op == "all_gather"),
         "padding_elements": padding, "simulate_seconds": round(report.seconds, 1),
         "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1), "peak_rss_mb": usage.ru_maxrss // 1024,
