@@ -12,7 +12,7 @@ sets that beside full-depth simulations of 8B (docs/scaling.md gives the result)
     python benchmarks/scaling_plots.py --from-json POINTS    # redraws from saved points
 
 Writes docs/images/scaling_step_time.png, docs/images/scaling_tokens_per_gpu.png and the points
-as JSON (benchmarks/results/2026-12-02_scaling_plot_points.json). Each rank: batch 1 x 4,096
+as JSON (benchmarks/results/2026-12-02b_scaling_plot_points.json). Each rank: batch 1 x 4,096
 tokens, bf16 weights, fp32 main weights, bf16 gradients and communication, AdamW, no activation
 checkpointing (a time model: whether the activations fit is not asked). Layouts: ZeRO-3 over
 every rank, and HSDP with the smallest shard group of 8, 64 or 512 ranks that holds the model
@@ -46,7 +46,7 @@ from megatron_fsdp.simulate.traffic import Collective
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "docs" / "images"
-POINTS = ROOT / "benchmarks" / "results" / "2026-12-02_scaling_plot_points.json"
+POINTS = ROOT / "benchmarks" / "results" / "2026-12-02b_scaling_plot_points.json"
 WORLDS = (8, 64, 512, 4096)
 SEQ_LEN = 4096
 # HSDP's shard group per model: the smallest of 8, 64, 512 holding its model states in half an H200.

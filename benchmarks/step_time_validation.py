@@ -12,8 +12,9 @@ reduced in fp32; its default resharding; HSDP over the same 2 x world/2 mesh).
 Calibration: one rate per implementation, GPU, model shape, batch and compilation, fitted from
 that setting's world-1 row of the same implementation (no communication there: the rate is the
 row's model FLOPs over its step less the optimizer's memory time). Rows at worlds 2 and 4 are
-predictions from it; nothing is fitted to them. Ours: 192 s of CPU time (17 simulated ranks; 41
-minutes of wall time on a 2-core machine shared with other jobs); FSDP2's 6 simulated ranks: 23 s.
+predictions from it; nothing is fitted to them. Ours: 38 s of CPU time for the 17 simulated ranks
+(40 s of wall time on a 2-core machine, 2026-12-02; 192 s when first measured); FSDP2's 6
+simulated ranks: 23 s.
 """
 
 from __future__ import annotations

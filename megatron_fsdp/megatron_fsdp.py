@@ -235,12 +235,8 @@ class MegatronFSDP(nn.Module):
         """Backward passes inside accumulate gradients without reducing them across ranks
         (strategies 0 and 1); 2 and 3 still reduce-scatter every micro-batch to free memory.
         The first backward outside reduces everything accumulated."""
-        previous = self.scheduler.sync_grads
-        self.scheduler.sync_grads = False
-        try:
+        with self.scheduler.no_sync():
             yield
-        finally:
-            self.scheduler.sync_grads = previous
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Reduces what was held back, waits for every gradient reduction and shows the

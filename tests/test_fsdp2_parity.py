@@ -6,7 +6,8 @@ a plain torch AdamW built after sharding, the same data and seed, gloo world 2 (
 Tolerances (fp32, relative to each tensor's largest entry). Against FSDP2: 1e-6. Both run the
 same forward and backward on the same full weights and reduce-scatter the same sums; measured:
 bit-identical without accumulation (also with bf16 compute and fp32 reduction), about 1e-7 with
-no-sync accumulation and clipping (the accumulation order differs). Against one process: 1e-5, as tests/test_parity.py: it sums all rows
+no-sync accumulation and clipping (the accumulation order differs); under HSDP with the replicas'
+all-reduce held back until the last micro-batch (set_requires_all_reduce), 0: bit-identical. Against one process: 1e-5, as tests/test_parity.py: it sums all rows
 at once instead of per rank, and 4 AdamW steps amplify that to 1.5e-6 (FSDP2 measures the same
 1.5e-6). A wrong shard, a missing average or a gradient counted twice is O(1).
 """
@@ -33,10 +34,11 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _train(
     fully_shard, rank: int, world: int, accumulate: int = 1, clip: bool = False, loop_variants: bool = False,
-    **model_options,
+    all_reduce_last: bool = False, **model_options,
 ) -> dict:
     """Losses, gradient norms and full parameters after STEPS AdamW steps; with ``accumulate``
-    micro-batches per step, the first ones with gradient sync off. ``loop_variants``: every
+    micro-batches per step, the first ones with gradient sync off (``all_reduce_last``: with
+    gradient sync on but HSDP's all-reduce off, ``set_requires_all_reduce``). ``loop_variants``: every
     micro-batch synchronises (the reduced gradients accumulate), the gradients are cleared in
     turn by ``optimizer.zero_grad(set_to_none=False)``, ``model.zero_grad()``, setting two
     parameters' ``.grad`` to None (the others accumulate into the next step) and
@@ -56,7 +58,10 @@ def _train(
     losses, norms = [], []
     for step in range(STEPS):
         for micro in range(accumulate):
-            model.set_requires_gradient_sync(loop_variants or micro == accumulate - 1)
+            if all_reduce_last:
+                model.set_requires_all_reduce(micro == accumulate - 1)
+            else:
+                model.set_requires_gradient_sync(loop_variants or micro == accumulate - 1)
             tokens, targets = make_batch((step * accumulate + micro) * world + rank, ROWS)
             loss = model(tokens, targets) / accumulate
             loss.backward()
@@ -139,10 +144,19 @@ def _hsdp_parity_with_fsdp2(rank: int, world: int) -> list[str]:
     from megatron_fsdp.fsdp2 import fully_shard
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    options = {"accumulate": 2, "clip": True}
-    ours = _train(functools.partial(fully_shard, mesh=mesh), rank, world, **options)
-    theirs = _train(functools.partial(torch_fully_shard, mesh=mesh), rank, world, **options)
-    return _compare(ours, theirs, "HSDP (2 replicas x 2 shards) vs FSDP2, no-sync accumulation, clipping")
+    problems = []
+    for what, options, rtol in (
+        ("no-sync accumulation, clipping", {"accumulate": 2, "clip": True}, RTOL),
+        # Reduce-scatters every micro-batch, one all-reduce per step: ours adds the micro-batches'
+        # reduce-scatters into the main gradient, (a + b) + c, and averages that; FSDP2 adds its
+        # held a + b to c and averages that: equal in IEEE arithmetic (x + y == y + x, and the
+        # divisors are powers of two), so bit-identical (measured); a clip adds its norm's ~1e-7.
+        ("all-reduce held back until the last micro-batch", {"accumulate": 3, "all_reduce_last": True}, 0.0),
+    ):
+        ours = _train(functools.partial(fully_shard, mesh=mesh), rank, world, **options)
+        theirs = _train(functools.partial(torch_fully_shard, mesh=mesh), rank, world, **options)
+        problems += _compare(ours, theirs, f"HSDP (2 replicas x 2 shards) vs FSDP2, {what}", rtol)
+    return problems
 
 
 def test_hsdp_over_a_2d_mesh_matches_torch_fsdp2() -> None:

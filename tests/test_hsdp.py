@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import init_device_mesh
 
 import megatron_fsdp
+from megatron_fsdp.engine.buckets.bucket_state import GradsState, OuterAverage
 from _dist import run_distributed
 from models import Block, make_batch, make_model
 from parity import Setup, check_collectives, compare, reference_run, sharded_runs
@@ -33,6 +34,11 @@ ACCUMULATING = {
     "no_shard-s1-no-sync": Setup(strategy=1, accum=3, hsdp=(2, 2), no_sync_until_last=True, count_collectives=True),
 }
 SETUPS.update(ACCUMULATING)
+# Megatron-LM's loop: auto-sync off (megatron-core builds MegatronFSDP with its default), every
+# micro-batch but the last inside no_sync(), then finish_grad_sync().
+SETUPS["no_shard-s3-megatron-loop"] = Setup(
+    strategy=3, accum=3, hsdp=(2, 2), sync_each_microbatch=False, no_sync_until_last=True, count_collectives=True
+)
 # Clipping: HSDP replicas must not count twice; HFSDP pieces live on the 2-D mesh.
 for _outer, _way in (("no_shard", "torch"), ("no_shard", "fused"), ("optim", "torch"), ("optim", "fused")):
     SETUPS[f"{_outer}-s3-clip-{_way}"] = Setup(strategy=3, accum=2, hsdp=(2, 2), outer_strategy=_outer, clip=_way, steps=4)
@@ -55,6 +61,36 @@ def test_accumulation_defers_the_outer_average_to_the_sync(name: str) -> None:
     """Counted at torch.distributed's functions: micro-batches that hold back reduce only over dp_shard
     (strategy 3) or not at all (strategy 1); the dp_outer average runs once, at the sync."""
     check_collectives(_results()[name], SETUPS[name], name)
+
+
+def test_megatron_lms_last_micro_batch_averages_each_bucket_over_the_replicas_under_its_backward() -> None:
+    """Counted at torch.distributed's functions: the micro-batches under no_sync() reduce-scatter
+    only; the last one launches each bucket's all-reduce over dp_outer as soon as its
+    reduce-scatter is finished, within its backward, but for the last two buckets' (at most
+    max_reductions_in_flight reduce-scatters stay in flight), which finish_grad_sync finishes;
+    one all-reduce per bucket a step, as before."""
+    result = _results()["no_shard-s3-megatron-loop"]
+    buckets = result.trainable_buckets
+    for step, windows in enumerate(result.collectives):
+        averages = [window["all_reduce"] for window in windows]
+        assert averages == [0, 0, buckets - 2, 2], f"step {step}: all-reduces per micro-batch and sync {averages}"
+
+
+def test_a_bucket_refuses_to_change_its_gradients_while_their_replica_average_is_in_flight() -> None:
+    """The all-reduce launched under backward writes the main gradient: a reduction adding into it,
+    or its release, before the wait would race with the collective; each raises, naming the bucket."""
+    state = GradsState("bucket-7", 1)
+    state.reduction_finished(has_outer=True)
+    assert state.outer is OuterAverage.DUE
+    state.outer_launched()
+    with pytest.raises(RuntimeError, match="bucket-7: a reduction finished while its dp_outer average was in flight"):
+        state.reduction_finished(has_outer=True)
+    with pytest.raises(RuntimeError, match="bucket-7: the gradients were released while"):
+        state.outer_dropped()
+    state.outer_synced()
+    assert state.outer is OuterAverage.AVERAGED
+    with pytest.raises(RuntimeError, match="bucket-7: a dp_outer average was waited for while averaged"):
+        state.outer_synced()
 
 
 def _hfsdp_optimizer_sizes(rank: int, world: int) -> dict:

@@ -167,3 +167,29 @@ def test_torch_fsdp2s_world_2_row_is_predicted_within_15_percent_from_its_own_wo
     issued = Counter((c.phase, c.op, c.dtype) for c in schedule.collectives if c.phase in ("forward", "backward"))
     assert issued == {("forward", "all_gather", torch.bfloat16): 25, ("backward", "all_gather", torch.bfloat16): 24,
                       ("backward", "reduce_scatter", torch.float32): 25}
+
+
+def test_hsdps_replica_all_reduces_are_issued_inside_backward_behind_each_reduce_scatter() -> None:
+    """HSDP (4 replicas x 2 shards), 3 GPT blocks: each bucket's all-reduce over the replicas is
+    issued as soon as its reduce-scatter is finished, with at most ``max_reductions_in_flight`` (2)
+    later reduce-scatters issued before it, so all but the last few run under backward; the bytes
+    are each reduce-scatter's output, as before the change (the step's one average per bucket)."""
+    config = GPTConfig(vocab_size=512, seq_len=64, layers=3, hidden=64, heads=4, ffn=176)
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return gpt(**vars(config)).to(torch.bfloat16)
+
+    report = simulate_rank(build, MeshSizes(8, dp_outer=4), 0, fsdp_unit_modules=[TransformerBlock], batch_size=1,
+                           seq_len=config.seq_len)
+    step = [c for c in report.collectives if c.phase in ("forward", "backward")]
+    order = [(i, c) for i, c in enumerate(step) if c.op in ("reduce_scatter", "all_reduce")]
+    scatters = [(i, c) for i, c in order if c.op == "reduce_scatter"]
+    averages = [(i, c) for i, c in order if c.op == "all_reduce"]
+    assert len(scatters) == len(averages) == len(report.buckets) > 3
+    assert all(c.group_size == 2 for _, c in scatters) and all(c.group_size == 4 for _, c in averages)
+    for k, (position, average) in enumerate(averages):
+        scattered_at, scatter = scatters[k]
+        assert average.message_bytes == scatter.message_bytes // 2, k  # this rank's shard of bucket k
+        later_scatters = sum(1 for i, _ in scatters if scattered_at < i < position)
+        assert later_scatters == min(2, len(scatters) - 1 - k), (k, later_scatters)

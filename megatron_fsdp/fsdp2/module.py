@@ -7,8 +7,12 @@ What each method does here (torch's names and signatures, torch 2.11 and 2.13):
 - ``unshard(async_op)``, ``reshard()``: gather / give back this module's unit (not recursive);
   the handle's ``wait()`` waits for the gather and points the parameters at it.
 - ``set_requires_gradient_sync``: off, gradients stay un-reduced and accumulate (no
-  reduce-scatter) until a backward with it on; ``set_reshard_after_forward`` /
-  ``_backward``: when the unit gives its gathered weights back.
+  reduce-scatter) until a backward with it on; ``set_requires_all_reduce(False)`` under HSDP:
+  gradients are reduce-scattered each backward and accumulate over the shard group, and their
+  average over the replicas waits for a backward with it on (each bucket's is launched as soon
+  as its reduce-scatter lands, under the rest of that backward); ``.grad`` is not written
+  meanwhile, as FSDP2's. ``set_reshard_after_forward`` / ``_backward``: when the unit gives its
+  gathered weights back.
 - ``set_modules_to_forward_prefetch`` / ``_backward_prefetch``: those units' gathers start when
   this one's forward starts / its backward begins (on top of the engine's own prefetch of the
   next unit in the recorded order).
@@ -17,7 +21,7 @@ What each method does here (torch's names and signatures, torch 2.11 and 2.13):
 - ``reset_iter_state`` (root only): drops a failed step's gradients and reshards everything.
 - Accepted with no change to what is computed: ``set_is_last_backward`` (every backward here
   finishes its reductions), ``set_force_sum_reduction_for_comms`` (reductions here always sum,
-  then scale), ``set_requires_all_reduce`` (True; False over a 1-D mesh, which has no all-reduce),
+  then scale), ``set_requires_all_reduce`` over a 1-D mesh (which has no all-reduce),
   ``set_unshard_in_backward(True)``, and the performance knobs
   ``set_reduce_scatter_max_input_buffers``, ``set_separate_reduce_scatter_group``,
   ``set_allocate_memory_from_process_group_for_comm``, ``set_symm_mem_for_comm``,
@@ -26,7 +30,7 @@ What each method does here (torch's names and signatures, torch 2.11 and 2.13):
   ``.grad`` stays None; True, it shows zeros.
 - Raise ``NotImplementedError`` naming the call: ``set_custom_all_gather``,
   ``set_custom_reduce_scatter``, ``set_all_reduce_hook`` (the engine's collectives are its own),
-  ``set_requires_all_reduce(False)`` under HSDP, ``set_unshard_in_backward(False)``, and
+  ``set_unshard_in_backward(False)``, and
   ``module.to(...)``/``to_empty``/``half()`` that would move or cast the sharded parameters (on
   their own device and dtype, these apply to the rest of the module).
 """
@@ -123,19 +127,20 @@ class MegatronFSDPModule(FSDPModule):
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Off: this module's gradients are held un-reduced and accumulate, with no reduce-scatter,
-        until a backward with it on reduces everything held (FSDP1's ``no_sync``)."""
+        until a backward with it on reduces everything held (FSDP1's ``no_sync``). Sets
+        :meth:`set_requires_all_reduce` to the same, as torch's does."""
         for module in self._fsdp_modules(recurse):
-            module._get_fsdp_state().unit.requires_gradient_sync = bool(requires_gradient_sync)
+            unit = module._get_fsdp_state().unit
+            unit.requires_gradient_sync = unit.requires_all_reduce = bool(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """Over a 1-D mesh there is no all-reduce: accepted. Under HSDP, ``False`` (reduce-scatter
-        but hold the replicas' all-reduce back) raises: the engine averages over the replicas
-        whenever gradients sync; use ``set_requires_gradient_sync(False)``."""
-        if not requires_all_reduce and any(m._get_fsdp_state().dp.outer is not None for m in self._fsdp_modules(recurse)):
-            _not_supported(
-                "set_requires_all_reduce(False) under HSDP",
-                "the replicas' average runs whenever gradients sync; hold both back with set_requires_gradient_sync(False)",
-            )
+        """HSDP's gradient accumulation with reduce-scatters only: off, each backward
+        reduce-scatters this module's gradients over the shard group and adds them to what it
+        holds, without the replicas' all-reduce and without writing ``.grad``; the next backward
+        with it on averages everything held over the replicas. Over a 1-D mesh (no all-reduce)
+        it changes nothing."""
+        for module in self._fsdp_modules(recurse):
+            module._get_fsdp_state().unit.requires_all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):

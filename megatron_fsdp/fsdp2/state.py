@@ -223,6 +223,10 @@ class ModuleShardingState:
                 # un-reduced buffer holds micro-batches accumulating without sync: not shown yet,
                 # so its faces' None is no zero_grad.
                 continue
+            if bucket.grads.state.outer_sync_due:
+                # Micro-batches reduced with the replicas' all-reduce held back
+                # (set_requires_all_reduce(False)): not shown yet either.
+                continue
             cleared = [index for index, face in enumerate(bucket.faces) if face.param.grad is None]
             if len(cleared) == len(bucket.faces):
                 bucket.grads.zero(set_to_none=True)

@@ -17,7 +17,7 @@ The rules, one GPU's two streams:
   gradients) or, for an all-gather of weights a later segment reads, once the segment before its
   reader has *started*: the engine's one-unit-ahead prefetch, as every step after the first
   issues it (unit ``i+1``'s gather under unit ``i``'s compute). What no compute hides is exposed:
-  the first gathers, the last reduce-scatters, HSDP's all-reduces after the last backward;
+  the first gathers, the last reduce-scatters and the HSDP all-reduces issued behind them;
 - the optimizer step starts after every collective of forward and backward has landed (the
   engine finishes its reductions first) and takes ``optimizer_bytes / hbm_bytes_per_s``: AdamW is
   bound by memory, not FLOPs; the optimizer step's own collectives (ZeRO-1/2's gathers of the

@@ -1,7 +1,8 @@
 """A bucket's gradients through a step (the transitions bucket_state.py names): each
 parameter's ``.grad`` noted and taken into a pooled un-reduced buffer, reduced once per bucket
 and added into the main gradient (sharded for strategies 1..3), averaged over the outer
-replicas (HSDP), offloaded, zeroed, and shown to the optimizer's pieces and the faces.
+replicas (HSDP: launched during backward, waited for by whatever reads or changes the
+gradients next), offloaded, zeroed, and shown to the optimizer's pieces and the faces.
 
 The bucket (buffer.py) owns this object, the main params and the pieces the optimizer steps.
 """
@@ -18,7 +19,7 @@ from megatron_fsdp import _ops
 from megatron_fsdp.engine.buckets.bucket_state import GradsState
 from megatron_fsdp.engine.buckets.grad_reduction import (
     PendingReduction,
-    average_over_outer,
+    launch_outer_average,
     launch_reduction,
     new_unreduced_buffer,
 )
@@ -57,6 +58,9 @@ class BucketGrads:
         # them. Offloaded, only until they are sent to the host, which accumulates from then on.
         self.main_grad: torch.Tensor | None = None
         self.outer_grad: torch.Tensor | None = None
+        # The dp_outer average launched during backward and not waited for yet: it writes the
+        # gradients, so everything that reads or changes them waits for it first.
+        self.outer_average: PendingReduction | None = None
         # What the optimizer reads, shown once per change: the fully reduced gradients in the
         # main-parameter dtype (themselves when the dtypes agree or read_main_grads_as_they_are).
         self.optimizer_grads: torch.Tensor | None = None
@@ -146,6 +150,7 @@ class BucketGrads:
     def main_grad_to_write(self) -> tuple[torch.Tensor, bool]:
         """The main gradient, and whether it is fresh: created (uninitialised) by the first
         reduction since it was released, which writes it instead of adding to zeros."""
+        self.finish_outer_average()
         self.state.grads_changing()
         if self.main_grad is None:
             dtype, device = self.bucket.dtypes.main_grads, self.bucket.device
@@ -168,18 +173,34 @@ class BucketGrads:
         pending.finish()
         self.state.reduction_finished(bucket.outer is not None)
 
-    def sync_outer(self) -> None:
-        """HSDP: average the shard-group-reduced gradients over the outer group. Averaging
-        again later is harmless: the part already averaged is equal on every outer rank."""
+    def start_outer_average(self, async_op: bool) -> None:
+        """HSDP: launches the average over the outer group of the shard-group-reduced gradients,
+        when one is due (:meth:`finish_outer_average` waits for it). Averaging again later is
+        harmless: the part already averaged is equal on every outer rank."""
         if not self.state.outer_sync_due:
             return
         self.state.grads_changing()
-        self.outer_grad = average_over_outer(self.bucket, self.main_grad, self.outer_grad)
+        self.outer_average = launch_outer_average(self, async_op)
+        self.state.outer_launched()
+        if not async_op:
+            self.finish_outer_average()
+
+    def finish_outer_average(self) -> None:
+        """Waits for the outer average in flight, if any, and divides by the outer count."""
+        pending, self.outer_average = self.outer_average, None
+        if pending is None:
+            return
+        bucket = self.bucket
+        if pending.work is not None:
+            what = f"the dp_outer average of the {self.state.name} ({len(bucket.names)} parameters)"
+            wait_for(pending.work, bucket.collective_timeout, what, bucket.outer.group, bucket.device)
+        pending.finish()
         self.state.outer_synced()
 
     def optimizer_source(self) -> torch.Tensor | None:
         """The fully reduced gradients of the range the optimizer steps; None when no gradient
         was reduced since they were released."""
+        self.finish_outer_average()
         return self.outer_grad if self.bucket.splits_shard else self.main_grad
 
     # -- reduced gradients --------------------------------------------------------------------
@@ -188,8 +209,10 @@ class BucketGrads:
         """Releases the main gradients (``set_to_none``) or zeroes them in place, and with them
         what the optimizer's pieces and the parameters' faces show."""
         bucket = self.bucket
+        self.finish_outer_average()
         if set_to_none:
             self.main_grad = self.outer_grad = self.optimizer_grads = None
+            self.state.outer_dropped()
             if bucket.host is not None:
                 bucket.host.clear_grads()
             self._point_pieces()
@@ -204,6 +227,7 @@ class BucketGrads:
         gradient range; the outer one, the optimizer's copy and the host's the main range (under
         HFSDP a part of it)."""
         bucket = self.bucket
+        self.finish_outer_average()
         indices = [index for index, face in enumerate(bucket.faces) if face.param in params]
         zeroed: set[int] = set()
         if self.main_grad is not None:
@@ -225,6 +249,7 @@ class BucketGrads:
     def _held(self, include_unreduced: bool = False) -> list[torch.Tensor]:
         """Every distinct gradient tensor held; offloaded, the host's complete (a copy in flight
         to them has landed, or it would carry a change twice or not at all)."""
+        self.finish_outer_average()
         held = [self.unreduced_grad] if include_unreduced else []
         held += [self.main_grad, self.outer_grad, self.optimizer_grads]
         if self.bucket.host is not None:
@@ -234,12 +259,15 @@ class BucketGrads:
     def offload(self) -> None:
         """Offloaded: launches the copy of the fully reduced device gradients to the host and
         releases them (the host adds later ones to what it holds); the gradient sync waits for
-        the copy. Not while an outer (HSDP) average is due."""
+        the copy. Not while an outer (HSDP) average is due or in flight (backward goes on; the
+        sync sends them once averaged)."""
         host = self.bucket.host
+        if host is None or self.state.outer_sync_due or self.state.outer_in_flight:
+            return
         source = self.optimizer_source()
         # Reduced in place (a shard group of one), the main gradient is also the un-reduced
         # buffer while micro-batches accumulate without sync: not reduced yet, it stays.
-        if host is None or self.state.outer_sync_due or source is None or source is self.unreduced_grad:
+        if source is None or source is self.unreduced_grad:
             return
         host.send_grads(source)
         self.main_grad = self.outer_grad = None
@@ -263,6 +291,7 @@ class BucketGrads:
         fully reduced gradients, once per change of them: a clip in between scales what the
         optimizer then reads. Without any (nothing reduced since zero_grad) they get None, and
         torch's optimizers skip them, as for any ``.grad``."""
+        self.finish_outer_average()
         if self.state.grads_shown:
             return
         bucket = self.bucket

@@ -11,10 +11,12 @@ gradients (bucket_grads.py).
 - Gradients, each backward: a parameter's gradient arrives in its ``.grad`` (``note_grad``:
   held), is taken into the un-reduced buffer (``forget_held``); once every parameter delivered
   one the bucket is complete and its reduction may start; ``end_backward`` forgets who delivered.
-- Reduced gradients: a finished reduction leaves the dp_outer average due (HSDP) until
-  ``outer_synced``; every change of them leaves what the optimizer's pieces and the faces show
-  stale until ``grads_shown``. The two are independent: gradients may be shown before the outer
-  average (upstream's ``attach_grad_to_optimizer_state`` may come first), which then changes them.
+- Reduced gradients: a finished reduction leaves the dp_outer average ``DUE`` (HSDP); its launch
+  puts it ``IN_FLIGHT`` (the collective writes the gradients: nothing reads or changes them until
+  it is waited for) and its wait ``AVERAGED``. Every change of them leaves what the optimizer's
+  pieces and the faces show stale until ``grads_shown``. The two are independent: gradients may be
+  shown before the outer average (upstream's ``attach_grad_to_optimizer_state`` may come first),
+  which then changes them.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ class WeightsState:
         return was_gathered
 
 
+class OuterAverage(enum.Enum):
+    AVERAGED = "averaged"  # nothing due: averaged over dp_outer, no outer group, or released
+    DUE = "due"  # reduced over the shard group since the last average
+    IN_FLIGHT = "in flight"  # the average launched, not yet waited for
+
+
 class GradsState:
     """A bucket's gradients; one method per transition."""
 
@@ -62,8 +70,8 @@ class GradsState:
         self._received_count = 0
         self.held: list[int] = []
         self._holding = [False] * num_params
-        # Reduced over the shard group, not yet averaged over dp_outer (HSDP).
-        self.outer_sync_due = False
+        # The average over dp_outer (HSDP) of what the shard group reduced.
+        self.outer = OuterAverage.AVERAGED
         # Whether the optimizer's pieces and the faces show the current reduced gradients, and
         # how many times they changed (an optimizer's zero_grad counts what it cleared since).
         self.grads_shown = True
@@ -96,11 +104,38 @@ class GradsState:
 
     # -- reduced gradients --------------------------------------------------------------------
 
+    @property
+    def outer_sync_due(self) -> bool:
+        return self.outer is OuterAverage.DUE
+
+    @property
+    def outer_in_flight(self) -> bool:
+        return self.outer is OuterAverage.IN_FLIGHT
+
     def reduction_finished(self, has_outer: bool) -> None:
-        self.outer_sync_due = has_outer
+        # An average in flight writes the main gradient this reduction has just added to.
+        self._require_outer_not_in_flight("a reduction finished")
+        if has_outer:
+            self.outer = OuterAverage.DUE
+
+    def outer_launched(self) -> None:
+        if self.outer is not OuterAverage.DUE:
+            raise RuntimeError(f"bucket {self.name}: a dp_outer average was launched while {self.outer.value}")
+        self.outer = OuterAverage.IN_FLIGHT
 
     def outer_synced(self) -> None:
-        self.outer_sync_due = False
+        if self.outer is not OuterAverage.IN_FLIGHT:
+            raise RuntimeError(f"bucket {self.name}: a dp_outer average was waited for while {self.outer.value}")
+        self.outer = OuterAverage.AVERAGED
+
+    def outer_dropped(self) -> None:
+        """The reduced gradients were released: nothing is left to average."""
+        self._require_outer_not_in_flight("the gradients were released")
+        self.outer = OuterAverage.AVERAGED
+
+    def _require_outer_not_in_flight(self, what: str) -> None:
+        if self.outer is OuterAverage.IN_FLIGHT:
+            raise RuntimeError(f"bucket {self.name}: {what} while its dp_outer average was in flight")
 
     def grads_changing(self) -> None:
         self.grads_shown = False

@@ -1,7 +1,8 @@
 """The buffers and collectives of a bucket's gradients (bucket_grads.py decides when): the
 pooled buffer a reduction's gradients are taken into; one reduction of them over the shard group
 (an all-reduce, a reduce-scatter, or an all-to-all summed in a higher precision) and how its
-result is added into the main gradient once it is done; the average over the outer replicas."""
+result is added into the main gradient once it is done; the average over the outer replicas,
+launched the same way."""
 
 from __future__ import annotations
 
@@ -110,16 +111,23 @@ def _finish_promoted(grads: BucketGrads, comm: torch.Tensor, received: torch.Ten
     pool.release(received)
 
 
-def average_over_outer(bucket: Bucket, main_grad: torch.Tensor, outer_grad: torch.Tensor | None) -> torch.Tensor | None:
-    """Averages the shard-group-reduced ``main_grad`` over the outer group: in place (HSDP), or
-    reduce-scattered into ``outer_grad`` (HFSDP: made when None), which it returns."""
+def launch_outer_average(grads: BucketGrads, async_op: bool) -> PendingReduction:
+    """Launches the average of the shard-group-reduced main gradient over the outer group: a sum
+    in place (HSDP), or reduce-scattered into ``outer_grad`` (HFSDP: made when None), which
+    ``finish`` divides by the outer count once the collective is done."""
+    bucket = grads.bucket
     if bucket.splits_shard:
-        if outer_grad is None:
+        if grads.outer_grad is None:
             numel = bucket.main_end - bucket.main_start
-            outer_grad = torch.empty(numel, dtype=bucket.dtypes.main_grads, device=bucket.device)
-        reduce_scatter_sum(outer_grad, main_grad, bucket.outer.group)
+            grads.outer_grad = torch.empty(numel, dtype=bucket.dtypes.main_grads, device=bucket.device)
+        averaged = grads.outer_grad
+        work = reduce_scatter_sum(averaged, grads.main_grad, bucket.outer.group, async_op=async_op)
     else:
-        all_reduce_sum(main_grad, bucket.outer.group)
-    if bucket.outer_divisor != 1:
-        (outer_grad if bucket.splits_shard else main_grad).div_(bucket.outer_divisor)
-    return outer_grad
+        averaged = grads.main_grad
+        work = all_reduce_sum(averaged, bucket.outer.group, async_op=async_op)
+
+    def divide() -> None:
+        if bucket.outer_divisor != 1:
+            averaged.div_(bucket.outer_divisor)
+
+    return PendingReduction(bucket, work, divide)

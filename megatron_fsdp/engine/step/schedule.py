@@ -4,6 +4,9 @@ bookkeeping of reductions in flight.
 A step moves IDLE -> FORWARD -> BACKWARD -> IDLE. Reductions start when a bucket's last gradient
 arrives (strategies 2/3 always; 0/1 only when gradients sync this micro-batch) and are finished
 oldest-first, at most ``max_reductions_in_flight`` at a time, so un-reduced buffers never pile up.
+Under HSDP a finished reduction of the step's last backward launches the bucket's average over
+the replicas at once, so it runs under the rest of backward as FSDP2's all-reduce does; the sync
+waits for those in flight and averages what is still due.
 
 A backward that raised (an out-of-memory error in a hook, say) never reaches its end: the step
 stays in BACKWARD with no autograd pass running. :meth:`StepScheduler.abandon_failed_step` then
@@ -13,9 +16,10 @@ the wrapper calls it at the next ``zero_grad`` or forward (docs/troubleshooting.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.autograd import Variable
@@ -51,7 +55,11 @@ class StepScheduler:
         # set_model_auto_sync(): whether each backward finishes its reductions and shows the
         # gradients; off, strategies 0/1 also accumulate locally until the sync.
         self.auto_sync = settings.sync_model_each_microbatch
-        self._pending: deque[PendingReduction] = deque()
+        # no_sync() ended since the last sync: the next backward outside it is the step's last
+        # (upstream's is_last_microbatch), whose buckets are averaged over dp_outer as they reduce.
+        self._last_micro_batch_next = False
+        # Reductions in flight, each with whether its dp_outer average follows once it is done.
+        self._pending: deque[tuple[PendingReduction, bool]] = deque()
         # Unit forward calls of this step and of the last one: the order to prefetch in.
         self._forward_calls: list[FSDPUnit] = []
         self._last_forward_calls: list[FSDPUnit] = []
@@ -113,14 +121,16 @@ class StepScheduler:
         unit and returns to IDLE. The main gradients still hold what was reduced: the caller
         releases them."""
         while self._pending:
-            pending = self._pending.popleft()
+            pending, _ = self._pending.popleft()
             pending.bucket.grads.finish_reduction(pending)
         for unit in self.units:
             for bucket in unit.trainable_buckets:
+                bucket.grads.finish_outer_average()
                 bucket.grads.drop_unreduced()
             unit.reshard()
             unit.end_backward()
         self._forward_calls = []
+        self._last_micro_batch_next = False
         self.state = StepState.IDLE
 
     # -- backward -----------------------------------------------------------------------------
@@ -161,9 +171,22 @@ class StepScheduler:
         bucket.grads.take()
         if not (unit.requires_gradient_sync and self._reduces_now()):
             return
-        self._start_reduction(bucket)
+        self._start_reduction(bucket, unit)
         if unit.note_bucket_reduced(bucket) and unit.reshard_on_grads and not unit.is_root:
             unit.reshard()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside hold gradients back (docs/sharding_strategies.md); the first
+        one after is the step's last: Megatron-LM runs every micro-batch but the last inside, and
+        enters it even when there is one micro-batch."""
+        previous = self.sync_grads
+        self.sync_grads = False
+        try:
+            yield
+        finally:
+            self.sync_grads = previous
+            self._last_micro_batch_next = previous
 
     def _syncs_now(self) -> bool:
         """Whether this micro-batch synchronises the gradients (docs/sharding_strategies.md's
@@ -175,17 +198,33 @@ class StepScheduler:
         are sharded to save memory); 0/1 only when the micro-batch synchronises."""
         return self.settings.strategy.shards_grads or self._syncs_now()
 
-    def _start_reduction(self, bucket: Bucket) -> None:
+    def _averages_outer_now(self, unit: FSDPUnit) -> bool:
+        """Whether a reduction started now launches its dp_outer average (HSDP) once it is done:
+        in a sync, and in the step's last backward (one that synchronises, or the first outside
+        ``no_sync()`` with auto-sync off); never for a unit whose replicas' all-reduce is held
+        back (FSDP2's ``set_requires_all_reduce(False)``). Other micro-batches leave it due, so
+        the replicas exchange each bucket once per step, as upstream's callers expect."""
+        if not unit.requires_all_reduce:
+            return False
+        if self.state is not StepState.BACKWARD:
+            return True
+        return self.sync_grads and (self.auto_sync or self._last_micro_batch_next)
+
+    def _start_reduction(self, bucket: Bucket, unit: FSDPUnit) -> None:
         overlap = self.settings.overlap_grad_reduce
-        self._pending.append(bucket.grads.start_reduction(async_op=overlap))
+        pending = bucket.grads.start_reduction(async_op=overlap)
+        self._pending.append((pending, bucket.outer is not None and self._averages_outer_now(unit)))
         # A synchronous reduction is already done: finishing it now gives its buffers back.
         in_flight = self.settings.max_reductions_in_flight if overlap else 0
         while len(self._pending) > in_flight:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        pending = self._pending.popleft()
+        pending, averages_outer = self._pending.popleft()
         pending.bucket.grads.finish_reduction(pending)
+        if averages_outer:
+            # Behind the reduction, under the rest of backward (or the sync's other reductions).
+            pending.bucket.grads.start_outer_average(async_op=self.settings.overlap_grad_reduce)
         if self.state is StepState.BACKWARD:
             # An offloaded bucket's reduced gradients go to the host now, overlapping the rest of
             # backward; the host adds later micro-batches' to them (what the memory plan counts).
@@ -199,7 +238,7 @@ class StepScheduler:
                 # one whose parameter got another after the bucket was complete.
                 bucket.grads.take()
                 if bucket.grads.unreduced_grad is not None and reduces and unit.requires_gradient_sync:
-                    self._start_reduction(bucket)
+                    self._start_reduction(bucket, unit)
             if unit.reshard_after_backward:
                 unit.reshard()
             unit.end_backward()
@@ -260,7 +299,7 @@ class StepScheduler:
         for unit in (u for u in units if u.requires_gradient_sync):
             for bucket in unit.trainable_buckets:
                 if bucket.grads.unreduced_grad is not None:
-                    self._start_reduction(bucket)
+                    self._start_reduction(bucket, unit)
 
     def finish_pending_reductions(self) -> None:
         """Waits for the reductions in flight (and adds them into the main gradients)."""
@@ -268,20 +307,31 @@ class StepScheduler:
             self._finish_oldest()
 
     def synchronize_gradient_reduce(self) -> None:
-        """Reduces everything held back, waits for every reduction and averages over dp_outer
-        (HSDP): the main gradients are complete, but not yet shown as ``.grad``."""
+        """Reduces everything held back, waits for every reduction and completes the averages
+        over dp_outer (HSDP): those launched during backward are waited for, those still due
+        (micro-batches that held back) launched, each as its reduction lands, then waited for.
+        The main gradients are complete, but not yet shown as ``.grad``. A unit whose replicas'
+        all-reduce is held back (FSDP2's ``set_requires_all_reduce(False)``) keeps it due."""
         self._require_idle("synchronize_gradient_reduce()")
+        self._last_micro_batch_next = False
         self._start_held_back(self.units)
         self.finish_pending_reductions()
+        overlap = self.settings.overlap_grad_reduce
+        for unit in (u for u in self.units if u.requires_all_reduce):
+            for bucket in unit.trainable_buckets:
+                bucket.grads.start_outer_average(async_op=overlap)
         for unit in self.units:
             for bucket in unit.trainable_buckets:
-                bucket.grads.sync_outer()
+                bucket.grads.finish_outer_average()
 
     def show_grads(self) -> None:
-        """Points the optimizer's pieces and every face's ``.grad`` at the reduced gradients."""
+        """Points the optimizer's pieces and every face's ``.grad`` at the reduced gradients;
+        a unit's whose replicas' average is held back keep showing what they showed (FSDP2's
+        ``.grad`` is not written by a backward that skips the all-reduce)."""
         for unit in self.units:
             for bucket in unit.trainable_buckets:
-                bucket.grads.show()
+                if unit.requires_all_reduce or not bucket.grads.state.outer_sync_due:
+                    bucket.grads.show()
 
     def start_param_prefetch(self) -> None:
         """Launches the all-gather of the unit that ran forward first last step (strategy 3,

@@ -193,6 +193,9 @@ class FSDPUnit:
         self.reshard_after_backward = True
         # False: gradients stay un-reduced, accumulating, until a backward with it True.
         self.requires_gradient_sync = True
+        # False (FSDP2's set_requires_all_reduce under HSDP): gradients are reduced over the shard
+        # group and accumulate there; their average over the replicas waits for it to be True.
+        self.requires_all_reduce = True
         # FSDP2's front door: which tensors the modules' attributes hold (None: the wrapper's
         # modules keep the compute parameters registered throughout).
         self.registration: RegisteredParams | None = None
