@@ -85,8 +85,9 @@ def simulate_one(model: str, mesh: MeshSizes, side: str, seq_len: int) -> dict:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {
         "model": model, "world_size": mesh.world_size, "dp_outer": mesh.dp_outer, "tp": mesh.tp,
-        "layout": layout_name(mesh), "rank": rank, "side": side, "model_state_bytes": report.model_state_bytes, "model_states": report.model_states,
-        "step_peak": report.step_peak, "sent_per_step": report.sent_per_step(),
+        "layout": layout_name(mesh), "rank": rank, "side": side, "model_state_bytes": report.model_state_bytes,
+        "model_states": report.model_states, "step_peak": report.step_peak, "first_step_peak": report.first_step_peak,
+        "steps": report.steps, "sent_per_step": report.sent_per_step(),
         "gathered_per_step": sum(n * c for (op, _, _, n), c in counts.items() if op == "all_gather"),
         "sent_by_op": sent_by_op(counts),
         "padding_elements": padding, "simulate_seconds": round(report.seconds, 1),

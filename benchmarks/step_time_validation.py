@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -129,6 +130,7 @@ class Measured:
     micro_batch: int
     seq_len: int
     median_step_s: float
+    peak_allocated_gib: float | None = None
 
 
 def measured(row: Row, results: Path = RESULTS) -> Measured:
@@ -140,7 +142,8 @@ def measured(row: Row, results: Path = RESULTS) -> Measured:
     entry = found[0]
     config = GPTConfig(**{**setting["model"], "layers": entry.get("layers", setting["model"]["layers"])})
     gpu = next(name for name in HBM_BYTES_PER_S if name in setting["device"])
-    return Measured(gpu, setting["gpus"], config, setting["micro_batch"], setting["seq_len"], entry["median_step_s"])
+    return Measured(gpu, setting["gpus"], config, setting["micro_batch"], setting["seq_len"], entry["median_step_s"],
+                    entry.get("peak_allocated_gib"))
 
 
 @dataclass(frozen=True)
@@ -156,9 +159,17 @@ class Schedule:
 _SIMULATED: dict[tuple, Schedule] = {}
 
 
-def _report(row: Row, shape: Measured) -> RankReport | TorchFSDP2Report:
+def benchmark_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """benchmarks/step_time.py's loss: cross-entropy of the logits made float32 (the tokens as
+    their own labels here: the same shapes as its shifted ones)."""
+    logits = model(tokens)
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tokens.reshape(-1))
+
+
+def _report(row: Row, shape: Measured, steps: int = 1) -> RankReport | TorchFSDP2Report:
     """Rank 0 of the row's world: ours, or torch's FSDP2 with the same model and precision (the
-    fp32 main weights are FSDP2's parameters, gathered in the model's bf16, reduced in fp32)."""
+    fp32 main weights are FSDP2's parameters, gathered in the model's bf16, reduced in fp32), over
+    ``steps`` steps (2 for the steady state's peak; one step's records time the step)."""
     config = dataclasses.asdict(shape.config)
 
     def build() -> torch.nn.Module:
@@ -168,7 +179,7 @@ def _report(row: Row, shape: Measured) -> RankReport | TorchFSDP2Report:
     policy = MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
                                   grad_comm_dtype=row.grad_comm)
     common = dict(fsdp_unit_modules=[TransformerBlock], mixed_precision_policy=policy, batch_size=shape.micro_batch,
-                  seq_len=shape.seq_len)
+                  seq_len=shape.seq_len, loss_fn=benchmark_loss, steps=steps)
     mesh = MeshSizes(shape.world, dp_outer=row.dp_outer)
     if row.torch_fsdp2:
         return simulate_torch_fsdp2(build, mesh, 0, **common)
@@ -238,13 +249,57 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def peak_rows(groups: Iterable[tuple[Row, list[Row]]], only: str = "") -> list[Row]:
+    """The groups' rows, each once, whose file name holds ``only``; compiled rows left out (the
+    simulator runs eager: a compiled step's fused kernels keep other temporaries)."""
+    rows = {(row.file, row.implementation): row for calibration, predicted in groups for row in (calibration, *predicted)}
+    return [row for row in rows.values() if only in row.file and "compiled" not in row.implementation]
+
+
+def peak_table(rows: Iterable[Row], results: Path = RESULTS) -> list[dict]:
+    """Each row's measured peak (torch.cuda.max_memory_allocated over its warm-up and timed
+    steps) beside the simulated rank 0's steady-state peak (the second step's) and first step's."""
+    table = []
+    for row in rows:
+        shape = measured(row, results)
+        report = _report(row, shape, steps=2)
+        table.append({
+            "file": row.file, "implementation": row.implementation, "gpu": shape.gpu, "world": shape.world,
+            "layers": shape.config.layers, "micro_batch": shape.micro_batch, "seq_len": shape.seq_len,
+            "measured_gib": shape.peak_allocated_gib, "steady_peak_gib": report.step_peak / 2**30,
+            "first_step_peak_gib": report.first_step_peak / 2**30,
+            "error": report.step_peak / 2**30 / shape.peak_allocated_gib - 1,
+            "peak_breakdown_gib": {kind: n / 2**30 for kind, n in report.peak_breakdown.items()},
+        })
+    return table
+
+
+def peak_markdown(table: list[dict]) -> str:
+    lines = ["| row (benchmarks/results) | GPUs | model, batch | measured peak allocated | simulated steady-state peak "
+             "| error | simulated first step's peak |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in table:
+        lines.append(f"| {r['implementation'].removeprefix('megatron_fsdp ')} (`{r['file']}`) | {r['world']} x {r['gpu']} | "
+                     f"{r['layers']} layers, {r['micro_batch']} x {r['seq_len']} | {r['measured_gib']:.2f} GiB | "
+                     f"{r['steady_peak_gib']:.2f} GiB | {r['error']:+.1%} | {r['first_step_peak_gib']:.2f} GiB |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also write the table here as JSON")
     parser.add_argument("--rows", choices=list(ROW_SETS), default="all",
                         help="ours, torch FSDP2's or all (default) measured rows")
+    parser.add_argument("--peaks", action="store_true",
+                        help="instead: each row's measured peak allocated beside the simulated steady-state peak")
+    parser.add_argument("--files", default="", help="--peaks: only rows whose results file name contains this")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.peaks:
+        table = peak_table(peak_rows(ROW_SETS[args.rows], args.files))
+        print(peak_markdown(table))
+        if args.json:
+            Path(args.json).write_text(json.dumps(table, indent=1))
+        return
     table = validation_table(ROW_SETS[args.rows])
     for family in ("megatron_fsdp", _FSDP2):  # one table each, as docs/scaling.md has them
         rows = [r for r in table if r["implementation"].startswith(family)]

@@ -1,5 +1,5 @@
-"""One rank of a world of thousands, on a CPU: the real wrap and one real training step of
-megatron_fsdp under torch's fake process group and ``FakeTensorMode``, with the memory the rank
+"""One rank of a world of thousands, on a CPU: the real wrap and two real training steps (the
+second's peak is the steady state's) of megatron_fsdp under torch's fake process group and ``FakeTensorMode``, with the memory the rank
 allocates, the collectives it issues and its buckets' layout (docs/scaling.md).
 
 ``simulate_rank(build_model, MeshSizes(world_size, dp_outer=, tp=, cp=, pp=, ep=), rank, ...)`` returns a

@@ -1,6 +1,7 @@
-"""``python -m megatron_fsdp.simulate``: one training step of megatron_fsdp as chosen ranks of a
-world of any size, on this CPU: each rank's memory by kind, its collectives and bytes sent, the
-buckets' layout, and plan_memory's model states beside the simulated ones.
+"""``python -m megatron_fsdp.simulate``: two training steps of megatron_fsdp as chosen ranks of a
+world of any size, on this CPU: each rank's memory by kind, its steady-state (second step's) and
+first step's peaks, one step's collectives and bytes sent, the buckets' layout, and
+plan_memory's model states beside the simulated ones.
 
     python -m megatron_fsdp.simulate --hf llama3-8b --world-size 4096 --dp-outer 512
     python -m megatron_fsdp.simulate --hf llama3-70b --world-size 512 --tp 8 --ranks first,largest

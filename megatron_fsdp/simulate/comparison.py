@@ -48,14 +48,17 @@ class Comparison:
     torch_fsdp2: TorchFSDP2Report
 
     def rows(self) -> list[tuple[str, int, int]]:
-        """(what, ours, FSDP2's): model states by kind (bytes after the step), the step's peak,
+        """(what, ours, FSDP2's): model states by kind (bytes after the step), the step's peak
+        (the second step's: the steady state) and the first step's,
         the bytes gathered and reduce-scattered in the step, the bytes this rank sends, and each
         side's padding in elements."""
         ours, theirs = self.ours, self.torch_fsdp2
         rows = [(what, sum(ours.model_states.get(k, 0) for k in kinds), theirs.model_states.get(_FSDP2_KINDS[what], 0))
                 for what, kinds in _OURS_AS_FSDP2.items()]
         rows.append(("model states", ours.model_state_bytes, theirs.model_state_bytes))
-        rows.append(("step peak", ours.step_peak, theirs.step_peak))
+        rows.append(("step peak", ours.step_peak, theirs.step_peak))  # both the last step's (StepRecord)
+        if ours.steps == 2:
+            rows.append(("first step's peak", ours.first_step_peak, theirs.first_step_peak))
         for op, what in (("all_gather", "all-gathered per step"), ("reduce_scatter", "reduce-scattered per step")):
             rows.append((what, message_bytes(ours.step_collectives(), op), message_bytes(theirs.step_collectives(), op)))
         rows.append(("sent per step", ours.sent_per_step(), theirs.sent_per_step()))
@@ -88,7 +91,7 @@ def compare_with_torch_fsdp2(build_model: Callable[[], nn.Module], mesh: MeshSiz
     :func:`torch_fsdp2.simulate_torch_fsdp2` takes (``fsdp_unit_modules``, required;
     ``mixed_precision_policy``, ours, which torch's FSDP2 takes as ``torch_policy`` maps it and
     ours' FSDP2 door ignores, as doors.py says; ``optimizer``, ``tensor_parallel_plan``,
-    ``batch_size``, ``seq_len``, ``loss_fn``). Expert parallelism is refused."""
+    ``batch_size``, ``seq_len``, ``loss_fn``, ``steps``). Expert parallelism is refused."""
     theirs = simulate_torch_fsdp2(build_model, mesh, rank, **options)
     ours = simulate_rank(build_model, mesh, rank, door=door, **options)
     return Comparison(ours, theirs)

@@ -41,6 +41,17 @@ class StepObserver(TorchDispatchMode):
         self.compute.start_phase(phase)
 
     @contextmanager
+    def recording_apart(self) -> Iterator[tuple[CollectiveLog, ComputeLog]]:
+        """Inside, collectives and compute go to fresh logs (yielded), memory to the same log: a
+        later step recorded beside the first, whose records stay those of one step."""
+        kept = self.traffic, self.compute
+        self.traffic, self.compute = CollectiveLog(), ComputeLog()
+        try:
+            yield self.traffic, self.compute
+        finally:
+            self.traffic, self.compute = kept
+
+    @contextmanager
     def observing(self) -> Iterator[StepObserver]:
         if self.memory is None:
             with self:

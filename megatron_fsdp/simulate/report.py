@@ -10,7 +10,8 @@ from megatron_fsdp.simulate.inventory import BucketRow
 from megatron_fsdp.simulate.traffic import Collective, sent_in, step_collectives
 from megatron_fsdp.simulate.world import MeshSizes
 
-# The phases of the one training step simulated (the wrap before them is "wrap"); under
+# The phases of a training step simulated (the wrap before them is "wrap"; a second step runs
+# the same phases after "zero_grad"); under
 # pipeline parallelism "schedule" holds the micro-batches' forwards and backwards as the
 # schedule interleaves them, and the step's gradient reduction.
 STEP_PHASES = ("forward", "backward", "schedule", "optimizer step")
@@ -20,9 +21,10 @@ def gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.3f} GiB"
 
 
-def collective_lines(counts: Counter[tuple], sent: int) -> list[str]:
+def collective_lines(counts: Counter[tuple], sent: int, steps: int = 1) -> list[str]:
     """The step's collectives as a table: ``counts`` from :func:`traffic.step_collectives`."""
-    lines = [f"collectives in the step: {gib(sent)} sent by this rank",
+    same = ", the second step's the same" if steps == 2 else ""
+    lines = [f"collectives in a step (the first{same}): {gib(sent)} sent by this rank",
              f"  {'op':<16}{'group':>6}{'dtype':>10}{'message bytes':>16}{'count':>7}"]
     for (op, size, dtype, nbytes), count in sorted(counts.items()):
         lines.append(f"  {op:<16}{size:>6}{dtype:>10}{nbytes:>16}{count:>7}")
@@ -41,16 +43,29 @@ def bucket_lines(rows: list[BucketRow], title: str) -> list[str]:
 
 class StepRecord:
     """What both sides' reports share (this file's and torch_fsdp2.py's): the rank and its mesh,
-    ``model_states`` by kind after the step, the step's peak and its kinds, the ``collectives``
-    issued (traffic.py's record) and the simulation's seconds."""
+    ``model_states`` by kind after the last step, the ``steps`` simulated (2: a step with the
+    optimizer state held from its start, as every step after the first), ``step_peak`` (the last
+    step's peak: with 2 steps the steady state's, what a GPU needs from the second step on) and
+    its kinds, ``first_step_peak`` and its kinds (the first step's, before the optimizer state
+    exists), the ``collectives`` of the first step (traffic.py's record; the second's are checked
+    to be the same) and the simulation's seconds."""
 
     rank: int
     mesh: MeshSizes
     model_states: dict[str, int]
     step_peak: int
     peak_breakdown: dict[str, int]
+    first_step_peak: int
+    first_step_breakdown: dict[str, int]
+    steps: int
     collectives: list[Collective]
     seconds: float
+
+    def peak_name(self) -> str:
+        """Which step's peak ``step_peak`` is, in words."""
+        if self.steps == 2:
+            return "the second step's: the steady state, optimizer state held throughout"
+        return "the first step's: before the optimizer state exists, so lower than every later step's"
 
     @property
     def model_state_bytes(self) -> int:
@@ -70,7 +85,9 @@ class StepRecord:
         return {
             "rank": self.rank, "world_size": mesh.world_size, "pp": mesh.pp, "dp_outer": mesh.dp_outer,
             "dp_shard": mesh.dp_shard, "cp": mesh.cp, "tp": mesh.tp, **own, "model_states": self.model_states, "model_state_bytes": self.model_state_bytes,
-            "step_peak": self.step_peak, "peak_breakdown": self.peak_breakdown, "sent_per_step": self.sent_per_step(),
+            "steps": self.steps, "step_peak": self.step_peak, "step_peak_is": self.peak_name(),
+            "peak_breakdown": self.peak_breakdown, "first_step_peak": self.first_step_peak,
+            "first_step_breakdown": self.first_step_breakdown, "sent_per_step": self.sent_per_step(),
             "collectives": [
                 {"op": op, "group_size": size, "dtype": dtype, "message_bytes": nbytes, "count": count}
                 for (op, size, dtype, nbytes), count in sorted(self.step_collectives().items())
@@ -86,19 +103,21 @@ class StepRecord:
                  f"{what}; simulated in {self.seconds:.1f} s",
                  f"model states: {gib(self.model_state_bytes)}"]
         lines += [f"  {kind:<28}{gib(nbytes):>14}" for kind, nbytes in sorted(self.model_states.items())]
-        lines.append(f"step peak: {gib(self.step_peak)} ({peak})")
+        lines.append(f"step peak: {gib(self.step_peak)}, {self.peak_name()} ({peak})")
         lines += [f"  {kind:<28}{gib(nbytes):>14}" for kind, nbytes in sorted(self.peak_breakdown.items())]
-        return lines + collective_lines(self.step_collectives(), self.sent_per_step())
+        if self.steps == 2:
+            lines.append(f"first step's peak: {gib(self.first_step_peak)} (no optimizer state yet)")
+        return lines + collective_lines(self.step_collectives(), self.sent_per_step(), self.steps)
 
 
 @dataclass
 class RankReport(StepRecord):
-    """One rank after the wrap and one training step.
+    """One rank after the wrap and ``steps`` training steps (StepRecord says which is which).
 
     ``model_states``: bytes by category (plan_memory's: compute weights, main weights, main
     grads, optimizer state, module buffers, bookkeeping) of every storage still live after the
-    step; ``step_peak``: the most bytes live at once during the step and ``peak_breakdown`` what
-    they were (model states by category, ``pool <key>``: the bucket pool's gathered weights and
+    last step; ``step_peak``: the most bytes live at once during the last step and
+    ``peak_breakdown`` what they were (model states by category, ``pool <key>``: the bucket pool's gathered weights and
     gradient buffers by role, the rest activations and temporaries); ``pool_peak``: the bucket
     pool's high-water mark; ``wrap_peak``: the most live during ``fully_shard`` (the unsharded
     model included: it is built whole, as fake tensors, before the wrap); ``collectives``: every
@@ -113,6 +132,9 @@ class RankReport(StepRecord):
     model_states: dict[str, int]
     step_peak: int
     peak_breakdown: dict[str, int]
+    first_step_peak: int
+    first_step_breakdown: dict[str, int]
+    steps: int
     pool_peak: int
     wrap_peak: int
     collectives: list[Collective] = field(repr=False)

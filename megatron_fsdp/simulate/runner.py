@@ -1,6 +1,8 @@
 """One rank of a simulated world: the real wrap (``megatron_fsdp.fully_shard``, the whole-model
-door) and one real training step (forward, backward, optimizer step) under torch's fake process
-group and ``FakeTensorMode``, with its allocations and collectives logged as they happen."""
+door) and two real training steps (forward, backward, optimizer step; the second after
+``optimizer.zero_grad()``, the optimizer state held from its start, as every later step) under
+torch's fake process group and ``FakeTensorMode``, with its allocations and collectives logged as
+they happen."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from megatron_fsdp.simulate.observer import StepObserver
 from megatron_fsdp.simulate import pipeline
 from megatron_fsdp.simulate.pipeline import causal_lm_loss, shard_stages, stage_modules
 from megatron_fsdp.simulate.report import STEP_PHASES, RankReport
-from megatron_fsdp.simulate.traffic import CollectiveLog
+from megatron_fsdp.simulate.traffic import CollectiveLog, count_difference
 from megatron_fsdp.simulate.world import MeshSizes, build_expert_mesh, build_mesh, fake_world
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,12 @@ def check_choices(optimizer: str, tensor_parallel_plan: dict[str, str] | None, m
     for pattern, style in (tensor_parallel_plan or {}).items():
         if style not in TP_STYLES:
             raise ValueError(f"tensor_parallel_plan[{pattern!r}] = {style!r}: use 'colwise' or 'rowwise'")
+
+
+def check_steps(steps: int) -> None:
+    if steps not in (1, 2):
+        raise ValueError(f"steps={steps}: simulate 2 (the second step's peak is every later step's) or 1 (the first "
+                         f"step only, before the optimizer state exists: its peak is lower)")
 
 
 def default_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -97,6 +105,7 @@ def simulate_rank(
     virtual_stages: int | None = None,
     pipeline_layer_split: str | Sequence[int] = "even",
     reshard_after_forward: bool | None = None,
+    steps: int = 2,
 ) -> RankReport:
     """Rank ``rank`` of ``mesh.world_size``: builds ``build_model()`` (a model on the meta device)
     as fake tensors on the CPU, splits what ``tensor_parallel_plan`` names over the tp dim
@@ -116,9 +125,16 @@ def simulate_rank(
     as ``pipeline_layer_split`` says (plan_memory's: ``"even"``, ``"torchtitan"`` or a count a
     stage), and FSDP2's
     ``reshard_after_forward`` (default False, as torchtitan passes it under PP); the loss is
-    the last stage's cross-entropy. Returns what the rank allocated and sent
-    (:class:`RankReport`); a layout the engine refuses raises its error."""
+    the last stage's cross-entropy.
+
+    ``steps`` 2 (default): the step runs twice, ``optimizer.zero_grad()`` between, and the
+    report's ``step_peak`` is the second's (the steady state's), ``first_step_peak`` the
+    first's; the collectives and compute reported are the first step's, the second's checked
+    to be the same (:func:`second_step`). ``steps`` 1: the first step only, its peak short of
+    the optimizer state. Returns what the rank allocated and sent (:class:`RankReport`); a
+    layout the engine refuses raises its error."""
     check_choices(optimizer, tensor_parallel_plan, mesh)
+    check_steps(steps)
     check_door(door, mesh, zero_dp_strategy, outer_dp_sharding_strategy)
     if seq_len % mesh.cp:
         raise ValueError(f"seq_len {seq_len}: context parallelism {mesh.cp} gives each rank 1/{mesh.cp} of every "
@@ -137,8 +153,8 @@ def simulate_rank(
             compute_dtype = next(stages[0].parameters()).dtype
             for stage in stages:
                 stage.float()  # FSDP2's parameters are what the optimizer steps (doors.py)
-            run = functools.partial(
-                _pipeline_step, stages, spec, device_mesh, mesh, rank, observer, fsdp_unit_modules=fsdp_unit_modules,
+            prepare = functools.partial(
+                _pipeline_rank, stages, spec, device_mesh, mesh, rank, observer, fsdp_unit_modules=fsdp_unit_modules,
                 compute_dtype=compute_dtype, optimizer=optimizer, tensor_parallel_plan=tensor_parallel_plan,
                 reshard_after_forward=bool(reshard_after_forward), batch_size=batch_size, local_seq=local_seq)
         else:
@@ -153,42 +169,50 @@ def simulate_rank(
             if door == "whole_model":
                 shard_options |= dict(zero_dp_strategy=zero_dp_strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
                                       mixed_precision_policy=mixed_precision_policy)
-            run = functools.partial(_model_step, meta_model, device_mesh, mesh, observer, door, tensor_parallel_plan,
-                                    loss_fn, (batch_size, local_seq), shard_options)
+            prepare = functools.partial(_model_rank, meta_model, device_mesh, mesh, observer, door, tensor_parallel_plan,
+                                        loss_fn, (batch_size, local_seq), shard_options)
         with FakeTensorMode(allow_non_fake_inputs=True), observer.observing():
-            sharded = run()
+            sharded, step = prepare()
+            step()
+            first_peak = _peak_at(memory, _named_now(sharded))
+            if steps == 2:
+                second_step(sharded.optimizer, step, observer, traffic)
+            del step, prepare  # the pipeline schedule's receive buffers with it: no model state
             report = _report(rank, mesh, door, zero_dp_strategy, outer_dp_sharding_strategy, sharded, memory, traffic,
-                             compute, started)
-            del sharded, run
+                             compute, started, first_peak, steps)
+            del sharded
     return report
 
 
-def _model_step(meta_model: nn.Module, device_mesh, mesh: MeshSizes, observer: StepObserver, door: str,
+def _model_rank(meta_model: nn.Module, device_mesh, mesh: MeshSizes, observer: StepObserver, door: str,
                 tensor_parallel_plan: dict[str, str] | None, loss_fn, batch_shape: tuple[int, int],
-                shard_options: dict) -> ShardedRank:
-    """The whole model wrapped through ``door`` and one step of it; returns the sharded rank."""
+                shard_options: dict) -> tuple[ShardedRank, Callable[[], None]]:
+    """The whole model wrapped through ``door``, and a training step of it to run."""
     sharded = _wrap(meta_model, device_mesh, mesh, observer, door=door, tensor_parallel_plan=tensor_parallel_plan,
                     **shard_options)
     tokens = torch.randint(0, vocab_size(sharded.module), batch_shape)
-    run_step(sharded.model, sharded.optimizer, tokens, loss_fn, observer)
-    return sharded
+    return sharded, functools.partial(run_step, sharded.model, sharded.optimizer, tokens, loss_fn, observer)
 
 
-def _pipeline_step(stages: list, spec: PipelineSpec, device_mesh, mesh: MeshSizes, rank: int, observer: StepObserver, *,
-                   batch_size: int, local_seq: int, **shard_options) -> ShardedRank:
-    """The rank's stage modules sharded, and one step of torch's schedule over them and of the
-    optimizer (pipeline.py); returns the sharded rank, the schedule and its receive buffers gone."""
+def _pipeline_rank(stages: list, spec: PipelineSpec, device_mesh, mesh: MeshSizes, rank: int, observer: StepObserver, *,
+                   batch_size: int, local_seq: int, **shard_options) -> tuple[ShardedRank, Callable[[], None]]:
+    """The rank's stage modules sharded (pipeline.py), and a training step to run: torch's
+    schedule over them, then the optimizer's step."""
     config = stages[0].causal_lm.config
     observer.start_phase("wrap")
     pipe = shard_stages(stages, device_mesh, mesh, spec, mesh.pp_rank(rank),
                         micro_batch=(batch_size // spec.micro_batches, local_seq), hidden_size=config.hidden_size,
                         vocab_size=config.vocab_size, loss_fn=causal_lm_loss, **shard_options)
     stages.clear()
-    observer.start_phase("schedule")
-    pipeline.run_step(pipe, torch.randint(0, config.vocab_size, (batch_size, local_seq)))
-    observer.start_phase("optimizer step")
-    pipe.sharded.optimizer.step()
-    return pipe.sharded
+    tokens = torch.randint(0, config.vocab_size, (batch_size, local_seq))
+
+    def step() -> None:
+        observer.start_phase("schedule")
+        pipeline.run_step(pipe, tokens)
+        observer.start_phase("optimizer step")
+        pipe.sharded.optimizer.step()
+
+    return pipe.sharded, step
 
 
 def _pipeline_spec(mesh: MeshSizes, schedule: str, micro_batches: int | None, virtual_stages: int | None,
@@ -207,16 +231,45 @@ def _pipeline_spec(mesh: MeshSizes, schedule: str, micro_batches: int | None, vi
     return spec
 
 
-def _report(rank: int, mesh: MeshSizes, door: str, strategy: str, outer_strategy: str, sharded: ShardedRank,
-            memory: AllocationLog, traffic: CollectiveLog, compute: ComputeLog, started: float) -> RankReport:
-    """What the rank holds after the step (model states by category), its peak and collectives."""
+def _named_now(sharded: ShardedRank) -> dict[int, str]:
+    """The model states' storages by category, what is garbage collected first."""
     gc.collect()
-    named = categories(sharded.units, sharded.module, sharded.optimizer)
+    return categories(sharded.units, sharded.module, sharded.optimizer)
+
+
+def _peak_at(memory: AllocationLog, named: dict[int, str]) -> tuple[int, dict[str, int]]:
+    """The step just run: its peak and what was live at it (:func:`_breakdown`)."""
     peak, at_peak = memory.live_at_peak(STEP_PHASES)
+    return peak, _breakdown(at_peak, memory, named)
+
+
+def second_step(optimizer: torch.optim.Optimizer, step: Callable[[], None], observer: StepObserver,
+                first: CollectiveLog) -> None:
+    """``optimizer.zero_grad()`` (set to None, torch's default, as a training loop calls it) and
+    ``step`` again: the step every later one repeats, the optimizer state held from its start.
+    Its collectives and compute are recorded apart; its collectives must be the first step's
+    (counted: their order differs under forward prefetch, traffic.count_difference says why)."""
+    with observer.recording_apart() as (second, _):
+        observer.start_phase("zero_grad")
+        optimizer.zero_grad()
+        step()
+    difference = count_difference(first.collectives, second.collectives, (*STEP_PHASES, "zero_grad"))
+    if difference is not None:
+        raise RuntimeError(f"the second simulated step issued other collectives than the first ({difference}): "
+                           f"one step's record would not stand for every step; report this with the layout")
+
+
+def _report(rank: int, mesh: MeshSizes, door: str, strategy: str, outer_strategy: str, sharded: ShardedRank,
+            memory: AllocationLog, traffic: CollectiveLog, compute: ComputeLog, started: float,
+            first_peak: tuple[int, dict[str, int]], steps: int) -> RankReport:
+    """What the rank holds after the last step (model states by category), that step's peak and
+    the first's, and the first step's collectives."""
+    named = _named_now(sharded)
+    peak, breakdown = _peak_at(memory, named)
     return RankReport(
         rank=rank, mesh=mesh, door=door, strategy=strategy, outer_strategy=outer_strategy,
-        model_states=model_states(memory.live(), named), step_peak=peak,
-        peak_breakdown=_breakdown(at_peak, memory, named),
+        model_states=model_states(memory.live(), named), step_peak=peak, peak_breakdown=breakdown,
+        first_step_peak=first_peak[0], first_step_breakdown=first_peak[1], steps=steps,
         pool_peak=sharded.pool.high_water_mark(),
         wrap_peak=memory.peak("wrap"), collectives=traffic.collectives, buckets=bucket_rows(sharded.units),
         compute=compute.segments, seconds=time.perf_counter() - started,

@@ -17,6 +17,7 @@ covered (refused).
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -36,18 +37,20 @@ from megatron_fsdp.simulate.doors import OPTIMIZERS, apply_tensor_parallel, fsdp
 from megatron_fsdp.simulate.inventory import BucketRow
 from megatron_fsdp.simulate.observer import StepObserver
 from megatron_fsdp.simulate.report import StepRecord, bucket_lines
-from megatron_fsdp.simulate.runner import check_choices, default_loss, run_step, vocab_size
+from megatron_fsdp.simulate.runner import check_choices, check_steps, default_loss, run_step, second_step, vocab_size
 from megatron_fsdp.simulate.traffic import Collective, CollectiveLog
 from megatron_fsdp.simulate.world import MeshSizes, build_mesh, fake_world
 
 @dataclass
 class TorchFSDP2Report(StepRecord):
-    """One rank of torch's FSDP2 after the wrap and one training step.
+    """One rank of torch's FSDP2 after the wrap and ``steps`` training steps (StepRecord says
+    which peak is which step's).
 
-    ``model_states``: FSDPMemTracker's bytes by kind still live after the step (``Sharded
+    ``model_states``: FSDPMemTracker's bytes by kind still live after the last step (``Sharded
     Param``, ``Sharded Grad``, ``OptState``, ``Buffer``); ``shard_bytes``: the same kinds summed
     from the tensors themselves (each DTensor's local storage, its padding included), the
-    tracker's reference; ``step_peak`` and ``peak_breakdown``: the tracker's peak and its kinds
+    tracker's reference; ``step_peak`` and ``peak_breakdown``: the tracker's peak over the last
+    step (the tracker entered again for it) and its kinds
     (``Unsharded Param``, ``All Gather``, ``Reduce Scatter``, ``Activation``, ``Temp``, ...);
     ``collectives``: every collective issued (traffic.py's record, as ours); ``groups``: FSDP2's
     parameter groups as bucket rows (a group's padded numel: every parameter's dim 0 padded to a
@@ -60,6 +63,9 @@ class TorchFSDP2Report(StepRecord):
     shard_bytes: dict[str, int]
     step_peak: int
     peak_breakdown: dict[str, int]
+    first_step_peak: int
+    first_step_breakdown: dict[str, int]
+    steps: int
     collectives: list[Collective] = field(repr=False)
     groups: list[BucketRow] = field(repr=False)
     seconds: float = 0.0
@@ -213,6 +219,7 @@ def simulate_torch_fsdp2(
     batch_size: int = 1,
     seq_len: int = 4096,
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = default_loss,
+    steps: int = 2,
 ) -> TorchFSDP2Report:
     """Rank ``rank`` of ``mesh.world_size`` under torch's FSDP2 (the module's note): the same
     model, mesh, optimizer and step as :func:`simulate_rank`'s, FSDP2's ZeRO-3 (reshard after
@@ -220,6 +227,7 @@ def simulate_torch_fsdp2(
     :func:`torch_policy`. Raises ValueError for expert and pipeline parallelism, which are not
     covered (under pp every rank would run the whole model, unpipelined)."""
     check_choices(optimizer, tensor_parallel_plan, mesh)
+    check_steps(steps)
     if mesh.ep > 1:
         raise ValueError("torch's FSDP2 is simulated without expert parallelism: use ep=1")
     if mesh.pp > 1:
@@ -249,16 +257,24 @@ def simulate_torch_fsdp2(
             tokens = torch.randint(0, vocab_size(module), (batch_size, seq_len))
             _lazy_init_before_tracking(module)
             tracker = tracker_class(module, optim)
+            step = functools.partial(run_step, module, optim, tokens, loss_fn, observer)
             with tracker:
-                run_step(module, optim, tokens, loss_fn, observer)
-                del tokens
+                step()
                 gc.collect()
-                current = tracker.get_tracker_snapshot("current")[torch.device("cpu")]
+            first_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+            if steps == 2:
+                tracker.reset_mod_stats()  # its per-module records refuse a second iteration otherwise
+                with tracker:  # entered again, its peak starts from the bytes live now
+                    second_step(optim, step, observer, traffic)
             peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+            del tokens, step
+            gc.collect()
+            current = tracker.get_tracker_snapshot("current")[torch.device("cpu")]
             report = TorchFSDP2Report(
                 rank=rank, mesh=mesh,
                 model_states=_by_kind(current), shard_bytes=shard_bytes(module, optim), step_peak=peak["Total"],
-                peak_breakdown=_by_kind(peak),
+                peak_breakdown=_by_kind(peak), first_step_peak=first_peak["Total"],
+                first_step_breakdown=_by_kind(first_peak), steps=steps,
                 collectives=traffic.collectives, groups=parameter_groups(sharded, mesh),
                 compute=compute.segments, seconds=time.perf_counter() - started,
             )

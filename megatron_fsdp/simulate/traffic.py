@@ -53,6 +53,24 @@ def sent_in(collectives: list[Collective], phases: tuple[str, ...]) -> int:
     return sum(c.sent_bytes for c in collectives if c.phase in phases)
 
 
+def count_difference(first: list[Collective], second: list[Collective], phases: tuple[str, ...]) -> str | None:
+    """How two steps' collectives in ``phases`` differ, counted by (phase, op, group, dtype,
+    bytes), in words; None when they are the same. Their order is not compared: from the second
+    step on, the engine prefetches each unit's forward gather in the order it recorded in the step
+    before (engine/step/schedule.py), so a gather may come before the tensor-parallel all-reduces
+    of the unit before it, where the first step issues it after them."""
+    def counted(collectives: list[Collective]) -> Counter[tuple]:
+        return Counter((c.phase, c.op, c.group_ranks or c.group_size, str(c.dtype).removeprefix("torch."),
+                        c.message_bytes) for c in collectives if c.phase in phases)
+
+    one, two = counted(first), counted(second)
+    if one == two:
+        return None
+    only = [f"{key[:2]} {key[3]} {key[4]} bytes: {one[key]} in the first step, {two[key]} in the second"
+            for key in sorted(one.keys() | two.keys(), key=str) if one[key] != two[key]]
+    return "; ".join(only[:3]) + (f" (and {len(only) - 3} more)" if len(only) > 3 else "")
+
+
 # The dispatcher's name of each collective -> (our name, which tensor argument is the message).
 _OPS = {
     "_allgather_base_": ("all_gather", 0),
