@@ -106,7 +106,9 @@ class StepRecord:
         lines.append(f"step peak: {gib(self.step_peak)}, {self.peak_name()} ({peak})")
         lines += [f"  {kind:<28}{gib(nbytes):>14}" for kind, nbytes in sorted(self.peak_breakdown.items())]
         if self.steps == 2:
-            lines.append(f"first step's peak: {gib(self.first_step_peak)} (no optimizer state yet)")
+            lines.append(f"first step's peak: {gib(self.first_step_peak)} (the optimizer state is made in its "
+                         f"optimizer step; a job needs the larger of the two)")
+            lines += [f"  {kind:<28}{gib(nbytes):>14}" for kind, nbytes in sorted(self.first_step_breakdown.items())]
         return lines + collective_lines(self.step_collectives(), self.sent_per_step(), self.steps)
 
 
