@@ -461,6 +461,22 @@ def _fsdp2_padded(shape: torch.Size, group: int, dim: int = 0) -> tuple[int, int
     return math.ceil(shape[dim] / group), math.prod(shape) // shape[dim]
 
 
+def _fsdp2_model_states(model: nn.Module, group: int, index: int, shard_dims: dict[str, int] | None = None) -> dict:
+    """FSDPMemTracker's model states of shard ``index`` of ``group`` under FSDP2's padding rule:
+    ceil(d / group) rows of each float32 parameter's sharded dim ``d`` (``shard_dims``, else 0)
+    and of its gradient (one reduce-scatter output a group); AdamW's moments are zeros_like the
+    unpadded local rows, plus a 4-byte step count a parameter; the buffers whole."""
+    params = [(p.shape, (shard_dims or {}).get(name, 0)) for name, p in model.named_parameters()]
+    shards = [_fsdp2_padded(shape, group, dim) for shape, dim in params]
+    local_rows = [min(max(shape[dim] - index * rows, 0), rows) for (shape, dim), (rows, _) in zip(params, shards)]
+    return {
+        "Sharded Param": sum(rows * per_row * 4 for rows, per_row in shards),
+        "Sharded Grad": sum(rows * per_row * 4 for rows, per_row in shards),
+        "OptState": sum(2 * n * per_row * 4 + 4 for n, (_, per_row) in zip(local_rows, shards)),
+        "Buffer": sum(b.numel() * b.element_size() for b in model.buffers()),
+    }
+
+
 @pytest.mark.parametrize("mesh", [MeshSizes(48), MeshSizes(4096, dp_outer=512)], ids=["W48", "W4096-outer512"])
 def test_torch_fsdp2_beside_ours_holds_its_shards_and_sends_the_zero3_formula(mesh: MeshSizes) -> None:
     """Torch's own FSDP2 (fully_shard per layer, then the root) and ours on the last rank of the
@@ -478,19 +494,8 @@ def test_torch_fsdp2_beside_ours_holds_its_shards_and_sends_the_zero3_formula(me
     groups = _fsdp2_groups(model, source.units)
 
     # Memory: FSDPMemTracker's model states equal the sum of the DTensors' local storages, and
-    # both equal the padding rule: every rank holds ceil(d0 / g) rows of each float32 parameter
-    # and of its gradient (one reduce-scatter output a group); AdamW's moments are zeros_like
-    # the unpadded local rows, plus a 4-byte step count a parameter.
-    shards = [_fsdp2_padded(shape, g) for _, shapes in groups for shape in shapes]
-    index = g - 1
-    local_rows = [min(max(shape[0] - index * rows, 0), rows)
-                  for (_, shapes) in groups for shape, (rows, _) in zip(shapes, [_fsdp2_padded(s, g) for s in shapes])]
-    expected_memory = {
-        "Sharded Param": sum(rows * per_row * 4 for rows, per_row in shards),
-        "Sharded Grad": sum(rows * per_row * 4 for rows, per_row in shards),
-        "OptState": sum(2 * n * per_row * 4 + 4 for n, (_, per_row) in zip(local_rows, shards)),
-        "Buffer": sum(b.numel() * b.element_size() for b in model.buffers()),
-    }
+    # both equal the padding rule (the last rank of each shard group).
+    expected_memory = _fsdp2_model_states(model, g, g - 1)
     assert theirs.shard_bytes == expected_memory
     assert theirs.model_states == expected_memory, f"tracker {theirs.model_states}, shards {theirs.shard_bytes}"
     # The peak is where FSDP2 holds the root's gathered bf16 weights (forward into backward), not
@@ -553,25 +558,18 @@ def test_torch_fsdp2_shards_an_moe_s_grouped_experts_as_torchtitan_does(world: i
     assert {name: tuple(p) for name, p in placements.items()} == {
         name: (Shard(expert_dim if name in experts else 0),) for name in placements}
 
-    # Memory, as the Llama test above checks it: every parameter's and gradient's padded fp32
-    # shard, AdamW's two moments of its unpadded local rows and a step count each, the buffers.
+    # Memory and the layer's group, as the Llama test above checks them, each parameter padded
+    # on its sharded dim.
     theirs = simulate_torch_fsdp2(source.build, mesh, rank, fsdp_unit_modules=list(source.units), batch_size=BATCH,
                                   seq_len=64)
     model = source.build().float()
-    params = [(p.shape, expert_dim if name in experts else 0) for name, p in model.named_parameters()]
-    shards = [_fsdp2_padded(shape, world, dim) for shape, dim in params]
-    local_rows = [min(max(shape[dim] - rank * rows, 0), rows) for (shape, dim), (rows, _) in zip(params, shards)]
-    expected_memory = {
-        "Sharded Param": sum(rows * per_row * 4 for rows, per_row in shards),
-        "Sharded Grad": sum(rows * per_row * 4 for rows, per_row in shards),
-        "OptState": sum(2 * n * per_row * 4 + 4 for n, (_, per_row) in zip(local_rows, shards)),
-        "Buffer": sum(b.numel() * b.element_size() for b in model.buffers()),
-    }
+    shard_dims = dict.fromkeys(experts, expert_dim)
+    expected_memory = _fsdp2_model_states(model, world, rank, shard_dims)
     assert theirs.shard_bytes == expected_memory
     assert theirs.model_states == expected_memory, f"tracker {theirs.model_states}, shards {theirs.shard_bytes}"
-    assert theirs.groups[0].padded_numel == sum(
-        rows * world * per_row for (rows, per_row), (name, _) in zip(shards, model.named_parameters())
-        if name.startswith("model.layers.0."))
+    layer = [_fsdp2_padded(p.shape, world, shard_dims.get(name, 0)) for name, p in model.named_parameters()
+             if name.startswith("model.layers.0.")]
+    assert theirs.groups[0].padded_numel == sum(rows * world * per_row for rows, per_row in layer)
 
     if expert_dim:
         with pytest.raises(ValueError, match="its grouped expert weights are sharded on dim 1.*divides the experts' dim 1"):
