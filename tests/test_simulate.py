@@ -29,6 +29,7 @@ from collections import Counter
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from megatron_fsdp.plan_memory import plan_memory
 from megatron_fsdp.simulate import MeshSizes, simulate_rank
@@ -454,9 +455,26 @@ def _fsdp2_groups(model: nn.Module, units: tuple[type, ...]) -> list[tuple[str, 
     return [*groups, ("<root>", root)]
 
 
-def _fsdp2_padded(shape: torch.Size, group: int) -> tuple[int, int]:
-    """FSDP2's padding rule: dim 0 up to a multiple of the shard group. (rows per shard, elements a row)."""
-    return math.ceil(shape[0] / group), math.prod(shape[1:])
+def _fsdp2_padded(shape: torch.Size, group: int, dim: int = 0) -> tuple[int, int]:
+    """FSDP2's padding rule: the sharded dim up to a multiple of the shard group. (rows per shard,
+    elements a row), a row being one index of that dim."""
+    return math.ceil(shape[dim] / group), math.prod(shape) // shape[dim]
+
+
+def _fsdp2_model_states(model: nn.Module, group: int, index: int, shard_dims: dict[str, int] | None = None) -> dict:
+    """FSDPMemTracker's model states of shard ``index`` of ``group`` under FSDP2's padding rule:
+    ceil(d / group) rows of each float32 parameter's sharded dim ``d`` (``shard_dims``, else 0)
+    and of its gradient (one reduce-scatter output a group); AdamW's moments are zeros_like the
+    unpadded local rows, plus a 4-byte step count a parameter; the buffers whole."""
+    params = [(p.shape, (shard_dims or {}).get(name, 0)) for name, p in model.named_parameters()]
+    shards = [_fsdp2_padded(shape, group, dim) for shape, dim in params]
+    local_rows = [min(max(shape[dim] - index * rows, 0), rows) for (shape, dim), (rows, _) in zip(params, shards)]
+    return {
+        "Sharded Param": sum(rows * per_row * 4 for rows, per_row in shards),
+        "Sharded Grad": sum(rows * per_row * 4 for rows, per_row in shards),
+        "OptState": sum(2 * n * per_row * 4 + 4 for n, (_, per_row) in zip(local_rows, shards)),
+        "Buffer": sum(b.numel() * b.element_size() for b in model.buffers()),
+    }
 
 
 @pytest.mark.parametrize("mesh", [MeshSizes(48), MeshSizes(4096, dp_outer=512)], ids=["W48", "W4096-outer512"])
@@ -476,19 +494,8 @@ def test_torch_fsdp2_beside_ours_holds_its_shards_and_sends_the_zero3_formula(me
     groups = _fsdp2_groups(model, source.units)
 
     # Memory: FSDPMemTracker's model states equal the sum of the DTensors' local storages, and
-    # both equal the padding rule: every rank holds ceil(d0 / g) rows of each float32 parameter
-    # and of its gradient (one reduce-scatter output a group); AdamW's moments are zeros_like
-    # the unpadded local rows, plus a 4-byte step count a parameter.
-    shards = [_fsdp2_padded(shape, g) for _, shapes in groups for shape in shapes]
-    index = g - 1
-    local_rows = [min(max(shape[0] - index * rows, 0), rows)
-                  for (_, shapes) in groups for shape, (rows, _) in zip(shapes, [_fsdp2_padded(s, g) for s in shapes])]
-    expected_memory = {
-        "Sharded Param": sum(rows * per_row * 4 for rows, per_row in shards),
-        "Sharded Grad": sum(rows * per_row * 4 for rows, per_row in shards),
-        "OptState": sum(2 * n * per_row * 4 + 4 for n, (_, per_row) in zip(local_rows, shards)),
-        "Buffer": sum(b.numel() * b.element_size() for b in model.buffers()),
-    }
+    # both equal the padding rule (the last rank of each shard group).
+    expected_memory = _fsdp2_model_states(model, g, g - 1)
     assert theirs.shard_bytes == expected_memory
     assert theirs.model_states == expected_memory, f"tracker {theirs.model_states}, shards {theirs.shard_bytes}"
     # The peak is where FSDP2 holds the root's gathered bf16 weights (forward into backward), not
@@ -526,3 +533,44 @@ def test_torch_fsdp2_beside_ours_holds_its_shards_and_sends_the_zero3_formula(me
     ours_counts, their_counts = comparison.ours.step_collectives(), theirs.step_collectives()
     assert message_bytes(ours_counts, "all_gather") - message_bytes(their_counts, "all_gather") == padding_bytes(2)
     assert message_bytes(ours_counts, "reduce_scatter") - message_bytes(their_counts, "reduce_scatter") == padding_bytes(1)
+
+
+@pytest.mark.parametrize("world, expert_dim", [(8, 0), (16, 1)])
+def test_torch_fsdp2_shards_an_moe_s_grouped_experts_as_torchtitan_does(world: int, expert_dim: int) -> None:
+    """One layer of Mixtral 8x7B's shapes (grouped experts, ``experts.gate_up_proj`` 8 x 28,672 x
+    4,096) under torch's FSDP2 at expert-parallel degree 1, as torchtitan shards it: up to 8 FSDP
+    ranks, plain ``Shard(0)``, one expert a rank; past 8, the grouped weights ``Shard(1)`` (Shard(0)
+    would give every rank past the eighth a whole expert of padding: 0.70 GB of fp32 weights on
+    the last rank at W16, where Shard(1) holds 0.35 GB of real rows). FSDPMemTracker's model states equal the padding
+    rule on each parameter's sharded dim; where dim 1 is not a multiple of the ranks (W48) it is
+    refused, naming the fix."""
+    from megatron_fsdp.simulate.torch_fsdp2 import shard_module, simulate_torch_fsdp2, torch_policy
+    from megatron_fsdp.simulate.world import build_mesh, fake_world
+
+    source = hugging_face("mixtral-8x7b", torch.bfloat16, num_hidden_layers=1)
+    mesh, rank = MeshSizes(world), world - 1
+    with fake_world(rank, world):
+        model = source.build().float()
+        shard_module(model, source.units, build_mesh(mesh), mesh, torch_policy(None, torch.bfloat16)[1])
+        placements = {name: param.placements for name, param in model.named_parameters()}
+    experts = {name for name in placements if ".experts." in name}
+    assert experts == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+    assert {name: tuple(p) for name, p in placements.items()} == {
+        name: (Shard(expert_dim if name in experts else 0),) for name in placements}
+
+    # Memory and the layer's group, as the Llama test above checks them, each parameter padded
+    # on its sharded dim.
+    theirs = simulate_torch_fsdp2(source.build, mesh, rank, fsdp_unit_modules=list(source.units), batch_size=BATCH,
+                                  seq_len=64)
+    model = source.build().float()
+    shard_dims = dict.fromkeys(experts, expert_dim)
+    expected_memory = _fsdp2_model_states(model, world, rank, shard_dims)
+    assert theirs.shard_bytes == expected_memory
+    assert theirs.model_states == expected_memory, f"tracker {theirs.model_states}, shards {theirs.shard_bytes}"
+    layer = [_fsdp2_padded(p.shape, world, shard_dims.get(name, 0)) for name, p in model.named_parameters()
+             if name.startswith("model.layers.0.")]
+    assert theirs.groups[0].padded_numel == sum(rows * world * per_row for rows, per_row in layer)
+
+    if expert_dim:
+        with pytest.raises(ValueError, match="its grouped expert weights are sharded on dim 1.*divides the experts' dim 1"):
+            simulate_torch_fsdp2(source.build, MeshSizes(48), 47, fsdp_unit_modules=list(source.units))

@@ -10,7 +10,7 @@ import functools
 import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -57,14 +57,18 @@ def default_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return out.loss if hasattr(out, "loss") else out.float().mean()
 
 
+def expert_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every module named ``experts``, as (name, module): its own parameters are the grouped
+    expert weights (Hugging Face's fused layout, dim 0 the experts)."""
+    return ((name, module) for name, module in model.named_modules() if name.rpartition(".")[2] == "experts")
+
+
 def keep_local_experts(model: nn.Module, ep: int) -> None:
     """What an expert-parallel rank holds: of every module named ``experts``, 1/ep of the experts
     (its grouped weights' dim 0, Hugging Face's fused layout, as plan_memory deals them out), its
     ``num_experts`` set to match. On the meta device, before anything is allocated."""
     found = False
-    for name, module in model.named_modules():
-        if name.rpartition(".")[2] != "experts":
-            continue
+    for name, module in expert_modules(model):
         for key, param in list(module.named_parameters(recurse=False)):
             if param.dim() != 3 or param.shape[0] % ep:
                 raise ValueError(f"{name}.{key} {tuple(param.shape)}: expert parallelism {ep} needs grouped expert "

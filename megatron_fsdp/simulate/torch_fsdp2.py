@@ -11,8 +11,10 @@ FSDP2 is called as torchtitan calls it: ``fully_shard`` on every unit, then the 
 parameters held in the main-weight dtype (what the optimizer steps),
 ``MixedPrecisionPolicy(param_dtype=<the model's dtype>, reduce_dtype=<ours' gradient
 communication dtype>)``; HSDP is a 2-D (dp_outer, dp_shard) mesh, tensor parallelism torch's
-``parallelize_module`` over the tp dim before it. Expert and pipeline parallelism are not
-covered (refused).
+``parallelize_module`` over the tp dim before it. A unit's grouped expert weights (an MoE at
+expert-parallel degree 1) are sharded on dim 1 where the FSDP mesh outnumbers the experts, as
+torchtitan places them (:func:`expert_placement`). Expert parallelism above 1 and pipeline
+parallelism are not covered (refused).
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from megatron_fsdp.simulate.doors import OPTIMIZERS, apply_tensor_parallel, fsdp
 from megatron_fsdp.simulate.inventory import BucketRow
 from megatron_fsdp.simulate.observer import StepObserver
 from megatron_fsdp.simulate.report import StepRecord, bucket_lines
-from megatron_fsdp.simulate.runner import check_choices, check_steps, default_loss, run_step, second_step, vocab_size
+from megatron_fsdp.simulate.runner import (
+    check_choices, check_steps, default_loss, expert_modules, run_step, second_step, vocab_size,
+)
 from megatron_fsdp.simulate.traffic import Collective, CollectiveLog
 from megatron_fsdp.simulate.world import MeshSizes, build_mesh, fake_world
 
@@ -53,9 +57,9 @@ class TorchFSDP2Report(StepRecord):
     step (the tracker entered again for it) and its kinds
     (``Unsharded Param``, ``All Gather``, ``Reduce Scatter``, ``Activation``, ``Temp``, ...);
     ``collectives``: every collective issued (traffic.py's record, as ours); ``groups``: FSDP2's
-    parameter groups as bucket rows (a group's padded numel: every parameter's dim 0 padded to a
-    multiple of the shard group); ``compute``: the compute between the collectives (compute.py, as
-    ours), for the step-time model."""
+    parameter groups as bucket rows (a group's padded numel: every parameter's sharded dim, dim 0
+    or a grouped expert weight's dim 1, padded to a multiple of the shard group); ``compute``: the
+    compute between the collectives (compute.py, as ours), for the step-time model."""
 
     rank: int
     mesh: MeshSizes
@@ -129,13 +133,37 @@ def _propagation_in_a_fake_mode_of_its_own() -> Iterator[None]:
         _sharding_prop.detect_fake_mode = original
 
 
-def _shard_module(module: nn.Module, units: Sequence[type], device_mesh, mesh: MeshSizes,
-                  policy: TorchMixedPrecisionPolicy) -> list[nn.Module]:
-    """``fully_shard`` on every unit, then the root; returns them in that order."""
+def expert_placement(unit: nn.Module, fsdp_ranks: int) -> Callable[[nn.Parameter], Shard | None] | None:
+    """torchtitan's ``shard_placement_fn`` for a unit at expert-parallel degree 1: where the FSDP
+    mesh's ranks (all of them, the replicas' too under HSDP, as torchtitan counts) outnumber an
+    ``experts`` module's experts, its grouped weights are sharded on dim 1, so that dim 0 (the
+    experts) is not padded up to the group; every other parameter keeps FSDP2's ``Shard(0)``.
+    None (a plain ``fully_shard``) where nothing would be sharded on dim 1."""
+    on_dim1 = {id(param) for _, experts in expert_modules(unit) for param in experts.parameters(recurse=False)
+               if fsdp_ranks > getattr(experts, "num_experts", param.shape[0])}
+    if not on_dim1:
+        return None
+    return lambda param: Shard(1) if id(param) in on_dim1 else None
+
+
+def shard_module(module: nn.Module, units: Sequence[type], device_mesh, mesh: MeshSizes,
+                 policy: TorchMixedPrecisionPolicy) -> list[nn.Module]:
+    """``fully_shard`` on every unit (grouped experts placed by :func:`expert_placement`), then
+    the root; returns them in that order."""
     fsdp_mesh = fsdp2_mesh(device_mesh, mesh)
     sharded = [m for m in module.modules() if isinstance(m, tuple(units))]
     for unit in sharded:
-        fully_shard(unit, mesh=fsdp_mesh, mp_policy=policy)
+        placement = expert_placement(unit, fsdp_mesh.size())
+        try:
+            fully_shard(unit, mesh=fsdp_mesh, mp_policy=policy, shard_placement_fn=placement)
+        except NotImplementedError as error:
+            if placement is None:
+                raise
+            raise ValueError(
+                f"{type(unit).__name__}: the FSDP mesh's {fsdp_mesh.size()} ranks outnumber its experts, so its grouped "
+                f"expert weights are sharded on dim 1 (as torchtitan places them), which torch {torch.__version__}'s "
+                f"FSDP2 shards only evenly ({error}): pick a shard group that divides the experts' dim 1"
+            ) from error
     fully_shard(module, mesh=fsdp_mesh, mp_policy=policy)
     return [*sharded, module]
 
@@ -195,7 +223,7 @@ def parameter_groups(sharded: list[nn.Module], mesh: MeshSizes) -> list[BucketRo
 def _lazy_init_before_tracking(root: nn.Module) -> None:
     """FSDP2's lazy init (at the first forward) pads each shard again unless its storage is the
     padded one, which it can tell only of a plain tensor: on fake tensors every parameter FSDP2
-    pads (dim 0 not a multiple of the shard group) gets a new storage there, which FSDPMemTracker
+    pads (its sharded dim not a multiple of the shard group) gets a new storage there, which FSDPMemTracker
     would file under 'Activation' (and the shards under 'Sharded Param' short by as much). A real
     run does not do this, so it is done here, before the tracker starts. Private to torch, as the
     tracker is (it calls the same ``_get_fsdp_state``)."""
@@ -248,7 +276,7 @@ def simulate_torch_fsdp2(
         # at 4,096 ranks), far less on meta; and it joins its mesh to the
         # tensor-parallel one by locating this rank in a mesh tensor, which must be real.
         apply_tensor_parallel(meta_model, device_mesh, mesh, tensor_parallel_plan)
-        sharded = _shard_module(meta_model, fsdp_unit_modules, device_mesh, mesh, policy)
+        sharded = shard_module(meta_model, fsdp_unit_modules, device_mesh, mesh, policy)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode, observer.observing():
             observer.start_phase("model")
