@@ -381,17 +381,18 @@ def test_the_allocation_log_sizes_an_op_on_dtensors_by_its_local_output() -> Non
             assert made.died is not None
 
 
-@pytest.mark.parametrize("mesh, message", [
-    (MeshSizes(64, ep=8), "without expert parallelism"),
-    (MeshSizes(64, pp=2), "without pipeline parallelism"),
+@pytest.mark.parametrize("mesh, options, message", [
+    (MeshSizes(64, ep=8), {}, "without expert parallelism"),
+    (MeshSizes(64, pp=2), dict(pipeline_schedule="Interleaved1F1B", virtual_stages=2), "FSDPMemTracker tracks one root"),
 ])
-def test_torch_fsdp2_refuses_the_meshes_it_does_not_simulate(mesh: MeshSizes, message: str) -> None:
-    """Under pp every rank would run the whole model unpipelined: refused, not silently wrong."""
+def test_torch_fsdp2_refuses_the_meshes_it_does_not_simulate(mesh: MeshSizes, options: dict, message: str) -> None:
+    """Refused before anything is built, not silently wrong: a rank holding several stage roots
+    would be tracked for one of them only."""
     from megatron_fsdp.simulate.torch_fsdp2 import simulate_torch_fsdp2
 
-    llama = hugging_face("llama3-8b", torch.bfloat16, 1)
+    llama = hugging_face("llama3-8b", torch.bfloat16, 2)
     with pytest.raises(ValueError, match=message):
-        simulate_torch_fsdp2(llama.build, mesh, 0, fsdp_unit_modules=list(llama.units))
+        simulate_torch_fsdp2(llama.build, mesh, 0, fsdp_unit_modules=list(llama.units), **options)
 
 
 @pytest.mark.parametrize("arguments, message", [
@@ -461,12 +462,16 @@ def _fsdp2_padded(shape: torch.Size, group: int, dim: int = 0) -> tuple[int, int
     return math.ceil(shape[dim] / group), math.prod(shape) // shape[dim]
 
 
-def _fsdp2_model_states(model: nn.Module, group: int, index: int, shard_dims: dict[str, int] | None = None) -> dict:
+def _fsdp2_model_states(model: nn.Module, group: int, index: int, shard_dims: dict[str, int] | None = None,
+                        shapes: dict[str, torch.Size] | None = None) -> dict:
     """FSDPMemTracker's model states of shard ``index`` of ``group`` under FSDP2's padding rule:
     ceil(d / group) rows of each float32 parameter's sharded dim ``d`` (``shard_dims``, else 0)
     and of its gradient (one reduce-scatter output a group); AdamW's moments are zeros_like the
-    unpadded local rows, plus a 4-byte step count a parameter; the buffers whole."""
-    params = [(p.shape, (shard_dims or {}).get(name, 0)) for name, p in model.named_parameters()]
+    unpadded local rows, plus a 4-byte step count a parameter; the buffers whole. ``shapes``: the
+    parameters the rank holds and their shapes before FSDP (a pipeline stage's, tensor-parallel
+    parts); default every parameter of ``model``, whole."""
+    shapes = shapes if shapes is not None else {name: p.shape for name, p in model.named_parameters()}
+    params = [(shape, (shard_dims or {}).get(name, 0)) for name, shape in shapes.items()]
     shards = [_fsdp2_padded(shape, group, dim) for shape, dim in params]
     local_rows = [min(max(shape[dim] - index * rows, 0), rows) for (shape, dim), (rows, _) in zip(params, shards)]
     return {
@@ -574,3 +579,68 @@ def test_torch_fsdp2_shards_an_moe_s_grouped_experts_as_torchtitan_does(world: i
     if expert_dim:
         with pytest.raises(ValueError, match="its grouped expert weights are sharded on dim 1.*divides the experts' dim 1"):
             simulate_torch_fsdp2(source.build, MeshSizes(48), 47, fsdp_unit_modules=list(source.units))
+
+
+def _tp_local_shape(name: str, shape: torch.Size, tp: int) -> torch.Size:
+    """A parameter's shape on one tensor-parallel rank under LLAMA_TP_PLAN: colwise linears keep
+    1/tp of their rows, rowwise ones 1/tp of their columns, the rest whole."""
+    module = name.removesuffix(".weight")
+    for pattern, style in LLAMA_TP_PLAN.items():
+        if re.fullmatch(pattern.replace(".", r"\.").replace("*", r"\d+"), module):
+            return torch.Size((shape[0] // tp, shape[1]) if style == "colwise" else (shape[0], shape[1] // tp))
+    return shape
+
+
+def test_torch_fsdp2_under_a_pipeline_holds_its_stage_shards_and_gathers_once_a_step() -> None:
+    """Torch's FSDP2 under torchtitan's PP (fully_shard on each layer, then the stage module,
+    reshard_after_forward False) beside ours' FSDP2 door, on the last rank of 8 = PP 2 x FSDP 2 x
+    TP 2: Llama-3 8B's shapes with 4 layers (2 a stage), Schedule1F1B over 2 micro-batches of 64
+    tokens, both in torchtitan's precision (float32 parameters, bf16 compute, float32 reductions)."""
+    from megatron_fsdp.simulate.comparison import compare_with_torch_fsdp2, message_bytes
+
+    mesh, rank, micro_batches = MeshSizes(8, tp=2, pp=2), 7, 2
+    source = hugging_face("llama3-8b", torch.bfloat16, num_hidden_layers=4)
+    comparison = compare_with_torch_fsdp2(source.build, mesh, rank, fsdp_unit_modules=list(source.units),
+                                          tensor_parallel_plan=LLAMA_TP_PLAN, seq_len=SEQ // 4, door="fsdp2")
+    theirs, g = comparison.torch_fsdp2, mesh.dp_shard
+    model = source.build().float()
+    shapes = {name: _tp_local_shape(name, p.shape, mesh.tp) for name, p in model.named_parameters()}
+    # The last stage: layers 2 and 3, then the stage module's own (the final norm and the head).
+    groups = [(f"model.layers.{i}", [(n, s) for n, s in shapes.items() if n.startswith(f"model.layers.{i}.")])
+              for i in (2, 3)]
+    groups.append(("<stage>", [(n, shapes[n]) for n in ("model.norm.weight", "lm_head.weight")]))
+
+    # Memory: the tracker's model states equal the DTensors' local storages, and both the
+    # padding rule over the stage's parameters alone (the first stage's embedding is not held).
+    held = {name: shape for _, group in groups for name, shape in group}
+    expected_memory = _fsdp2_model_states(model, g, g - 1, shapes=held)
+    assert theirs.shard_bytes == expected_memory
+    assert theirs.model_states == expected_memory, f"tracker {theirs.model_states}, shards {theirs.shard_bytes}"
+    # The peak is the step's one reduction (PipelineStage.perform_reduce_grad), at the stage
+    # module's group (the head), reduced first: its weights resharded, the layers' still gathered
+    # (bf16), and every layer's and the head's gradients accumulated unreduced over the
+    # micro-batches in float32 (FSDP2's reduce dtype), beside the reduce-scatter's buffers.
+    layer_numel = sum(math.prod(s) for unit, group in groups if unit != "<stage>" for _, s in group)
+    assert theirs.peak_breakdown.get("Unsharded Param") == layer_numel * 2, theirs.peak_breakdown
+    assert theirs.peak_breakdown.get("Temp", 0) >= (layer_numel + math.prod(shapes["lm_head.weight"])) * 4
+
+    # Traffic: each group gathered once (bf16) and reduce-scattered once (float32) a step; each
+    # micro-batch's activation received from stage 0 and its gradient sent back; TP's 7
+    # all-reduces a layer a micro-batch.
+    buckets = [(unit, sum(math.prod(s) for _, s in group), sum(rows * g * per_row for rows, per_row in
+                                                               (_fsdp2_padded(s, g) for _, s in group)))
+               for unit, group in groups]
+    expected = _expected_pipeline_collectives(buckets, mesh, micro_batches, 1, 1, mesh.pp,
+                                              model.config.hidden_size, SEQ // 4)
+    assert theirs.step_collectives() == expected
+    assert theirs.sent_per_step() == sum(sent_bytes(op, n, size) * count for (op, size, _, n), count in expected.items())
+    assert [row.padded_numel for row in theirs.groups] == [padded for _, _, padded in buckets]
+
+    # Ours' FSDP2 door on the same stage, unpadded here (every bucket a multiple of g x 64
+    # elements): the same model states and the same bytes on the wire.
+    ours = comparison.ours
+    assert sum(row.padding for row in ours.buckets) == 0
+    assert ours.model_state_bytes == theirs.model_state_bytes
+    for op in ("all_gather", "reduce_scatter"):
+        assert message_bytes(ours.step_collectives(), op) == message_bytes(theirs.step_collectives(), op), op
+    assert ours.sent_per_step() == theirs.sent_per_step()

@@ -144,16 +144,17 @@ def _ranks(spec: str, world_size: int, largest: int) -> list[int]:
 
 
 def _compare(args: argparse.Namespace, source: ModelSource, mesh: MeshSizes, ranks: list[int],
-             tp_plan: dict[str, str] | None, policy: MixedPrecisionPolicy) -> None:
-    """Each rank as ours and as torch's FSDP2, side by side (comparison.py)."""
-    if args.strategy != "optim_grads_params" or args.outer_strategy != "no_shard" or max(mesh.ep, mesh.pp, mesh.cp) > 1:
-        raise SystemExit("error: --compare fsdp2 compares FSDP2's ZeRO-3 (HSDP replicas unsharded, no expert, pipeline "
-                         "or context parallelism): leave --strategy, --outer-strategy, --ep, --pp and --cp at their defaults")
+             tp_plan: dict[str, str] | None, policy: MixedPrecisionPolicy, pipeline: dict) -> None:
+    """Each rank as ours and as torch's FSDP2, side by side (comparison.py); under --pp through
+    ours' FSDP2 door, both sides' stages under torch's schedule with ``pipeline``'s options."""
+    if args.strategy != "optim_grads_params" or args.outer_strategy != "no_shard" or max(mesh.ep, mesh.cp) > 1:
+        raise SystemExit("error: --compare fsdp2 compares FSDP2's ZeRO-3 (HSDP replicas unsharded, no expert or "
+                         "context parallelism): leave --strategy, --outer-strategy, --ep and --cp at their defaults")
     for rank in ranks:
         comparison = compare_with_torch_fsdp2(
             source.build, mesh, rank, fsdp_unit_modules=list(source.units), mixed_precision_policy=policy,
-            optimizer=args.optimizer, tensor_parallel_plan=tp_plan, batch_size=args.batch_size or 1, seq_len=args.seq_len,
-            door=args.door)
+            optimizer=args.optimizer, tensor_parallel_plan=tp_plan, batch_size=args.batch_size, seq_len=args.seq_len,
+            door=args.door, **pipeline)
         print(json.dumps(comparison.to_dict()) if args.json else f"{comparison}\n")
 
 
@@ -202,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as error:
         raise SystemExit(f"error: {error}") from error
     if args.compare:
-        _compare(args, source, mesh, ranks, tp_plan, policy)
+        _compare(args, source, mesh, ranks, tp_plan, policy,
+                 pipeline | dict(micro_batches=micro_batches) if mesh.pp > 1 else {})
         return
     for rank in ranks:
         report = simulate_rank(source.build, mesh, rank, optimizer=args.optimizer, tensor_parallel_plan=tp_plan,

@@ -7,8 +7,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.simulate.report import RankReport
 from megatron_fsdp.simulate.runner import simulate_rank
 from megatron_fsdp.simulate.torch_fsdp2 import TorchFSDP2Report, simulate_torch_fsdp2
@@ -73,7 +75,7 @@ class Comparison:
     def __str__(self) -> str:
         mesh = self.ours.mesh
         lines = [f"rank {self.ours.rank} of {mesh.world_size} (dp_outer {mesh.dp_outer} x dp_shard {mesh.dp_shard} x "
-                 f"tp {mesh.tp}): ours ({self.ours.door} door, {self.ours.seconds:.1f} s) and torch's FSDP2 "
+                 f"tp {mesh.tp}{f' x pp {mesh.pp}' if mesh.pp > 1 else ''}): ours ({self.ours.door} door, {self.ours.seconds:.1f} s) and torch's FSDP2 "
                  f"({self.torch_fsdp2.seconds:.1f} s)",
                  f"  {'':<28}{'ours':>14}{'FSDP2':>14}"]
         for what, ours, theirs in self.rows():
@@ -89,9 +91,14 @@ def compare_with_torch_fsdp2(build_model: Callable[[], nn.Module], mesh: MeshSiz
     """Rank ``rank`` simulated twice: ours (``door``, ZeRO-3, HSDP replicas unsharded: what
     FSDP2 does) and torch's FSDP2, with the same keyword ``options``: those
     :func:`torch_fsdp2.simulate_torch_fsdp2` takes (``fsdp_unit_modules``, required;
-    ``mixed_precision_policy``, ours, which torch's FSDP2 takes as ``torch_policy`` maps it and
-    ours' FSDP2 door ignores, as doors.py says; ``optimizer``, ``tensor_parallel_plan``,
-    ``batch_size``, ``seq_len``, ``loss_fn``, ``steps``). Expert parallelism is refused."""
+    ``mixed_precision_policy``, ours, which torch's FSDP2 takes as ``torch_policy`` maps it; with
+    ``door`` "fsdp2", which ignores it (doors.py), torch's FSDP2 too is given the door's float32
+    parameters and float32 gradient reduction; ``optimizer``, ``tensor_parallel_plan``,
+    ``batch_size``, ``seq_len``, ``loss_fn``, ``steps``, and under ``mesh.pp`` > 1 the pipeline's:
+    ``pipeline_schedule``, ``micro_batches``, ``pipeline_layer_split``, ``reshard_after_forward``;
+    ours then through the FSDP2 door). Expert parallelism is refused."""
+    if door == "fsdp2":  # ours' FSDP2 door ignores the policy: FSDP2's side takes the door's precision (doors.py)
+        options = options | dict(mixed_precision_policy=MixedPrecisionPolicy(torch.float32, grad_comm_dtype=torch.float32))
     theirs = simulate_torch_fsdp2(build_model, mesh, rank, **options)
     ours = simulate_rank(build_model, mesh, rank, door=door, **options)
     return Comparison(ours, theirs)

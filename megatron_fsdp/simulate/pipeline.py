@@ -28,6 +28,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from megatron_fsdp.engine.planning.pipeline_stages import PipelineSpec, outermost_layers, split_stages
 from megatron_fsdp.engine.step.units import FSDPUnit, find_unit_modules
 from megatron_fsdp.fsdp2.state import shared_resources
+from megatron_fsdp.simulate.observer import StepObserver
 from megatron_fsdp.simulate.doors import OPTIMIZERS, ShardedRank, apply_tensor_parallel, fsdp2_mesh, fsdp2_shard
 from megatron_fsdp.simulate.world import MeshSizes
 
@@ -99,8 +100,6 @@ class PipelineRank:
 
     sharded: ShardedRank
     schedule: PipelineScheduleSingle | PipelineScheduleMulti
-    first: bool
-    last: bool
 
 
 def shard_stages(stages: list[CausalLMStage], device_mesh: DeviceMesh, mesh: MeshSizes, spec: PipelineSpec,
@@ -109,17 +108,32 @@ def shard_stages(stages: list[CausalLMStage], device_mesh: DeviceMesh, mesh: Mes
                  micro_batch: tuple[int, int], hidden_size: int, vocab_size: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> PipelineRank:
     """``stages`` (meta, float32) made fake CPU tensors, split by ``tensor_parallel_plan``, each
-    sharded through the FSDP2 door over the shard dim and wrapped in a ``PipelineStage`` over
-    the pp dim, with torch's schedule of ``spec`` and one optimizer over them all.
+    sharded through the FSDP2 door over the shard dim, under torch's schedule of ``spec``
+    (:func:`stage_schedule`), with one optimizer over them all.
     ``micro_batch``: (sequences, tokens) a micro-batch on this rank."""
     units: list[FSDPUnit] = []
-    pipeline_stages = []
-    group = device_mesh["pp"].get_group()
-    for stage_module, stage_index in zip(stages, spec.stages_of(pp_rank)):
+    for stage_module in stages:
         stage_module.to_empty(device="cpu")
         apply_tensor_parallel(stage_module.causal_lm, device_mesh, mesh, tensor_parallel_plan)
         units += fsdp2_shard(stage_module, fsdp2_mesh(device_mesh, mesh), fsdp_unit_modules, compute_dtype,
                              reshard_after_forward)
+    schedule = stage_schedule(stages, device_mesh, spec, pp_rank, compute_dtype=compute_dtype, micro_batch=micro_batch,
+                              hidden_size=hidden_size, vocab_size=vocab_size, loss_fn=loss_fn)
+    holder = nn.ModuleList(stages)
+    optim = OPTIMIZERS[optimizer](holder.parameters())
+    sharded = ShardedRank(holder, holder, optim, units, shared_resources().pool)
+    return PipelineRank(sharded, schedule)
+
+
+def stage_schedule(stages: list[CausalLMStage], device_mesh: DeviceMesh, spec: PipelineSpec, pp_rank: int, *,
+                   compute_dtype: torch.dtype, micro_batch: tuple[int, int], hidden_size: int, vocab_size: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """Torch's schedule of ``spec`` over ``stages`` (sharded by either FSDP2: ours' door or
+    torch's own), each wrapped in a ``PipelineStage`` over the pp dim of ``device_mesh``.
+    ``micro_batch``: (sequences, tokens) a micro-batch on this rank."""
+    group = device_mesh["pp"].get_group()
+    pipeline_stages = []
+    for stage_module, stage_index in zip(stages, spec.stages_of(pp_rank)):
         # Every shape given, so the stage infers none (which would exchange metadata objects).
         hidden = torch.empty(*micro_batch, hidden_size, dtype=compute_dtype)
         inputs = torch.zeros(micro_batch, dtype=torch.long) if stage_module.first else hidden
@@ -133,10 +147,7 @@ def shard_stages(stages: list[CausalLMStage], device_mesh: DeviceMesh, mesh: Mes
     schedule = schedule_class(pipeline_stages if multi else pipeline_stages[0], n_microbatches=spec.micro_batches,
                               loss_fn=loss_fn)
     _skip_warmup_vote(schedule, pipeline_stages)
-    holder = nn.ModuleList(stages)
-    optim = OPTIMIZERS[optimizer](holder.parameters())
-    sharded = ShardedRank(holder, holder, optim, units, shared_resources().pool)
-    return PipelineRank(sharded, schedule, any(s.first for s in stages), any(s.last for s in stages))
+    return schedule
 
 
 def _skip_warmup_vote(schedule, stages: list) -> None:
@@ -151,17 +162,28 @@ def _skip_warmup_vote(schedule, stages: list) -> None:
     schedule._warmup_p2p = lambda *args, **kwargs: None
 
 
-def run_step(rank: PipelineRank, tokens: torch.Tensor) -> None:
+def run_schedule(schedule: PipelineScheduleSingle | PipelineScheduleMulti, first: bool, last: bool,
+                 tokens: torch.Tensor) -> None:
     """One step of the schedule: the first stage is fed the tokens, the last the targets (the
     tokens themselves, as a causal LM's loss takes its labels)."""
-    if rank.first and rank.last:
-        rank.schedule.step(tokens, target=tokens)
-    elif rank.first:
-        rank.schedule.step(tokens)
-    elif rank.last:
-        rank.schedule.step(target=tokens)
+    if first and last:
+        schedule.step(tokens, target=tokens)
+    elif first:
+        schedule.step(tokens)
+    elif last:
+        schedule.step(target=tokens)
     else:
-        rank.schedule.step()
+        schedule.step()
+
+
+def pipeline_step(schedule: PipelineScheduleSingle | PipelineScheduleMulti, stages: Sequence[CausalLMStage],
+                  tokens: torch.Tensor, optimizer: torch.optim.Optimizer, observer: StepObserver) -> None:
+    """A training step of the rank's ``stages``: torch's schedule over every micro-batch, then the
+    optimizer's step, each phase named to ``observer``."""
+    observer.start_phase("schedule")
+    run_schedule(schedule, any(s.first for s in stages), any(s.last for s in stages), tokens)
+    observer.start_phase("optimizer step")
+    optimizer.step()
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

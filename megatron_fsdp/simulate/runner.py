@@ -143,7 +143,7 @@ def simulate_rank(
     if seq_len % mesh.cp:
         raise ValueError(f"seq_len {seq_len}: context parallelism {mesh.cp} gives each rank 1/{mesh.cp} of every "
                          f"sequence; pick a seq_len divisible by {mesh.cp}")
-    spec = _pipeline_spec(mesh, pipeline_schedule, micro_batches, virtual_stages, pipeline_layer_split, batch_size)
+    spec = pipeline_spec(mesh, pipeline_schedule, micro_batches, virtual_stages, pipeline_layer_split, batch_size)
     batch_size = batch_size or (spec.micro_batches if spec else 1)
     local_seq = seq_len // mesh.cp
     started = time.perf_counter()
@@ -210,16 +210,12 @@ def _pipeline_rank(stages: list, spec: PipelineSpec, device_mesh, mesh: MeshSize
     stages.clear()
     tokens = torch.randint(0, config.vocab_size, (batch_size, local_seq))
 
-    def step() -> None:
-        observer.start_phase("schedule")
-        pipeline.run_step(pipe, tokens)
-        observer.start_phase("optimizer step")
-        pipe.sharded.optimizer.step()
-
+    step = functools.partial(pipeline.pipeline_step, pipe.schedule, pipe.sharded.module, tokens, pipe.sharded.optimizer,
+                             observer)
     return pipe.sharded, step
 
 
-def _pipeline_spec(mesh: MeshSizes, schedule: str, micro_batches: int | None, virtual_stages: int | None,
+def pipeline_spec(mesh: MeshSizes, schedule: str, micro_batches: int | None, virtual_stages: int | None,
                    layer_split: str | Sequence[int], batch_size: int | None) -> PipelineSpec | None:
     """The pipeline as plan_memory takes it (None without pipeline parallelism); what the
     schedule cannot run raises with the planner's own words."""

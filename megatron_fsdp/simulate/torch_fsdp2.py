@@ -13,8 +13,11 @@ parameters held in the main-weight dtype (what the optimizer steps),
 communication dtype>)``; HSDP is a 2-D (dp_outer, dp_shard) mesh, tensor parallelism torch's
 ``parallelize_module`` over the tp dim before it. A unit's grouped expert weights (an MoE at
 expert-parallel degree 1) are sharded on dim 1 where the FSDP mesh outnumbers the experts, as
-torchtitan places them (:func:`expert_placement`). Expert parallelism above 1 and pipeline
-parallelism are not covered (refused).
+torchtitan places them (:func:`expert_placement`). Under pipeline parallelism the rank builds
+its stage modules as ours does (pipeline.py's cut and torch's schedule; only the ``fully_shard``
+differs), each stage sharded as torchtitan shards it under PP: every layer, then the stage
+module, ``reshard_after_forward=False``. Expert parallelism above 1 and several stages a rank
+are not covered (refused).
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ from megatron_fsdp.simulate.compute import ComputeLog, ComputeSegment
 from megatron_fsdp.simulate.doors import OPTIMIZERS, apply_tensor_parallel, fsdp2_mesh
 from megatron_fsdp.simulate.inventory import BucketRow
 from megatron_fsdp.simulate.observer import StepObserver
+from megatron_fsdp.simulate.pipeline import causal_lm_loss, pipeline_step, stage_modules, stage_schedule
 from megatron_fsdp.simulate.report import StepRecord, bucket_lines
 from megatron_fsdp.simulate.runner import (
-    check_choices, check_steps, default_loss, expert_modules, run_step, second_step, vocab_size,
+    check_choices, check_steps, default_loss, expert_modules, pipeline_spec, run_step, second_step, vocab_size,
 )
 from megatron_fsdp.simulate.traffic import Collective, CollectiveLog
 from megatron_fsdp.simulate.world import MeshSizes, build_mesh, fake_world
@@ -147,15 +151,16 @@ def expert_placement(unit: nn.Module, fsdp_ranks: int) -> Callable[[nn.Parameter
 
 
 def shard_module(module: nn.Module, units: Sequence[type], device_mesh, mesh: MeshSizes,
-                 policy: TorchMixedPrecisionPolicy) -> list[nn.Module]:
+                 policy: TorchMixedPrecisionPolicy, reshard_after_forward: bool | None = None) -> list[nn.Module]:
     """``fully_shard`` on every unit (grouped experts placed by :func:`expert_placement`), then
-    the root; returns them in that order."""
+    the root, with ``reshard_after_forward`` (None: FSDP2's default); returns them in that order."""
     fsdp_mesh = fsdp2_mesh(device_mesh, mesh)
     sharded = [m for m in module.modules() if isinstance(m, tuple(units))]
     for unit in sharded:
         placement = expert_placement(unit, fsdp_mesh.size())
         try:
-            fully_shard(unit, mesh=fsdp_mesh, mp_policy=policy, shard_placement_fn=placement)
+            fully_shard(unit, mesh=fsdp_mesh, mp_policy=policy, shard_placement_fn=placement,
+                        reshard_after_forward=reshard_after_forward)
         except NotImplementedError as error:
             if placement is None:
                 raise
@@ -164,7 +169,7 @@ def shard_module(module: nn.Module, units: Sequence[type], device_mesh, mesh: Me
                 f"expert weights are sharded on dim 1 (as torchtitan places them), which torch {torch.__version__}'s "
                 f"FSDP2 shards only evenly ({error}): pick a shard group that divides the experts' dim 1"
             ) from error
-    fully_shard(module, mesh=fsdp_mesh, mp_policy=policy)
+    fully_shard(module, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return [*sharded, module]
 
 
@@ -244,55 +249,83 @@ def simulate_torch_fsdp2(
     mixed_precision_policy: MixedPrecisionPolicy | None = None,
     optimizer: str = "adamw",
     tensor_parallel_plan: dict[str, str] | None = None,
-    batch_size: int = 1,
+    batch_size: int | None = None,
     seq_len: int = 4096,
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = default_loss,
+    pipeline_schedule: str = "1F1B",
+    micro_batches: int | None = None,
+    virtual_stages: int | None = None,
+    pipeline_layer_split: str | Sequence[int] = "even",
+    reshard_after_forward: bool | None = None,
     steps: int = 2,
 ) -> TorchFSDP2Report:
     """Rank ``rank`` of ``mesh.world_size`` under torch's FSDP2 (the module's note): the same
     model, mesh, optimizer and step as :func:`simulate_rank`'s, FSDP2's ZeRO-3 (reshard after
     forward; HSDP replicas hold whole shards). ``mixed_precision_policy`` is ours, mapped by
-    :func:`torch_policy`. Raises ValueError for expert and pipeline parallelism, which are not
-    covered (under pp every rank would run the whole model, unpipelined)."""
+    :func:`torch_policy`. ``mesh.pp`` > 1: the rank's stages of a Hugging Face causal LM under
+    torch's schedule, with the pipeline options and defaults :func:`simulate_rank` takes
+    (``reshard_after_forward`` False unless given; ``loss_fn`` unused: the last stage's
+    cross-entropy). Raises ValueError for expert parallelism and for several stages a rank,
+    which are not covered."""
     check_choices(optimizer, tensor_parallel_plan, mesh)
     check_steps(steps)
     if mesh.ep > 1:
         raise ValueError("torch's FSDP2 is simulated without expert parallelism: use ep=1")
-    if mesh.pp > 1:
-        raise ValueError("torch's FSDP2 is simulated without pipeline parallelism (the rank would run the whole "
-                         "model, unpipelined): use pp=1, or simulate_rank(..., door='fsdp2') for a pipeline")
+    spec = pipeline_spec(mesh, pipeline_schedule, micro_batches, virtual_stages, pipeline_layer_split, batch_size)
+    if spec is not None and spec.virtual_stages > 1:
+        raise ValueError(f"virtual_stages={spec.virtual_stages}: FSDPMemTracker tracks one root module and a rank of "
+                         f"{spec.schedule} holds {spec.virtual_stages} stage roots; simulate torch's FSDP2 with one "
+                         f"stage a rank (a single-stage schedule: 1F1B, GPipe)")
+    batch_size = batch_size or (spec.micro_batches if spec else 1)
     tracker_class = _memory_tracker()
     started = time.perf_counter()
     with fake_world(rank, mesh.world_size), _propagation_in_a_fake_mode_of_its_own():
         device_mesh = build_mesh(mesh)
         traffic, compute = CollectiveLog(), ComputeLog()
         observer = StepObserver(None, traffic, compute)
-        meta_model = build_model()
-        compute_dtype = next(meta_model.parameters()).dtype
+        roots = [build_model()] if spec is None else stage_modules(build_model, fsdp_unit_modules, spec, mesh.pp_rank(rank))
+        compute_dtype = next(roots[0].parameters()).dtype
         params_dtype, policy = torch_policy(mixed_precision_policy, compute_dtype)
-        meta_model.to(params_dtype)
-        # Split and sharded on the meta device, as torchtitan does: FSDP2 makes a view of every
-        # parameter for each rank of its group, a Python object each as fake tensors (minutes
-        # at 4,096 ranks), far less on meta; and it joins its mesh to the
-        # tensor-parallel one by locating this rank in a mesh tensor, which must be real.
-        apply_tensor_parallel(meta_model, device_mesh, mesh, tensor_parallel_plan)
-        sharded = shard_module(meta_model, fsdp_unit_modules, device_mesh, mesh, policy)
+        # FSDP2's default (None: the root stays gathered, the units reshard) unless under PP.
+        reshard = reshard_after_forward if reshard_after_forward is not None or spec is None else False
+        sharded = []
+        for root in roots:
+            root.to(params_dtype)
+            # Split and sharded on the meta device, as torchtitan does: FSDP2 makes a view of
+            # every parameter for each rank of its group, a Python object each as fake tensors
+            # (minutes at 4,096 ranks), far less on meta; and it joins its mesh to the
+            # tensor-parallel one by locating this rank in a mesh tensor, which must be real.
+            apply_tensor_parallel(root.causal_lm if spec else root, device_mesh, mesh, tensor_parallel_plan)
+            sharded += shard_module(root, fsdp_unit_modules, device_mesh, mesh, policy, reshard)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode, observer.observing():
             observer.start_phase("model")
-            module = meta_model.to_empty(device="cpu")  # FSDP2 moves each shard to the new storage
+            for root in roots:
+                root.to_empty(device="cpu")  # FSDP2 moves each shard to the new storage
+                _lazy_init_before_tracking(root)
+            module = roots[0] if spec is None else nn.ModuleList(roots)
             optim = OPTIMIZERS[optimizer](module.parameters())
-            tokens = torch.randint(0, vocab_size(module), (batch_size, seq_len))
-            _lazy_init_before_tracking(module)
-            tracker = tracker_class(module, optim)
-            step = functools.partial(run_step, module, optim, tokens, loss_fn, observer)
-            with tracker:
+            if spec is None:
+                tokens = torch.randint(0, vocab_size(module), (batch_size, seq_len))
+                step = functools.partial(run_step, module, optim, tokens, loss_fn, observer)
+            else:
+                config = roots[0].causal_lm.config
+                tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+                # Held by the step alone: its receive buffers and last outputs go with it.
+                schedule = stage_schedule(
+                    roots, device_mesh, spec, mesh.pp_rank(rank), compute_dtype=compute_dtype,
+                    micro_batch=(batch_size // spec.micro_batches, seq_len), hidden_size=config.hidden_size,
+                    vocab_size=config.vocab_size, loss_fn=causal_lm_loss)
+                step = functools.partial(pipeline_step, schedule, roots, tokens, optim, observer)
+                del schedule
+            tracker = tracker_class(roots[0], optim)
+            with tracker, _micro_batches_tracked(tracker, roots[0]):
                 step()
                 gc.collect()
             first_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
             if steps == 2:
                 tracker.reset_mod_stats()  # its per-module records refuse a second iteration otherwise
-                with tracker:  # entered again, its peak starts from the bytes live now
+                with tracker, _micro_batches_tracked(tracker, roots[0]):  # its peak starts from the bytes live now
                     second_step(optim, step, observer, traffic)
             peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
             del tokens, step
@@ -306,9 +339,27 @@ def simulate_torch_fsdp2(
                 collectives=traffic.collectives, groups=parameter_groups(sharded, mesh),
                 compute=compute.segments, seconds=time.perf_counter() - started,
             )
-            del sharded, module, optim
+            del sharded, module, roots, optim
     _check_collectives_seen(report)
     return report
+
+
+@contextmanager
+def _micro_batches_tracked(tracker, root: nn.Module) -> Iterator[None]:
+    """FSDPMemTracker's per-module records (which this simulator does not read: it reads the
+    tracker's byte counts) refuse a root module's second forward within one tracked iteration,
+    taking it for the next iteration; a pipeline stage's root runs one forward a micro-batch.
+    So the root's record is dropped before each of its forwards (the record kept is the last
+    micro-batch's, as ``reset_mod_stats`` keeps none); the byte counts are untouched. Entered
+    inside the tracker, so this hook runs before the tracker's own (both prepended)."""
+    def drop_record(module: nn.Module, args) -> None:
+        tracker.memory_tracking.pop(module, None)
+
+    handle = root.register_forward_pre_hook(drop_record, prepend=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _check_collectives_seen(report: TorchFSDP2Report) -> None:
