@@ -83,7 +83,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--compare", choices=("fsdp2",), default=None,
                         help="also simulate torch's own FSDP2 (fully_shard on each unit and the root, the same "
-                             "precision and optimizer; memory by FSDPMemTracker) and print both side by side")
+                             "precision and optimizer; memory by FSDPMemTracker) and print both side by side; "
+                             "with --pp and --door fsdp2, the same stages under the same schedule")
     parser.add_argument("--json", action="store_true", help="one JSON object per rank")
     timing = parser.add_argument_group(
         "step time", "--step-time predicts each rank's step on a GPU cluster (docs/scaling.md, \"Step time\"): its "
