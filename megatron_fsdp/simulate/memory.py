@@ -83,7 +83,9 @@ class AllocationLog:
             inputs = {local_tensor(t).untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
                       if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and local_tensor(tensor).untyped_storage()._cdata not in inputs:
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                continue  # a meta tensor (a DTensor spec's stand-in, say) holds no memory
+            if local_tensor(tensor).untyped_storage()._cdata not in inputs:
                 self._note(local_tensor(tensor).untyped_storage(), func.__name__)
 
     def _note(self, storage: torch.UntypedStorage, label: str) -> None:
