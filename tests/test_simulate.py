@@ -341,6 +341,11 @@ def test_the_allocation_log_sizes_an_op_on_dtensors_by_its_local_output() -> Non
             assert (made.nbytes, made.died) == (64 * 4 * 4, None)  # fp32, live while the local output is
             del local
             assert made.died is not None
+            # A meta stand-in (DTensor specs are built from one) holds no memory: not logged.
+            real = torch.empty(64, 32)
+            before = len(log.allocations)
+            stand_in = real.to("meta")
+            assert stand_in.device.type == "meta" and len(log.allocations) == before
 
 
 @pytest.mark.parametrize("arguments, message", [
