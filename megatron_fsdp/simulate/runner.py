@@ -216,7 +216,7 @@ def _pipeline_rank(stages: list, spec: PipelineSpec, device_mesh, mesh: MeshSize
 
 
 def pipeline_spec(mesh: MeshSizes, schedule: str, micro_batches: int | None, virtual_stages: int | None,
-                   layer_split: str | Sequence[int], batch_size: int | None) -> PipelineSpec | None:
+                  layer_split: str | Sequence[int], batch_size: int | None) -> PipelineSpec | None:
     """The pipeline as plan_memory takes it (None without pipeline parallelism); what the
     schedule cannot run raises with the planner's own words."""
     if mesh.pp == 1:
