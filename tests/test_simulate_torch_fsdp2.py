@@ -66,11 +66,13 @@ def test_the_side_by_side_benchmark_lays_out_its_meshes_and_splits_the_bytes_by_
 
 @pytest.mark.parametrize("mesh, options, message", [
     (MeshSizes(64, ep=8), {}, "without expert parallelism"),
+    (MeshSizes(64, cp=2), {}, "without context parallelism"),
     (MeshSizes(64, pp=2), dict(pipeline_schedule="Interleaved1F1B", virtual_stages=2), "FSDPMemTracker tracks one root"),
 ])
 def test_torch_fsdp2_refuses_the_meshes_it_does_not_simulate(mesh: MeshSizes, options: dict, message: str) -> None:
     """Refused before anything is built, not silently wrong: a rank holding several stage roots
-    would be tracked for one of them only."""
+    would be tracked for one of them only; under context parallelism it would run whole
+    sequences where ours runs 1/cp of each."""
     from megatron_fsdp.simulate.torch_fsdp2 import simulate_torch_fsdp2
 
     llama = hugging_face("llama3-8b", torch.bfloat16, 2)

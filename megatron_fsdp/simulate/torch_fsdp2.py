@@ -265,12 +265,15 @@ def simulate_torch_fsdp2(
     :func:`torch_policy`. ``mesh.pp`` > 1: the rank's stages of a Hugging Face causal LM under
     torch's schedule, with the pipeline options and defaults :func:`simulate_rank` takes
     (``reshard_after_forward`` False unless given; ``loss_fn`` unused: the last stage's
-    cross-entropy). Raises ValueError for expert parallelism and for several stages a rank,
-    which are not covered."""
+    cross-entropy). Raises ValueError for expert and context parallelism and for several stages
+    a rank, which are not covered."""
     check_choices(optimizer, tensor_parallel_plan, mesh)
     check_steps(steps)
     if mesh.ep > 1:
         raise ValueError("torch's FSDP2 is simulated without expert parallelism: use ep=1")
+    if mesh.cp > 1:
+        # Ours runs 1/cp of each sequence a rank; this side would run all of it, silently unlike.
+        raise ValueError("torch's FSDP2 is simulated without context parallelism: use cp=1")
     spec = pipeline_spec(mesh, pipeline_schedule, micro_batches, virtual_stages, pipeline_layer_split, batch_size)
     if spec is not None and spec.virtual_stages > 1:
         raise ValueError(f"virtual_stages={spec.virtual_stages}: FSDPMemTracker tracks one root module and a rank of "
